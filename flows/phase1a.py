@@ -1,0 +1,67 @@
+"""The phase1a flow: stage -> tokenize -> plan -> train -> validate, one Prefect task each."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from phase1a.config import Phase1aConfig
+from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
+from phase1a.report import RunReport
+from tasks.plan import plan_task
+from tasks.stage import source_fingerprint, stage
+from tasks.tokenize import TokenizeOptions, tokenize, tokenize_fingerprint
+from tasks.train import TrainSettings, train_task, training_key
+from tasks.validate import format_table, validate_task
+
+
+class GateFailed(RuntimeError):
+    pass
+
+
+@flow(name="phase1a")
+def phase1a(config: Phase1aConfig) -> str:
+    """Returns the path of the run's report.json."""
+    report = RunReport.create(config.work_dir, config.name, flow_run.get_name() or "local", config)
+    status = "failed"
+    try:
+        model_dir = resolve_model(config.model.name_or_path, config.model.cache_dir)
+        staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
+                            fingerprint=source_fingerprint(config.data.source))
+
+        options = TokenizeOptions(format=config.data.format, validation_fraction=config.data.validation_fraction,
+                                  validation_max_examples=config.data.validation_max_examples,
+                                  max_seq_length=config.model.max_seq_length)
+        fingerprint = tokenize_fingerprint(staged.sha256, tokenizer_fingerprint(model_dir),
+                                           model_max_positions(model_dir), options)
+        data = report.run("tokenize", tokenize, data_path=staged.path, model_dir=str(model_dir), options=options,
+                          cache_dir=str(config.cache_dir), fingerprint=fingerprint)
+
+        plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data)
+
+        run_key = training_key(data.fingerprint, model_fingerprint(model_dir), config.method)
+        settings = TrainSettings(
+            model_dir=str(model_dir), train_path=data.train_path, method=config.method,
+            output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
+            micro_batch_size=plan.micro_batch_size, gradient_accumulation=plan.gradient_accumulation,
+            gradient_checkpointing=plan.gradient_checkpointing, checkpoint_interval=config.checkpoint.interval,
+            keep_last=config.checkpoint.keep_last, trust_remote_code=config.model.trust_remote_code,
+        )
+        trained = report.run("train", train_task, settings=settings)
+        if not trained.reused_completed_run:
+            report.set("estimate_vs_actual", {"estimated_train_seconds": plan.estimated_train_seconds,
+                                              "actual_train_seconds": trained.wall_seconds,
+                                              "ratio": trained.wall_seconds / plan.estimated_train_seconds})
+
+        verdict = report.run("validate", validate_task, model_dir=str(model_dir), adapter_dir=trained.adapter_dir,
+                             validation_path=data.validation_path, settings=config.validation,
+                             trust_remote_code=config.model.trust_remote_code)
+        print(format_table(verdict))
+        if not verdict.passed:
+            raise GateFailed("validation gate failed: " + "; ".join(verdict.reasons))
+        status = "passed"
+    finally:
+        path = report.write(status)
+        print(f"report: {path}")
+    return str(path)

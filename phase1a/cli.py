@@ -1,0 +1,64 @@
+"""`phase1a run --config FILE [--set key=value ...]`: the flow, in-process on Prefect's embedded default."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from phase1a.config import ConfigError, load_config
+
+
+def _summary(report_path: Path) -> str:
+    report = json.loads(report_path.read_text())
+    lines = ["", "stage      state       seconds"]
+    for name, section in report["stages"].items():
+        lines.append(f"{name:<10} {section['state']:<11} {section['seconds']:>8.1f}")
+    train = report["stages"].get("train", {}).get("result")
+    plan = report["stages"].get("plan", {}).get("result")
+    if plan and train and not train["reused_completed_run"]:
+        lines.append(f"train: {train['train_tokens']} tokens in {train['wall_seconds']:.1f} s "
+                     f"({train['tokens_per_second']:.0f} tokens/s); plan estimated {plan['estimated_train_seconds']:.1f} s")
+    verdict = report["stages"].get("validate", {}).get("result")
+    if verdict:
+        from tasks.validate import ValidationResult, format_table
+
+        lines += ["", "validation (held-out):", format_table(ValidationResult.model_validate(verdict))]
+    lines += ["", f"status: {report['status']}, wall {report['wall_seconds']:.1f} s", f"report: {report_path}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="phase1a", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the whole flow: stage, tokenize, plan, train, validate")
+    run.add_argument("--config", required=True, type=Path, help="YAML config file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set method.epochs=2 (repeatable)")
+    args = parser.parse_args(argv)
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        print(f"phase1a: {error}", file=sys.stderr)
+        return 2
+
+    from flows.phase1a import phase1a
+
+    state = phase1a(config, return_state=True)
+    report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else _latest_report(config)
+    if report_path and report_path.is_file():
+        print(_summary(report_path))
+    if not state.is_completed():
+        print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _latest_report(config) -> Path | None:
+    reports = sorted((config.work_dir / config.name).glob("*/report.json"))
+    return reports[-1] if reports else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

