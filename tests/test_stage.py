@@ -1,0 +1,39 @@
+import pytest
+
+from tasks.stage import DataError, source_fingerprint, stage_dataset
+
+
+def test_copies_verifies_and_skips_identical(tmp_path, dataset):
+    staging = tmp_path / "staging"
+    first = stage_dataset(str(dataset), staging)
+    assert first.copied and first.sha256 == source_fingerprint(str(dataset))
+    assert open(first.path, "rb").read() == dataset.read_bytes()
+    second = stage_dataset(f"file://{dataset}", staging)
+    assert not second.copied and second.path == first.path
+
+
+def test_changed_data_gets_a_new_staged_copy(tmp_path, dataset):
+    staging = tmp_path / "staging"
+    first = stage_dataset(str(dataset), staging)
+    dataset.write_text(dataset.read_text() + '{"instruction": "x", "output": "y"}\n')
+    second = stage_dataset(str(dataset), staging)
+    assert second.copied and second.sha256 != first.sha256 and second.path != first.path
+
+
+def test_a_corrupted_staged_copy_is_replaced(tmp_path, dataset):
+    first = stage_dataset(str(dataset), tmp_path / "staging")
+    with open(first.path, "r+b") as handle:
+        handle.write(b"X")
+    again = stage_dataset(str(dataset), tmp_path / "staging")
+    assert again.copied and open(again.path, "rb").read() == dataset.read_bytes()
+
+
+def test_missing_empty_and_unsupported_sources(tmp_path):
+    with pytest.raises(DataError, match=r"data.source: no such file: .*nope.jsonl"):
+        stage_dataset(str(tmp_path / "nope.jsonl"), tmp_path / "staging")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"empty.jsonl: the file is empty"):
+        stage_dataset(str(empty), tmp_path / "staging")
+    with pytest.raises(DataError, match="scheme 'gs'"):
+        stage_dataset("gs://bucket/key.jsonl", tmp_path / "staging")
