@@ -31,8 +31,10 @@ class RunReport:
     def run(self, stage: str, task: Any, **kwargs: Any) -> Any:
         """Run a Prefect task, record its final state and manifest, and return its result; a task's error
         is recorded, then re-raised."""
+        from tasks.caching import refreshed_if_output_missing
+
         started = time.perf_counter()
-        state = task(**kwargs, return_state=True)
+        state = refreshed_if_output_missing(task, kwargs)(**kwargs, return_state=True)
         section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3)}
         self.data["stages"][stage] = section
         try:

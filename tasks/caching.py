@@ -34,14 +34,20 @@ except ImportError:  # a bare GPU host: the plain functions still run, the wrapp
 class FingerprintCache(CachePolicy):
     """Key a task on its `fingerprint` input (content hashes) and its module's source, never on paths.
 
-    While `output_present(inputs)` is false there is no key, so the task runs and rebuilds what was
-    deleted; Prefect would otherwise return a cached manifest that points at nothing.
+    `output_present(inputs)` says whether the files a cached manifest points at still exist; when they
+    do not, `refreshed_if_output_missing` makes the call re-run and overwrite the record under the same key.
     """
 
     output_present: Callable[[dict[str, Any]], bool] = field(default=lambda inputs: True)
 
     def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
-        if not self.output_present(inputs):
-            return None
         module_source = sha256_file(Path(inspect.getsourcefile(task_ctx.task.fn)))
         return hash_json([task_ctx.task.name, inputs["fingerprint"], module_source])
+
+
+def refreshed_if_output_missing(task: Any, inputs: dict[str, Any]) -> Any:
+    """The task itself, or a copy that refreshes its cache when a cached result would point at deleted files."""
+    policy = getattr(task, "cache_policy", None)
+    if isinstance(policy, FingerprintCache) and not policy.output_present(inputs):
+        return task.with_options(refresh_cache=True)
+    return task

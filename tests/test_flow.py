@@ -1,0 +1,80 @@
+"""The whole flow in-process on Prefect's embedded server (an isolated PREFECT_HOME, see conftest)."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.phase1a import phase1a
+from phase1a.config import Phase1aConfig
+from conftest import date_records, write_jsonl
+
+
+def run_flow(tree: dict) -> tuple[object, dict]:
+    config = Phase1aConfig.model_validate(tree)
+    state = phase1a(config, return_state=True)
+    reports = sorted((config.work_dir / config.name).glob("*/report.json"), key=lambda p: p.stat().st_mtime)
+    return state, json.loads(reports[-1].read_text())
+
+
+def states(report: dict) -> dict[str, str]:
+    return {name: section["state"] for name, section in report["stages"].items()}
+
+
+def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree, dataset):
+    state, first = run_flow(config_tree)
+    assert state.is_completed(), state.message
+    assert states(first) == dict.fromkeys(["stage", "tokenize", "plan", "train", "validate"], "Completed")
+    assert first["status"] == "passed" and first["stages"]["validate"]["result"]["passed"]
+    assert first["stages"]["plan"]["result"]["calibrated"] and first["estimate_vs_actual"]["actual_train_seconds"] > 0
+    assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
+
+    _, second = run_flow(config_tree)
+    assert states(second)["stage"] == "Cached" and states(second)["tokenize"] == "Cached"
+    assert second["stages"]["train"]["result"]["reused_completed_run"]
+
+    # Deleting the tokenized output re-runs tokenize (a cached manifest must not point at nothing).
+    shutil.rmtree(first["stages"]["tokenize"]["result"]["dir"])
+    _, third = run_flow(config_tree)
+    assert states(third)["stage"] == "Cached" and states(third)["tokenize"] == "Completed"
+    assert Path(third["stages"]["tokenize"]["result"]["train_path"]).is_file()
+
+    # New bytes under the same path re-run both stages.
+    write_jsonl(dataset, date_records(64, seed=1))
+    _, fourth = run_flow(config_tree)
+    assert states(fourth)["stage"] == "Completed" and states(fourth)["tokenize"] == "Completed"
+    assert fourth["stages"]["stage"]["result"]["sha256"] != first["stages"]["stage"]["result"]["sha256"]
+
+
+def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
+    dataset.write_text(dataset.read_text() + '{"messages": [oops\n')
+    state, report = run_flow(config_tree)
+    assert state.is_failed() and report["status"] == "failed"
+    assert states(report)["tokenize"] == "Failed"
+    assert f"{Path(report['stages']['stage']['result']['path']).name}:65: malformed JSON" in report["stages"]["tokenize"]["error"]
+
+
+def test_missing_data_path_fails_clearly(config_tree, tmp_path):
+    config_tree["data"]["source"] = str(tmp_path / "missing.jsonl")
+    state = phase1a(Phase1aConfig.model_validate(config_tree), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="data.source: no such file: .*missing.jsonl"):
+        state.result()
+
+
+def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    cli = [sys.executable, "-m", "phase1a.cli", "run", "--config", str(config_path)]
+    done = subprocess.run(cli + ["--set", "method.epochs=0.5"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report_line = [line for line in done.stdout.splitlines() if line.startswith("report: ")][-1]
+    report = json.loads(Path(report_line.removeprefix("report: ")).read_text())
+    assert report["config"]["method"]["epochs"] == 0.5
+    assert "token_accuracy" in done.stdout and "gate: PASS" in done.stdout
+
+    bad = subprocess.run(cli + ["--set", "method.batch_size=0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
