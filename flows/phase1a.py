@@ -6,14 +6,14 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-from phase1a.config import Phase1aConfig
+from phase1a.config import Phase1aConfig, resolve_paths
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
-from tasks.plan import plan_task
+from tasks.plan import plan_fingerprint, plan_task
 from tasks.stage import source_fingerprint, stage
 from tasks.tokenize import TokenizeOptions, tokenize, tokenize_fingerprint
 from tasks.train import TrainSettings, train_task, training_key
-from tasks.validate import format_table, validate_task
+from tasks.validate import format_table, validate_fingerprint, validate_task
 
 
 class GateFailed(RuntimeError):
@@ -23,6 +23,7 @@ class GateFailed(RuntimeError):
 @flow(name="phase1a")
 def phase1a(config: Phase1aConfig) -> str:
     """Returns the path of the run's report.json."""
+    config = resolve_paths(config, base=Path.cwd())  # deployment parameters arrive with `~` and relative paths
     report = RunReport.create(config.work_dir, config.name, flow_run.get_name() or "local", config)
     status = "failed"
     try:
@@ -38,9 +39,11 @@ def phase1a(config: Phase1aConfig) -> str:
         data = report.run("tokenize", tokenize, data_path=staged.path, model_dir=str(model_dir), options=options,
                           cache_dir=str(config.cache_dir), fingerprint=fingerprint)
 
-        plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data)
+        model_fp = model_fingerprint(model_dir)
+        plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data,
+                          fingerprint=plan_fingerprint(config, model_fp, data))
 
-        run_key = training_key(data.fingerprint, model_fingerprint(model_dir), config.method)
+        run_key = training_key(data.fingerprint, model_fp, config.method)
         settings = TrainSettings(
             model_dir=str(model_dir), train_path=data.train_path, method=config.method,
             output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
@@ -56,7 +59,9 @@ def phase1a(config: Phase1aConfig) -> str:
 
         verdict = report.run("validate", validate_task, model_dir=str(model_dir), adapter_dir=trained.adapter_dir,
                              validation_path=data.validation_path, settings=config.validation,
-                             trust_remote_code=config.model.trust_remote_code)
+                             trust_remote_code=config.model.trust_remote_code,
+                             fingerprint=validate_fingerprint(model_fp, trained.adapter_dir, data.fingerprint,
+                                                              config.validation))
         print(format_table(verdict))
         if not verdict.passed:
             raise GateFailed("validation gate failed: " + "; ".join(verdict.reasons))

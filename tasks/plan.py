@@ -25,7 +25,8 @@ from phase1a.config import Phase1aConfig
 from phase1a.hardware import Accelerator, detect, target_accelerator, training_dtype, training_device
 from phase1a.packing import TokenRows, example_stream
 from phase1a.units import parse_duration_seconds
-from tasks.caching import task
+from phase1a.fingerprint import hash_json
+from tasks.caching import FingerprintCache, task
 from tasks.tokenize import TokenizedData
 
 ASSUMED_MFU = 0.35  # used only for hardware that is not present to measure; the plan says so when it applies
@@ -232,6 +233,12 @@ def _peak_flops(accelerator: Accelerator) -> float:
     return accelerator.peak_flops
 
 
-@task(name="plan")
-def plan_task(config: Phase1aConfig, model_dir: str, data: TokenizedData) -> Plan:
+def plan_fingerprint(config: Phase1aConfig, model_fingerprint: str, data: TokenizedData) -> str:
+    """Everything a plan depends on, including the hardware it would calibrate on."""
+    sections = config.model_dump(mode="json", include={"method", "hardware", "window", "validation"})
+    return hash_json({"config": sections, "model": model_fingerprint, "data": data.fingerprint, "device": detect()[1].name})
+
+
+@task(name="plan", cache_policy=FingerprintCache(), persist_result=True, result_serializer="json")
+def plan_task(config: Phase1aConfig, model_dir: str, data: TokenizedData, fingerprint: str) -> Plan:
     return make_plan(config, Path(model_dir), data)

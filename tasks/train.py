@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -189,8 +190,6 @@ def _state(step: int, optimizer, scheduler) -> TrainingState:
 def _save_final(model, final_dir: Path, result: TrainResult) -> None:
     """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last."""
     partial = final_dir.with_name("final.partial")
-    import shutil
-
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     (partial / "result.json").write_text(result.model_dump_json(indent=2))

@@ -16,7 +16,8 @@ from phase1a.config import ValidationConfig
 from phase1a.hardware import training_device, training_dtype
 from phase1a.models import load_model
 from phase1a.packing import TokenRows, pack, summed_loss
-from tasks.caching import task
+from phase1a.fingerprint import hash_json, sha256_tree
+from tasks.caching import FingerprintCache, task
 
 _EVAL_MICRO_BATCH = 16
 
@@ -93,7 +94,14 @@ def format_table(result: ValidationResult) -> str:
     return "\n".join(lines + [f"examples: {result.trained.examples}, tokens: {result.trained.tokens}, gate: {verdict}"])
 
 
-@task(name="validate")
+def validate_fingerprint(model_fingerprint: str, adapter_dir: str, data_fingerprint: str,
+                         settings: ValidationConfig) -> str:
+    """The same weights on the same held-out examples with the same gate give the same verdict."""
+    return hash_json({"model": model_fingerprint, "adapter": sha256_tree(Path(adapter_dir), ("*.safetensors", "*.json")),
+                      "data": data_fingerprint, "settings": settings.model_dump()})
+
+
+@task(name="validate", cache_policy=FingerprintCache(), persist_result=True, result_serializer="json")
 def validate_task(model_dir: str, adapter_dir: str, validation_path: str, settings: ValidationConfig,
-                  trust_remote_code: bool = False) -> ValidationResult:
+                  fingerprint: str, trust_remote_code: bool = False) -> ValidationResult:
     return validate(Path(model_dir), Path(adapter_dir), Path(validation_path), settings, trust_remote_code)

@@ -33,8 +33,10 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
 
     _, second = run_flow(config_tree)
-    assert states(second)["stage"] == "Cached" and states(second)["tokenize"] == "Cached"
+    assert states(second) == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached", "train": "Completed",
+                              "validate": "Cached"}
     assert second["stages"]["train"]["result"]["reused_completed_run"]
+    assert second["stages"]["validate"]["result"] == first["stages"]["validate"]["result"]
 
     # Deleting the tokenized output re-runs tokenize (a cached manifest must not point at nothing).
     shutil.rmtree(first["stages"]["tokenize"]["result"]["dir"])
