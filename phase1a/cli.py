@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phase1a: {error}", file=sys.stderr)
         return 2
 
+    # The embedded server migrates a fresh database on its first start, which on 2 cores can outlast
+    # Prefect's 20 s default; and there is no network to send telemetry to.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.phase1a import phase1a
 
     state = phase1a(config, return_state=True)

@@ -16,6 +16,7 @@ os.environ["HF_HOME"] = str(_HOME / "hf")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a fresh database migrates slowly on 2 cores
 os.environ.pop("PREFECT_API_URL", None)
 
 CHATML = (
