@@ -37,7 +37,8 @@ def phase1a(config: Phase1aConfig) -> str:
         fingerprint = tokenize_fingerprint(staged.sha256, tokenizer_fingerprint(model_dir),
                                            model_max_positions(model_dir), options)
         data = report.run("tokenize", tokenize, data_path=staged.path, model_dir=str(model_dir), options=options,
-                          cache_dir=str(config.cache_dir), fingerprint=fingerprint)
+                          cache_dir=str(config.cache_dir), fingerprint=fingerprint,
+                          trust_remote_code=config.model.trust_remote_code)
 
         model_fp = model_fingerprint(model_dir)
         plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data,
@@ -47,8 +48,8 @@ def phase1a(config: Phase1aConfig) -> str:
         settings = TrainSettings(
             model_dir=str(model_dir), train_path=data.train_path, method=config.method,
             output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
-            micro_batch_size=plan.micro_batch_size, gradient_accumulation=plan.gradient_accumulation,
-            gradient_checkpointing=plan.gradient_checkpointing, checkpoint_interval=config.checkpoint.interval,
+            micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+            checkpoint_interval=config.checkpoint.interval,
             keep_last=config.checkpoint.keep_last, trust_remote_code=config.model.trust_remote_code,
         )
         trained = report.run("train", train_task, settings=settings)

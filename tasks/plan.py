@@ -39,6 +39,7 @@ class ModelFacts(BaseModel):
     intermediate: int
     vocab: int
     max_positions: int
+    kv_width: int  # key/value heads x head dim: the output size of k_proj and v_proj
 
 
 class MemoryEstimate(BaseModel):
@@ -80,19 +81,17 @@ def model_facts(model_dir: Path) -> ModelFacts:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return ModelFacts(
         parameters=parameters, layers=config.num_hidden_layers, hidden=config.hidden_size,
         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
-        max_positions=getattr(config, "max_position_embeddings", 2048),
+        max_positions=getattr(config, "max_position_embeddings", 2048), kv_width=kv_heads * head_dim,
     )
 
 
-def lora_parameters(facts: ModelFacts, config: Phase1aConfig, model_dir: Path) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(cfg, "head_dim", None) or facts.hidden // cfg.num_attention_heads
-    kv = cfg.num_key_value_heads * head_dim
+def lora_parameters(facts: ModelFacts, config: Phase1aConfig) -> int:
+    kv = facts.kv_width
     shapes = {  # (in, out) of each projection LoRA can target
         "q_proj": (facts.hidden, facts.hidden), "k_proj": (facts.hidden, kv), "v_proj": (facts.hidden, kv),
         "o_proj": (facts.hidden, facts.hidden), "gate_proj": (facts.hidden, facts.intermediate),
@@ -184,7 +183,7 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData) -> Pl
         notes.append(f"target {config.hardware.target} ({target.name}) is not present; this machine has {detected.name}")
     dtype = training_dtype(device) if present else torch.bfloat16
     weight_bytes = torch.finfo(dtype).bits // 8
-    trainable = facts.parameters if full else lora_parameters(facts, config, model_dir)
+    trainable = facts.parameters if full else lora_parameters(facts, config)
     available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
     micro, checkpointing, memory = choose_micro_batch(
         facts, trainable, full, weight_bytes, config.method.batch_size, max_seq_length, available

@@ -313,8 +313,9 @@ def _tokenized_present(inputs: dict) -> bool:
     persist_result=True,
     result_serializer="json",
 )
-def tokenize(data_path: str, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str) -> TokenizedData:
+def tokenize(data_path: str, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str,
+             trust_remote_code: bool = False) -> TokenizedData:
     from phase1a.models import load_tokenizer, model_max_positions
 
-    tokenizer = load_tokenizer(Path(model_dir))
+    tokenizer = load_tokenizer(Path(model_dir), trust_remote_code)
     return tokenize_dataset(Path(data_path), tokenizer, model_max_positions(Path(model_dir)), options, Path(cache_dir), fingerprint)

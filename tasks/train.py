@@ -30,7 +30,6 @@ class TrainSettings(BaseModel):
     output_dir: str
     method: MethodConfig
     micro_batch_size: int
-    gradient_accumulation: int
     gradient_checkpointing: bool
     checkpoint_interval: str = "30m"
     keep_last: int = 2

@@ -2,13 +2,15 @@ import pytest
 import torch
 
 from phase1a.config import Phase1aConfig
-from tasks.plan import ModelFacts, choose_micro_batch, flops_per_token, make_plan, memory_estimate, model_facts
+from tasks.plan import (
+    ModelFacts, choose_micro_batch, flops_per_token, lora_parameters, make_plan, memory_estimate, model_facts,
+)
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from conftest import date_records, make_tokenizer, write_jsonl
 
 GIB = 1024**3
 FACTS_8B = ModelFacts(parameters=8_030_000_000, layers=32, hidden=4096, intermediate=14336, vocab=128256,
-                      max_positions=8192)
+                      max_positions=8192, kv_width=1024)
 
 
 def test_model_facts_count_parameters_without_weights(tiny_model_dir):
@@ -16,7 +18,7 @@ def test_model_facts_count_parameters_without_weights(tiny_model_dir):
 
     facts = model_facts(tiny_model_dir)
     assert facts.parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    assert (facts.layers, facts.hidden, facts.max_positions) == (2, 64, 256)
+    assert (facts.layers, facts.hidden, facts.max_positions, facts.kv_width) == (2, 64, 256, 32)
 
 
 def test_memory_model_matches_the_textbook_numbers():
@@ -37,6 +39,17 @@ def test_micro_batch_choice_prefers_no_checkpointing_then_falls_back():
     assert checkpointing
     with pytest.raises(MemoryError, match="does not fit"):
         choose_micro_batch(FACTS_8B, FACTS_8B.parameters, True, 2, 16, 8192, 24 * GIB)
+
+
+def test_lora_parameter_count_matches_peft(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = Phase1aConfig.model_validate({"data": {"source": "x"}, "method": {"lora": {"r": 4}}})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=config.method.lora.target_modules))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_parameters(model_facts(tiny_model_dir), config) == trainable
 
 
 def test_flops_per_token():

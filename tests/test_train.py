@@ -24,7 +24,7 @@ def settings(tiny_model_dir, train_path, output_dir: Path, **overrides) -> Train
     values = dict(
         model_dir=str(tiny_model_dir), train_path=train_path, output_dir=str(output_dir),
         method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=2, lora={"r": 4, "alpha": 8}),
-        micro_batch_size=4, gradient_accumulation=2, gradient_checkpointing=False,
+        micro_batch_size=4, gradient_checkpointing=False,
         checkpoint_interval="3steps", keep_last=2, show_progress=False,
     )
     values.update(overrides)
@@ -75,9 +75,9 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_model_dir, tra
 
 
 def test_accumulation_gives_the_same_update_as_one_big_batch(tiny_model_dir, train_path, tmp_path):
-    one = train(settings(tiny_model_dir, train_path, tmp_path / "one", micro_batch_size=8, gradient_accumulation=1,
+    one = train(settings(tiny_model_dir, train_path, tmp_path / "one", micro_batch_size=8,
                          method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=0.5, lora={"r": 4, "alpha": 8})))
-    four = train(settings(tiny_model_dir, train_path, tmp_path / "four", micro_batch_size=2, gradient_accumulation=4,
+    four = train(settings(tiny_model_dir, train_path, tmp_path / "four", micro_batch_size=2,
                           method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=0.5, lora={"r": 4, "alpha": 8})))
     a, b = adapter_weights(one.adapter_dir), adapter_weights(four.adapter_dir)
     for name in a:

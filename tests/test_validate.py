@@ -24,7 +24,7 @@ def test_trained_adapter_beats_the_base_on_held_out_data(tiny_model_dir, tmp_pat
     result = train(TrainSettings(
         model_dir=str(tiny_model_dir), train_path=data.train_path, output_dir=str(tmp_path / "run"),
         method=MethodConfig(learning_rate=1e-2, batch_size=8, epochs=3, lora={"r": 8, "alpha": 16}),
-        micro_batch_size=8, gradient_accumulation=1, gradient_checkpointing=False, show_progress=False,
+        micro_batch_size=8, gradient_checkpointing=False, show_progress=False,
     ))
     verdict = validate(tiny_model_dir, result.adapter_dir, data.validation_path, ValidationConfig(max_examples=8))
     assert verdict.base.examples == verdict.trained.examples == 8
