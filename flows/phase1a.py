@@ -11,7 +11,7 @@ from phase1a.models import model_fingerprint, model_max_positions, resolve_model
 from phase1a.report import RunReport
 from tasks.plan import plan_fingerprint, plan_task
 from tasks.stage import source_fingerprint, stage
-from tasks.tokenize import TokenizeOptions, tokenize, tokenize_fingerprint
+from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
 from tasks.train import TrainSettings, train_task, training_key
 from tasks.validate import format_table, validate_fingerprint, validate_task
 
@@ -31,14 +31,14 @@ def phase1a(config: Phase1aConfig) -> str:
         staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
                             fingerprint=source_fingerprint(config.data.source))
 
-        options = TokenizeOptions(format=config.data.format, validation_fraction=config.data.validation_fraction,
-                                  validation_max_examples=config.data.validation_max_examples,
+        options = TokenizeOptions(**config.data.model_dump(include=set(TokenizeOptions.model_fields)),
                                   max_seq_length=config.model.max_seq_length)
         fingerprint = tokenize_fingerprint(staged.sha256, tokenizer_fingerprint(model_dir),
                                            model_max_positions(model_dir), options)
         data = report.run("tokenize", tokenize, data_path=staged.path, model_dir=str(model_dir), options=options,
                           cache_dir=str(config.cache_dir), fingerprint=fingerprint,
                           trust_remote_code=config.model.trust_remote_code)
+        publish_length_report(data, report.run_dir)
 
         model_fp = model_fingerprint(model_dir)
         plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data,

@@ -20,11 +20,21 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: str = Field(description="Dataset file: a local path or file:// URL (JSONL).")
-    format: Literal["auto", "chat", "alpaca"] = "auto"
+    source: str = Field(description="Dataset (JSONL): a local path, file:// URL, s3://bucket/key, or "
+                                    "s3://bucket/prefix/ for every shard under the prefix, in key order.")
+    format: Literal["auto", "chat", "alpaca", "prompt_completion", "text"] = "auto"
+    field_map: dict[str, str] = Field({}, description="Rename fields before reading, e.g. {question: prompt}.")
+    train_on_inputs: bool = Field(False, description="Train on prompt tokens too, not only the responses.")
+    bad_records: Literal["fail", "skip"] = Field("fail", description="skip: count each reason, show examples.")
+    overlong: Literal["truncate", "drop", "fail"] = "truncate"
+    drop_duplicates: bool = Field(False, description="Exact duplicates are always counted; optionally dropped.")
+    length_percentile: float = Field(100.0, gt=0.0, le=100.0, description="Right-size max_seq_length at this.")
     staging_dir: Path = Path("/tmp/phase1a/staging")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, moto); None: AWS, or AWS_ENDPOINT_URL if set. "
+                          "Credentials come only from the standard AWS chain (env, profile, instance role).")
     validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    validation_max_examples: int | None = Field(None, ge=1)
+    validation_count: int | None = Field(None, ge=1, description="An exact validation size; overrides the fraction.")
 
 
 class ModelConfig(_Section):

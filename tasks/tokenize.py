@@ -1,47 +1,49 @@
-"""Tokenize: JSONL (chat `messages` or Alpaca) to Arrow with loss masks, a held-out split and length analysis.
+"""Tokenize: a dataset file to Arrow with loss masks, a held-out split and length analysis, once per content.
 
-Masking: every message is rendered with the model's chat template and split at message boundaries; only
-assistant turns carry labels (the rest are -100). Without a chat template the documented fallback is
-    "### System:\n{system}\n\n" (if any) "### User:\n{user}\n\n### Assistant:\n" {assistant}{eos}"\n\n"
+Two streaming passes keep memory flat: pass 1 tokenizes chunks of records into a temporary Arrow file
+(plus one small array per example: length, content hash, line); pass 2 decides max_seq_length from the
+lengths, then truncates, drops and splits batch by batch with Arrow compute. Per-example scalars are the
+only whole-dataset arrays held in RAM.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from phase1a.fingerprint import code_version, hash_json
+from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
+from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_record, to_messages
+from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
 from tasks.caching import FingerprintCache, task
 from tasks.stage import DataError
 
-IGNORE_INDEX = -100
-SEQ_MULTIPLE = 64  # right-sized lengths round up to this, a friendly shape for GPU kernels
-_BATCH = 1024  # records per fast-tokenizer call
+_CHUNK = 4096  # records per batched tokenizer call
+_SHOWN_SKIPS = 5
 
 
 class TokenizeOptions(BaseModel):
-    format: Literal["auto", "chat", "alpaca"] = "auto"
+    format: Literal["auto", "chat", "alpaca", "prompt_completion", "text"] = "auto"
+    field_map: dict[str, str] = {}
+    train_on_inputs: bool = False
+    bad_records: Literal["fail", "skip"] = "fail"
+    overlong: Literal["truncate", "drop", "fail"] = "truncate"
+    drop_duplicates: bool = False
+    length_percentile: float = 100.0
     validation_fraction: float = 0.1
-    validation_max_examples: int | None = None
+    validation_count: int | None = None
     max_seq_length: int | None = None  # a user cap; None means right-size from the data
-
-
-class LengthStats(BaseModel):
-    count: int
-    total_tokens: int
-    supervised_tokens: int
-    min: int
-    p50: float
-    p90: float
-    p99: float
-    max: int
 
 
 class TokenizedData(BaseModel):
@@ -49,163 +51,31 @@ class TokenizedData(BaseModel):
     dir: str
     train_path: str
     validation_path: str
+    histogram_path: str
     train_examples: int
     validation_examples: int
     template: Literal["chat_template", "fallback"]
     lengths: LengthStats
     max_seq_length: int
     model_max_length: int
+    waste: list[WasteRow]
+    skipped: dict[str, int]
+    skipped_examples: list[str]
+    duplicates: int
+    duplicates_dropped: int
     truncated_examples: int
-    dropped_examples: int
+    dropped_overlong: int
+    dropped_without_labels: int
 
 
-# ---- reading records -------------------------------------------------------------------------------------
+def tokenize_fingerprint(data_sha256: str, tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
+    return hash_json({"data": data_sha256, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
+                      "options": options.model_dump(),
+                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py")})
 
 
-def read_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, record) for each non-blank JSONL line; a bad line is an error naming file and line."""
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {error.msg} at column {error.colno}") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
-
-
-def _require_text(record: dict, field: str, where: str) -> str:
-    value = record.get(field)
-    if not isinstance(value, str):
-        got = "missing" if field not in record else type(value).__name__
-        raise DataError(f"{where}: field {field!r} must be a string ({got})")
-    return value
-
-
-def to_messages(record: dict, fmt: str, where: str) -> list[dict[str, str]]:
-    """Normalise one record to chat messages ending in an assistant turn."""
-    if fmt == "auto":
-        if "messages" in record:
-            fmt = "chat"
-        elif "instruction" in record or "output" in record:
-            fmt = "alpaca"
-        else:
-            fields = ", ".join(sorted(record)) or "none"
-            raise DataError(f"{where}: no 'messages' and no 'instruction'/'output' fields (fields: {fields})")
-    if fmt == "alpaca":
-        prompt = _require_text(record, "instruction", where)
-        extra = record.get("input") or ""
-        if not isinstance(extra, str):
-            raise DataError(f"{where}: field 'input' must be a string ({type(extra).__name__})")
-        if extra.strip():
-            prompt = f"{prompt}\n\n{extra}"
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _require_text(record, "output", where)}]
-
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list")
-    normalised = []
-    for index, message in enumerate(messages):
-        at = f"{where}: messages[{index}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{at}: expected an object with 'role' and 'content'")
-        role = _require_text(message, "role", at)
-        if role not in ("system", "user", "assistant"):
-            raise DataError(f"{at}: field 'role' must be system, user or assistant ({role!r})")
-        normalised.append({"role": role, "content": _require_text(message, "content", at)})
-    if normalised[-1]["role"] != "assistant":
-        raise DataError(f"{where}: the last message must be the assistant's (it is {normalised[-1]['role']!r})")
-    return normalised
-
-
-# ---- rendering and masking -------------------------------------------------------------------------------
-
-
-def render_segments(messages: list[dict[str, str]], tokenizer) -> list[tuple[str, bool]]:
-    """Split the rendered conversation into (text, trained) pieces; assistant turns are the trained ones."""
-    if not getattr(tokenizer, "chat_template", None):
-        return _fallback_segments(messages, tokenizer)
-    segments: list[tuple[str, bool]] = []
-    done = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise DataError("the chat template does not render conversations incrementally; cannot mask by turn")
-        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
-        done = full
-    return segments
-
-
-def _fallback_segments(messages: list[dict[str, str]], tokenizer) -> list[tuple[str, bool]]:
-    headers = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
-    segments: list[tuple[str, bool]] = [(tokenizer.bos_token or "", False)]
-    for message in messages:
-        segments.append((headers[message["role"]], False))
-        if message["role"] == "assistant":
-            segments.append((message["content"] + (tokenizer.eos_token or ""), True))
-            segments.append(("\n\n", False))
-        else:
-            segments.append((message["content"] + "\n\n", False))
-    return [segment for segment in segments if segment[0]]
-
-
-def tokenize_batch(batch: list[list[tuple[str, bool]]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """One fast-tokenizer call for every segment of every record in the batch."""
-    texts = [text for segments in batch for text, _ in segments]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    out, cursor = [], 0
-    for segments in batch:
-        input_ids: list[int] = []
-        labels: list[int] = []
-        for _, trained in segments:
-            piece = ids[cursor]
-            cursor += 1
-            input_ids += piece
-            labels += piece if trained else [IGNORE_INDEX] * len(piece)
-        out.append((input_ids, labels))
-    return out
-
-
-# ---- splitting, sizing, writing --------------------------------------------------------------------------
-
-
-def split_key(messages: list[dict[str, str]]) -> float:
-    """Content hash mapped to [0, 1): the split is stable across runs, machines and file order."""
-    digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def right_size(max_length: int, model_max_length: int, user_cap: int | None) -> int:
-    """Next multiple of SEQ_MULTIPLE at or above the longest example, capped by the model and the user."""
-    size = -(-max_length // SEQ_MULTIPLE) * SEQ_MULTIPLE
-    cap = min(model_max_length, user_cap or model_max_length)
-    return min(size, cap)
-
-
-def length_stats(lengths: np.ndarray, supervised: int) -> LengthStats:
-    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
-    return LengthStats(
-        count=int(lengths.size), total_tokens=int(lengths.sum()), supervised_tokens=int(supervised),
-        min=int(lengths.min()), p50=float(p50), p90=float(p90), p99=float(p99), max=int(lengths.max()),
-    )
-
-
-def write_arrow(path: Path, rows: list[tuple[list[int], list[int]]]) -> None:
-    table = pa.table(
-        {
-            "input_ids": pa.array([r[0] for r in rows], type=pa.list_(pa.int32())),
-            "labels": pa.array([r[1] for r in rows], type=pa.list_(pa.int32())),
-            "length": pa.array([len(r[0]) for r in rows], type=pa.int32()),
-        }
-    )
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
+    return Path(cache_dir) / "tokenized" / fingerprint
 
 
 def read_arrow(path: str | Path) -> pa.Table:
@@ -213,94 +83,193 @@ def read_arrow(path: str | Path) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
 
 
-def tokenize_fingerprint(data_sha256: str, tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
-    return hash_json(
-        {
-            "data": data_sha256, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-            "options": options.model_dump(), "code": code_version("tasks/tokenize.py"),
-        }
-    )
+@contextmanager
+def _exclusive(lock_path: Path):
+    """Two runs on one fingerprint: the first computes, the second waits here and then reuses its output."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
-    return Path(cache_dir) / "tokenized" / fingerprint
-
-
-def tokenize_dataset(
-    data_path: Path, tokenizer, model_max_length: int, options: TokenizeOptions, cache_dir: Path, fingerprint: str
-) -> TokenizedData:
+def tokenize_dataset(data_path: Path, tokenizer, model_max_length: int, options: TokenizeOptions, cache_dir: Path,
+                     fingerprint: str) -> TokenizedData:
     """Tokenize `data_path` into `cache_dir/tokenized/<fingerprint>/`, reusing a complete earlier result."""
     out_dir = dataset_dir(cache_dir, fingerprint)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file():
-        return TokenizedData.model_validate_json(manifest_path.read_text())
-
-    rows: list[tuple[list[int], list[int]]] = []
-    keys: list[float] = []
-    pending: list[list[tuple[str, bool]]] = []
-    for lineno, record in read_records(data_path):
-        messages = to_messages(record, options.format, f"{data_path}:{lineno}")
-        pending.append(render_segments(messages, tokenizer))
-        keys.append(split_key(messages))
-        if len(pending) == _BATCH:
-            rows += tokenize_batch(pending, tokenizer)
-            pending = []
-    if pending:
-        rows += tokenize_batch(pending, tokenizer)
-    if not rows:
-        raise DataError(f"{data_path}: no records (the file is empty or blank)")
-
-    lengths = np.fromiter((len(ids) for ids, _ in rows), dtype=np.int64, count=len(rows))
-    max_seq_length = right_size(int(lengths.max()), model_max_length, options.max_seq_length)
-    kept, kept_keys, truncated, dropped = [], [], 0, 0
-    for (ids, labels), key in zip(rows, keys):
-        if len(ids) > max_seq_length:
-            truncated += 1
-            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-        if all(label == IGNORE_INDEX for label in labels):
-            dropped += 1  # nothing left to learn from: the response was cut off entirely
-            continue
-        kept.append((ids, labels))
-        kept_keys.append(key)
-    if not kept:
-        raise DataError(f"{data_path}: every example lost its response to truncation at {max_seq_length} tokens")
-
-    validation = _validation_indices(np.asarray(kept_keys), options)
-    train_rows = [row for i, row in enumerate(kept) if i not in validation]
-    validation_rows = [kept[i] for i in sorted(validation)]
-    kept_lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
-    supervised = sum(sum(1 for label in labels if label != IGNORE_INDEX) for _, labels in kept)
-
-    partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write_arrow(partial / "train.arrow", train_rows)
-    write_arrow(partial / "validation.arrow", validation_rows)
-    result = TokenizedData(
-        fingerprint=fingerprint, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
-        validation_path=str(out_dir / "validation.arrow"), train_examples=len(train_rows),
-        validation_examples=len(validation_rows),
-        template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
-        lengths=length_stats(kept_lengths, supervised), max_seq_length=max_seq_length,
-        model_max_length=model_max_length, truncated_examples=truncated, dropped_examples=dropped,
-    )
-    (partial / "manifest.json").write_text(result.model_dump_json(indent=2))
-    try:
-        partial.rename(out_dir)
-    except OSError:  # an identical result landed first
+    with _exclusive(out_dir.with_name(out_dir.name + ".lock")):
+        if (out_dir / "manifest.json").is_file():
+            return TokenizedData.model_validate_json((out_dir / "manifest.json").read_text())
+        partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
-    return result
+        partial.mkdir(parents=True)
+        try:
+            result = _tokenize_into(partial, out_dir, Path(data_path), tokenizer, model_max_length, options)
+            (partial / "manifest.json").write_text(result.model_dump_json(indent=2))
+            partial.rename(out_dir)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return result
 
 
-def _validation_indices(keys: np.ndarray, options: TokenizeOptions) -> set[int]:
+_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+
+
+def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_max_length: int,
+                   options: TokenizeOptions) -> TokenizedData:
+    # ---- pass 1: records -> token ids, streamed to a temporary Arrow file --------------------------------
+    renderer = Renderer(tokenizer, options.train_on_inputs)
+    skipped: Counter[str] = Counter()
+    shown: list[str] = []
+    lines, keys, lengths = [], [], []
+    with pa.OSFile(str(work / "all.arrow"), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
+        chunk: list[tuple[int, list[tuple[str, bool]]]] = []
+        chunk_keys: list[int] = []
+
+        def flush() -> None:
+            tokens = tokenize_conversations([segments for _, segments in chunk], tokenizer)
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(tokens.offsets, tokens.input_ids),
+                                                pa.ListArray.from_arrays(tokens.offsets, tokens.labels)], schema=_SCHEMA))
+            lines.append(np.fromiter((line for line, _ in chunk), dtype=np.int64, count=len(chunk)))
+            keys.append(np.asarray(chunk_keys, dtype=np.uint64))
+            lengths.append(np.diff(tokens.offsets))
+            chunk.clear()
+            chunk_keys.clear()
+
+        array = is_json_array(data_path)
+        for line, raw in iter_lines(data_path):
+            where = location(data_path, line, array)
+            try:
+                messages = to_messages(parse_record(where, raw, options.field_map), options.format, where)
+            except RecordError as error:
+                if options.bad_records == "fail":
+                    raise
+                skipped[error.reason] += 1
+                if len(shown) < _SHOWN_SKIPS:
+                    shown.append(str(error))
+                continue
+            chunk.append((line, renderer.segments(messages)))
+            # One content hash serves the split (stable across runs and file order) and duplicate detection.
+            chunk_keys.append(int.from_bytes(hashlib.blake2b(json.dumps(messages).encode(), digest_size=8).digest(), "big"))
+            if len(chunk) == _CHUNK:
+                flush()
+        if chunk:
+            flush()
+    if not lengths:
+        detail = f" ({sum(skipped.values())} bad records skipped: {dict(skipped)})" if skipped else ""
+        raise DataError(f"{data_path}: no usable records{detail}")
+    lines_all, keys_all, lengths_all = np.concatenate(lines), np.concatenate(keys), np.concatenate(lengths)
+
+    # ---- decisions over per-example scalars ---------------------------------------------------------------
+    max_seq_length = right_size(lengths_all, options.length_percentile, model_max_length, options.max_seq_length)
+    overlong = lengths_all > max_seq_length
+    if options.overlong == "fail" and overlong.any():
+        first = int(np.argmax(overlong))
+        raise DataError(f"{location(data_path, int(lines_all[first]), array)}: {int(lengths_all[first])} tokens exceed max_seq_length "
+                        f"{max_seq_length} ({int(overlong.sum())} examples do; data.overlong is 'fail')")
+    first_seen = np.zeros(keys_all.size, dtype=bool)
+    first_seen[np.unique(keys_all, return_index=True)[1]] = True
+    keep = ~overlong if options.overlong == "drop" else np.ones(keys_all.size, dtype=bool)
+    if options.drop_duplicates:
+        keep &= first_seen
+    validation = _validation_mask(keys_all, options)
+
+    # ---- pass 2: truncate, drop, split; batch by batch -------------------------------------------------
+    source = pa.ipc.open_file(pa.memory_map(str(work / "all.arrow"), "r"))
+    kept_lengths, supervised, without_labels, start = [], 0, 0, 0
+    with _writer(work / "train.arrow") as train_out, _writer(work / "validation.arrow") as validation_out:
+        for index in range(source.num_record_batches):
+            batch = source.get_batch(index)
+            rows = slice(start, start + batch.num_rows)
+            start += batch.num_rows
+            ids = pc.list_slice(batch.column(0), 0, max_seq_length)
+            labels = pc.list_slice(batch.column(1), 0, max_seq_length)
+            label_counts = _labelled_per_row(labels)
+            has_labels = label_counts > 0
+            without_labels += int((keep[rows] & ~has_labels).sum())
+            row_keep = keep[rows] & has_labels
+            table = pa.table({"input_ids": ids, "labels": labels, "length": pc.list_value_length(ids)})
+            train_out.write_table(table.filter(pa.array(row_keep & ~validation[rows])))
+            validation_out.write_table(table.filter(pa.array(row_keep & validation[rows])))
+            kept_lengths.append(np.minimum(lengths_all[rows], max_seq_length)[row_keep])
+            supervised += int(label_counts[row_keep].sum())
+    (work / "all.arrow").unlink()
+    final_keep = np.concatenate(kept_lengths)
+    if final_keep.size < 2:
+        raise DataError(f"{data_path}: {final_keep.size} usable examples after filtering; need a train and a validation split")
+    stats = length_stats(final_keep, supervised)
+    histogram = save_histogram(final_keep, stats, max_seq_length, work / "lengths.png")
+    train_rows, validation_rows = (read_arrow(work / name).num_rows for name in ("train.arrow", "validation.arrow"))
+    return TokenizedData(
+        fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
+        validation_path=str(out_dir / "validation.arrow"), histogram_path=str(out_dir / histogram.name),
+        train_examples=train_rows, validation_examples=validation_rows,
+        template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
+        lengths=stats, max_seq_length=max_seq_length, model_max_length=model_max_length,
+        waste=waste_table(lengths_all, options.max_seq_length or model_max_length, max_seq_length),
+        skipped=dict(skipped), skipped_examples=shown, duplicates=int((~first_seen).sum()),
+        duplicates_dropped=int((~first_seen).sum()) if options.drop_duplicates else 0,
+        truncated_examples=int((overlong & keep).sum()) if options.overlong == "truncate" else 0,
+        dropped_overlong=int(overlong.sum()) if options.overlong == "drop" else 0,
+        dropped_without_labels=without_labels,
+    )
+
+
+_OUTPUT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())), ("length", pa.int32())])
+
+
+@contextmanager
+def _writer(path: Path):
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _OUTPUT_SCHEMA) as writer:
+        yield writer
+
+
+def _labelled_per_row(labels: pa.ListArray) -> np.ndarray:
+    """Supervised tokens per row, excluding each row's first token (it is never predicted)."""
+    values = labels.flatten().to_numpy(zero_copy_only=False)
+    offsets = labels.offsets.to_numpy() - labels.offsets[0].as_py()
+    labelled = np.concatenate([[0], np.cumsum(values != IGNORE_INDEX)])
+    first = np.zeros(len(labels), dtype=np.int64)
+    nonempty = offsets[1:] > offsets[:-1]
+    first[nonempty] = values[offsets[:-1][nonempty]] != IGNORE_INDEX
+    return labelled[offsets[1:]] - labelled[offsets[:-1]] - first
+
+
+def _validation_mask(keys: np.ndarray, options: TokenizeOptions) -> np.ndarray:
+    """Held-out by content hash: a fraction keeps its members as the data grows; a count takes the lowest hashes."""
     if keys.size < 2:
-        raise DataError(f"need at least 2 usable examples for a train and a validation split, got {keys.size}")
-    order = np.argsort(keys, kind="stable")
-    count = int((keys < options.validation_fraction).sum())
-    if options.validation_max_examples is not None:
-        count = min(count, options.validation_max_examples)
-    count = min(max(count, 1), keys.size - 1)  # never an empty split on either side
-    return set(order[:count].tolist())
+        raise DataError(f"need at least 2 examples for a train and a validation split, got {keys.size}")
+    unit = keys.astype(np.float64) / 2.0**64
+    if options.validation_count is None:
+        mask = unit < options.validation_fraction
+    else:
+        mask = np.zeros(keys.size, dtype=bool)
+        mask[np.argsort(keys, kind="stable")[: options.validation_count]] = True
+    if not mask.any():  # a tiny dataset: hold out the lowest hash rather than nothing
+        mask[np.argmin(keys)] = True
+    if mask.all():
+        mask[np.argmax(keys)] = False
+    return mask
+
+
+def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
+    """Copy the histogram into the run directory and summarise lengths and waste as a Prefect artifact."""
+    shutil.copyfile(data.histogram_path, Path(run_dir) / "lengths.png")
+    try:
+        from prefect.artifacts import create_markdown_artifact
+    except ImportError:
+        return
+    s = data.lengths
+    rows = "\n".join(f"| {w.batching} | {w.sequence_length or '-'} | {w.computed_tokens} | {w.waste_fraction:.1%} |"
+                     for w in data.waste)
+    create_markdown_artifact(key="lengths", description="Token lengths and padding waste", markdown=(
+        f"**{s.count} examples, {s.total_tokens} tokens ({s.supervised_tokens} supervised)**; "
+        f"min {s.min}, p50 {s.p50:g}, p90 {s.p90:g}, p99 {s.p99:g}, p99.9 {s.p99_9:g}, max {s.max}; "
+        f"max_seq_length {data.max_seq_length}\n\n| batching | length | tokens computed | padding |\n|---|---|---|---|\n"
+        f"{rows}\n\nskipped: {data.skipped or 'none'}; duplicates: {data.duplicates}; "
+        f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
 
 
 def _tokenized_present(inputs: dict) -> bool:
@@ -318,4 +287,5 @@ def tokenize(data_path: str, model_dir: str, options: TokenizeOptions, cache_dir
     from phase1a.models import load_tokenizer, model_max_positions
 
     tokenizer = load_tokenizer(Path(model_dir), trust_remote_code)
-    return tokenize_dataset(Path(data_path), tokenizer, model_max_positions(Path(model_dir)), options, Path(cache_dir), fingerprint)
+    return tokenize_dataset(Path(data_path), tokenizer, model_max_positions(Path(model_dir)), options,
+                            Path(cache_dir), fingerprint)

@@ -6,9 +6,10 @@ from conftest import date_records, make_tokenizer, write_jsonl
 
 from phase1a.packing import TokenRows
 from tasks.stage import DataError
-from tasks.tokenize import (
-    IGNORE_INDEX, TokenizeOptions, read_arrow, render_segments, right_size, to_messages, tokenize_dataset,
-)
+from phase1a.lengths import right_size
+from phase1a.records import to_messages
+from phase1a.render import IGNORE_INDEX, render_segments
+from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +76,10 @@ def test_length_analysis_and_right_sizing(tmp_path, tokenizer):
     result = run(tmp_path, tokenizer, date_records(30))
     lengths = np.concatenate([TokenRows.from_arrow(p).lengths() for p in (result.train_path, result.validation_path)])
     assert result.lengths.max == lengths.max() and result.lengths.total_tokens == lengths.sum()
-    assert result.max_seq_length == right_size(int(lengths.max()), 256, None) and result.max_seq_length % 64 == 0
-    assert right_size(1481, 8192, None) == 1536 and right_size(1481, 1024, None) == 1024
-    assert right_size(100, 8192, 64) == 64
+    assert result.max_seq_length == right_size(lengths, 100, 256, None) and result.max_seq_length % 64 == 0
+    assert right_size(np.array([1481]), 100, 8192, None) == 1536 and right_size(np.array([1481]), 100, 1024, None) == 1024
+    assert right_size(np.array([100]), 100, 8192, 64) == 64
+    assert right_size(np.arange(1, 1001), 90, 8192, None) == 960  # p90 of 1..1000 is 900.1 -> 901 -> 960
 
 
 def test_overlong_examples_are_truncated_and_counted(tmp_path, tokenizer):
@@ -85,7 +87,8 @@ def test_overlong_examples_are_truncated_and_counted(tmp_path, tokenizer):
     records[0]["messages"][1]["content"] = "Write " + "the date " * 200
     result = run(tmp_path, tokenizer, records, max_seq_length=128)
     assert result.max_seq_length == 128
-    assert result.dropped_examples == 1  # its reply was cut off entirely: nothing to learn, counted
+    assert result.dropped_without_labels == 1  # its reply was cut off entirely: nothing to learn, counted
+    assert result.truncated_examples == 1
     assert result.lengths.max <= 128
 
 
@@ -99,14 +102,15 @@ def test_reuses_a_complete_output(tmp_path, tokenizer):
 @pytest.mark.parametrize(
     "lines, message",
     [
-        ([], r"data.jsonl: no records"),
-        (["", "  "], r"data.jsonl: no records"),
+        ([], r"data.jsonl: no usable records"),
+        (["", "  "], r"data.jsonl: no usable records"),
         ([json.dumps(date_records(1)[0]), '{"messages": [}'], r"data.jsonl:2: malformed JSON"),
-        (['{"question": "q", "answer": "a"}'], r"data.jsonl:1: no 'messages' and no 'instruction'/'output' fields \(fields: answer, question\)"),
+        (['{"question": "q", "answer": "a"}'], r"data.jsonl:1: no 'messages', .* field \(fields: answer, question\)"),
         (['{"instruction": "q"}'], r"data.jsonl:1: field 'output' must be a string \(missing\)"),
         (['{"messages": [{"role": "user", "content": "q"}]}'], r"data.jsonl:1: the last message must be the assistant's"),
         (['{"messages": [{"role": "bot", "content": "q"}]}'], r"data.jsonl:1: messages\[0\]: field 'role'"),
-        (['[1, 2]'], r"data.jsonl:1: expected a JSON object"),
+        (['[1, 2]'], r"data.jsonl:\[0\]: expected a JSON object"),
+        (['[{"prompt": "p", "completion": 3}]'], r"data.jsonl:\[0\]: field 'completion' must be a string \(int\)"),
     ],
 )
 def test_bad_input_names_file_line_and_field(tmp_path, tokenizer, lines, message):

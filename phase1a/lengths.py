@@ -1,0 +1,79 @@
+"""Length analysis: percentiles, a right-sized max_seq_length, the padding each batching choice wastes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+SEQ_MULTIPLE = 64  # right-sized lengths round up to this, a friendly shape for GPU kernels
+
+
+class LengthStats(BaseModel):
+    count: int
+    total_tokens: int
+    supervised_tokens: int
+    min: int
+    p50: float
+    p90: float
+    p99: float
+    p99_9: float
+    max: int
+
+
+class WasteRow(BaseModel):
+    batching: str
+    sequence_length: int | None
+    computed_tokens: int
+    waste_fraction: float
+
+
+def length_stats(lengths: np.ndarray, supervised: int) -> LengthStats:
+    p50, p90, p99, p999 = np.percentile(lengths, [50, 90, 99, 99.9])
+    return LengthStats(count=int(lengths.size), total_tokens=int(lengths.sum()), supervised_tokens=int(supervised),
+                       min=int(lengths.min()), p50=float(p50), p90=float(p90), p99=float(p99), p99_9=float(p999),
+                       max=int(lengths.max()))
+
+
+def right_size(lengths: np.ndarray, percentile: float, model_max_length: int, user_cap: int | None) -> int:
+    """Next multiple of SEQ_MULTIPLE at or above the given length percentile (100 = the longest example),
+    capped by the model's positions and the user's cap."""
+    target = int(np.ceil(np.percentile(lengths, percentile))) if percentile < 100 else int(lengths.max())
+    size = -(-target // SEQ_MULTIPLE) * SEQ_MULTIPLE
+    return min(size, model_max_length, user_cap or model_max_length)
+
+
+def waste_table(lengths: np.ndarray, configured_length: int, right_sized: int) -> list[WasteRow]:
+    """Tokens computed per epoch, and the share of them that is padding, for three ways to batch.
+
+    Padded rows compute every row at full length (truncated examples count at that length); packed rows
+    concatenate examples with no padding at all."""
+    useful = int(np.minimum(lengths, right_sized).sum())
+    rows = []
+    for name, length in (("padded to the configured length", configured_length),
+                         ("padded to the right-sized length", right_sized)):
+        computed = int(lengths.size) * length
+        rows.append(WasteRow(batching=name, sequence_length=length, computed_tokens=computed,
+                             waste_fraction=1 - int(np.minimum(lengths, length).sum()) / computed))
+    rows.append(WasteRow(batching="packed (phase1a)", sequence_length=None, computed_tokens=useful, waste_fraction=0.0))
+    return rows
+
+
+def save_histogram(lengths: np.ndarray, stats: LengthStats, max_seq_length: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training hosts
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axis.hist(lengths, bins=min(100, max(10, int(np.sqrt(lengths.size)))), color="#4C72B0")
+    for value, label, style in ((stats.p50, "p50", ":"), (stats.p99, "p99", "--"), (max_seq_length, "max_seq_length", "-")):
+        axis.axvline(value, color="#C44E52", linestyle=style, label=f"{label} = {value:g}")
+    axis.set_xlabel("tokens per example")
+    axis.set_ylabel("examples")
+    axis.set_title(f"{stats.count} examples, {stats.total_tokens} tokens")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
