@@ -103,6 +103,15 @@ class Renderer:
         return _Recipe(recipe)
 
 
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The Rust tokenizer directly (threads across cores, no offsets), skipping transformers' per-text wrapping."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+
+
 @dataclass
 class TokenizedChunk:
     """Flat token ids and labels with per-record offsets: an Arrow list column without copies."""
@@ -117,7 +126,7 @@ def tokenize_conversations(conversations: list[list[tuple[str, bool]]], tokenize
     texts = [text for segments in conversations for text, _ in segments]
     trained = np.fromiter((flag for segments in conversations for _, flag in segments), dtype=bool, count=len(texts))
     # pyarrow turns the list of id lists into flat values and offsets in C++, not a Python loop per token.
-    encoded = pa.array(tokenizer(texts, add_special_tokens=False)["input_ids"], type=pa.list_(pa.int32()))
+    encoded = pa.array(_encode(tokenizer, texts), type=pa.list_(pa.int32()))
     values = encoded.values.to_numpy()
     segment_lengths = np.diff(encoded.offsets.to_numpy()).astype(np.int64)
     labels = np.where(np.repeat(trained, segment_lengths), values, IGNORE_INDEX).astype(np.int32)
