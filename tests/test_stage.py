@@ -37,3 +37,15 @@ def test_missing_empty_and_unsupported_sources(tmp_path):
         stage_dataset(str(empty), tmp_path / "staging")
     with pytest.raises(DataError, match="scheme 'gs'"):
         stage_dataset("gs://bucket/key.jsonl", tmp_path / "staging")
+
+
+def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, dataset):
+    from tasks.stage import _staged_copy_present, staged_location
+
+    staging = tmp_path / "staging"
+    fingerprint = source_fingerprint(str(dataset))
+    inputs = {"source": f"file://{dataset}", "staging_dir": str(staging), "fingerprint": fingerprint}
+    assert not _staged_copy_present(inputs)
+    staged = stage_dataset(str(dataset), staging)
+    assert staged.path == str(staged_location(staging, fingerprint, dataset.name))
+    assert _staged_copy_present(inputs)

@@ -1,0 +1,384 @@
+"""Staging from S3 against a real moto server in a subprocess (HTTP on 127.0.0.1, never AWS)."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+from boto3.s3.transfer import TransferConfig
+
+import tasks.stage as stage_module
+from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
+from tasks.stage import (
+    DataError,
+    _staged_copy_present,
+    source_fingerprint,
+    stage_dataset,
+    stage_model,
+    staged_location,
+    verify_download,
+)
+from conftest import date_records
+
+MiB = 1024 * 1024
+PLANTED_KEY_ID = "AKIDPLANTEDKEYID0001"
+PLANTED_SECRET = "planted-secret-7Qx9ZkR2vW"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited: {log_path.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+            return proc, url
+        except urllib.error.HTTPError:  # an HTTP error status is still an answer
+            return proc, url
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def endpoint(tmp_path_factory):
+    proc, url = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield url
+    _stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch, tmp_path):
+    """Dummy credentials only, and nothing from the host's AWS config or instance metadata."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    empty = tmp_path / "aws-empty"
+    empty.write_text("")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(empty))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def _client(endpoint: str, **credentials):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
+
+
+@pytest.fixture
+def bucket(endpoint) -> str:
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    _client(endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def _put(endpoint: str, bucket: str, key: str, body: bytes) -> None:
+    _client(endpoint).put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def _jsonl(count: int, seed: int) -> bytes:
+    return "".join(json.dumps(record) + "\n" for record in date_records(count, seed)).encode()
+
+
+def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, endpoint, bucket):
+    data = _jsonl(32, seed=0)
+    _put(endpoint, bucket, "data/dates.jsonl", data)
+    source, staging = f"s3://{bucket}/data/dates.jsonl", tmp_path / "staging"
+
+    fingerprint = source_fingerprint(source, endpoint)
+    first = stage_dataset(source, staging, endpoint)
+    assert first.copied and Path(first.path).read_bytes() == data
+    assert first.sha256 == hashlib.sha256(data).hexdigest() and first.size_bytes == len(data)
+    assert [(o.key, o.size, o.etag) for o in first.objects] == [("data/dates.jsonl", len(data),
+                                                                 hashlib.md5(data).hexdigest())]
+    # The stage cache finds the copy from its inputs alone, without touching S3.
+    assert Path(first.path) == staged_location(staging, fingerprint, "dates.jsonl")
+    assert _staged_copy_present({"source": source, "staging_dir": str(staging), "fingerprint": fingerprint})
+
+    again = stage_dataset(source, staging, endpoint)
+    assert not again.copied and again.path == first.path and again.sha256 == first.sha256
+
+    Path(first.path).write_bytes(b"X" + data[1:])  # same size, different bytes: the manifest's sha256 catches it
+    repaired = stage_dataset(source, staging, endpoint)
+    assert repaired.copied and Path(repaired.path).read_bytes() == data
+
+    changed = _jsonl(33, seed=1)
+    _put(endpoint, bucket, "data/dates.jsonl", changed)
+    assert source_fingerprint(source, endpoint) != fingerprint
+    second = stage_dataset(source, staging, endpoint)
+    assert second.copied and second.path != first.path and Path(second.path).read_bytes() == changed
+    assert second.sha256 == hashlib.sha256(changed).hexdigest()
+
+
+def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tmp_path, endpoint, bucket):
+    small_parts = TransferConfig(multipart_threshold=1 * MiB, multipart_chunksize=1 * MiB, max_concurrency=4)
+    body = os.urandom(3 * MiB + 17)
+    _put(endpoint, bucket, "big.bin", body)
+    staged = stage_dataset(f"s3://{bucket}/big.bin", tmp_path / "staging", endpoint, transfer=small_parts)
+    assert Path(staged.path).read_bytes() == body and staged.sha256 == hashlib.sha256(body).hexdigest()
+
+    # A multipart upload's ETag is not an MD5 ("<hash>-<parts>"): verified by size, then hashed.
+    multipart = os.urandom(6 * MiB)
+    (tmp_path / "mp.bin").write_bytes(multipart)
+    _client(endpoint).upload_file(str(tmp_path / "mp.bin"), bucket, "mp.bin",
+                                  Config=TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
+    staged = stage_dataset(f"s3://{bucket}/mp.bin", tmp_path / "staging", endpoint, transfer=small_parts)
+    assert staged.objects[0].etag.endswith("-2")
+    assert Path(staged.path).read_bytes() == multipart and staged.sha256 == hashlib.sha256(multipart).hexdigest()
+
+
+def test_prefix_shards_concatenate_in_key_order_with_a_manifest(tmp_path, endpoint, bucket):
+    shards = {"shards/part-002.jsonl": _jsonl(5, 2), "shards/part-000.jsonl": _jsonl(4, 0),
+              "shards/part-001.jsonl": _jsonl(3, 1).rstrip(b"\n")}  # uploaded out of order; one lacks its "\n"
+    for key, body in shards.items():
+        _put(endpoint, bucket, key, body)
+    _put(endpoint, bucket, "shards/", b"")  # a console folder marker: not data
+    _put(endpoint, bucket, "other/part-000.jsonl", _jsonl(2, 9))  # outside the prefix
+    source, staging = f"s3://{bucket}/shards/", tmp_path / "staging"
+
+    staged = stage_dataset(source, staging, endpoint)
+    # Key order, and the newline the middle shard lacked, so its last record stays its own line.
+    expected = b"\n".join(shards[f"shards/part-00{i}.jsonl"].rstrip(b"\n") for i in range(3)) + b"\n"
+    assert staged.copied and Path(staged.path).name == "shards.jsonl"
+    assert Path(staged.path).read_bytes() == expected and staged.sha256 == hashlib.sha256(expected).hexdigest()
+    assert len([json.loads(line) for line in expected.splitlines()]) == 12
+
+    manifest = json.loads(Path(staged.path + ".manifest.json").read_text())
+    assert [o["key"] for o in manifest["objects"]] == sorted(shards)
+    assert [(o["size"], o["etag"]) for o in manifest["objects"]] == [
+        (len(shards[key]), hashlib.md5(shards[key]).hexdigest()) for key in sorted(shards)]
+    assert manifest["sha256"] == staged.sha256
+    assert sorted(p.name for p in Path(staged.path).parent.iterdir()) == ["shards.jsonl", "shards.jsonl.manifest.json"]
+
+    again = stage_dataset(source, staging, endpoint)
+    assert not again.copied and again.path == staged.path
+    assert Path(staged.path) == staged_location(staging, source_fingerprint(source, endpoint), "shards.jsonl")
+
+
+def test_gzip_shards_join_as_one_gzip_stream_and_json_arrays_are_refused(tmp_path, endpoint, bucket):
+    plain = [_jsonl(3, 0), _jsonl(2, 1)]
+    for index, body in enumerate(plain):
+        _put(endpoint, bucket, f"gz/part-{index}.jsonl.gz", gzip.compress(body))
+    _put(endpoint, bucket, "gz/part-2.jsonl", b"")  # an empty shard adds nothing
+    staged = stage_dataset(f"s3://{bucket}/gz/", tmp_path / "staging", endpoint)
+    assert gzip.decompress(Path(staged.path).read_bytes()) == b"".join(plain)
+
+    _put(endpoint, bucket, "arr/a.json", b'[{"text": "a"}]')
+    _put(endpoint, bucket, "arr/b.json", b'[{"text": "b"}]')
+    with pytest.raises(DataError, match=rf"s3://{bucket}/arr/a.json: a JSON array cannot be concatenated"):
+        stage_dataset(f"s3://{bucket}/arr/", tmp_path / "staging", endpoint)
+    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*arr*"))
+
+
+def test_an_object_replaced_after_listing_is_refused(tmp_path, endpoint, bucket):
+    _put(endpoint, bucket, "d.jsonl", _jsonl(4, 0))
+    client = make_client(endpoint)
+    listed = list_objects(client, parse_s3_url(f"s3://{bucket}/d.jsonl"))
+    _put(endpoint, bucket, "d.jsonl", _jsonl(5, 1))
+    with pytest.raises(S3Error, match=rf"s3://{bucket}/d.jsonl: the object changed since it was listed"):
+        download_objects(client, bucket, [(listed[0], tmp_path / "d.part")])
+    assert list(tmp_path.glob("d.part*")) == []  # neither our name nor s3transfer's temporary one
+
+
+def test_an_object_replaced_between_head_and_get_fails_the_pinned_ranged_gets(tmp_path, endpoint, bucket,
+                                                                               monkeypatch):
+    import phase1a.s3 as s3_module
+
+    _put(endpoint, bucket, "d.bin", os.urandom(3 * MiB))
+    client = make_client(endpoint)
+    listed = list_objects(client, parse_s3_url(f"s3://{bucket}/d.bin"))
+    stale_head = s3_module._head(client, bucket, "d.bin")
+    _put(endpoint, bucket, "d.bin", os.urandom(3 * MiB))  # same size, new ETag
+    monkeypatch.setattr(s3_module, "_head", lambda *args: stale_head)  # the race: HEAD saw the old version
+    small_parts = TransferConfig(multipart_threshold=1 * MiB, multipart_chunksize=1 * MiB, max_concurrency=4)
+    with pytest.raises(S3Error, match=rf"s3://{bucket}/d.bin: the object changed while it was being downloaded"):
+        download_objects(client, bucket, [(listed[0], tmp_path / "d.part")], small_parts)
+    assert list(tmp_path.glob("d.part*")) == []  # neither our name nor s3transfer's temporary one
+
+
+def test_missing_bucket_key_empty_prefix_and_empty_data(tmp_path, endpoint, bucket):
+    staging = tmp_path / "staging"
+    with pytest.raises(DataError, match=r"s3://no-such-bucket-x/a.jsonl: no such bucket 'no-such-bucket-x'"):
+        stage_dataset("s3://no-such-bucket-x/a.jsonl", staging, endpoint)
+    with pytest.raises(DataError, match=r"s3://no-such-bucket-x/p/: no such bucket 'no-such-bucket-x'"):
+        source_fingerprint("s3://no-such-bucket-x/p/", endpoint)
+    with pytest.raises(DataError, match=rf"s3://{bucket}/missing.jsonl: no such key"):
+        stage_dataset(f"s3://{bucket}/missing.jsonl", staging, endpoint)
+    with pytest.raises(DataError, match=rf"s3://{bucket}/empty/: no objects under this prefix"):
+        stage_dataset(f"s3://{bucket}/empty/", staging, endpoint)
+    _put(endpoint, bucket, "zero.jsonl", b"")
+    with pytest.raises(DataError, match=rf"s3://{bucket}/zero.jsonl: the data is empty"):
+        stage_dataset(f"s3://{bucket}/zero.jsonl", staging, endpoint)
+    assert not staging.exists() or not any(staging.rglob("*.jsonl"))
+
+
+def test_no_credentials_is_named(tmp_path, endpoint, bucket, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(DataError, match=rf"s3://{bucket}/a.jsonl: no AWS credentials found"):
+        stage_dataset(f"s3://{bucket}/a.jsonl", tmp_path / "staging", endpoint)
+
+
+def test_endpoint_down_fails_fast_and_says_which(tmp_path):
+    down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(DataError, match=rf"s3://b/a.jsonl: cannot connect to the S3 endpoint {down}"):
+        stage_dataset("s3://b/a.jsonl", tmp_path / "staging", down)
+    assert time.monotonic() - started < 15
+
+
+def test_verify_download_deletes_a_corrupted_file(tmp_path):
+    good = b'{"a": 1}\n' * 100
+    path = tmp_path / "download.part"
+    path.write_bytes(good)
+    assert verify_download(path, len(good), hashlib.md5(good).hexdigest()) == hashlib.sha256(good).hexdigest()
+    path.write_bytes(b"!" + good[1:])
+    with pytest.raises(DataError, match=r"s3://b/k.jsonl: download failed verification \(md5"):
+        verify_download(path, len(good), hashlib.md5(good).hexdigest(), what="s3://b/k.jsonl")
+    assert not path.exists()
+    path.write_bytes(good[:-1])
+    with pytest.raises(DataError, match=rf"download failed verification \({len(good) - 1} bytes, expected {len(good)}"):
+        verify_download(path, len(good), None)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_download_corrupted_before_verification_is_never_staged(tmp_path, endpoint, bucket, monkeypatch, damage):
+    data = _jsonl(16, seed=3)
+    _put(endpoint, bucket, "d.jsonl", data)
+    real_download = stage_module.download_objects
+
+    def corrupting(client, bucket_name, items, transfer):
+        md5s = real_download(client, bucket_name, items, transfer)
+        for _, path in items:  # the real bytes arrived; damage them as a bad disk or proxy would
+            raw = path.read_bytes()
+            path.write_bytes(b"#" + raw[1:] if damage == "flip" else raw[:-5])
+        return md5s
+
+    monkeypatch.setattr(stage_module, "download_objects", corrupting)
+    staging = tmp_path / "staging"
+    with pytest.raises(DataError, match=rf"s3://{bucket}/d.jsonl: download failed verification"):
+        stage_dataset(f"s3://{bucket}/d.jsonl", staging, endpoint)
+    assert [p for p in staging.rglob("*") if p.is_file()] == []  # no staged file, no partial, no manifest
+
+
+def test_staging_disk_too_small(tmp_path, endpoint, bucket, monkeypatch):
+    _put(endpoint, bucket, "d.jsonl", _jsonl(8, seed=4))
+    real = stage_module.shutil.disk_usage
+    monkeypatch.setattr(stage_module.shutil, "disk_usage", lambda path: real(path)._replace(free=10))
+    with pytest.raises(DataError, match=rf"staging dir .*: 10 bytes free, s3://{bucket}/d.jsonl needs \d+"):
+        stage_dataset(f"s3://{bucket}/d.jsonl", tmp_path / "staging", endpoint)
+    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
+
+
+def test_credentials_never_reach_manifests_reports_or_errors(tmp_path, endpoint, bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", PLANTED_KEY_ID)  # moto's default mode accepts any key
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", PLANTED_SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", PLANTED_SECRET + "-token")
+    _put(endpoint, bucket, "s/a.jsonl", _jsonl(4, 5))
+    staged = stage_dataset(f"s3://{bucket}/s/", tmp_path / "staging", endpoint)
+    texts = [staged.model_dump_json(), Path(staged.path + ".manifest.json").read_text()]
+    for source, where in [(f"s3://{bucket}/nope.jsonl", endpoint), ("s3://no-bucket-zz/p/", endpoint),
+                          (f"s3://{bucket}/s/", f"http://{PLANTED_SECRET}@127.0.0.1:{_free_port()}")]:
+        with pytest.raises(DataError) as caught:
+            stage_dataset(source, tmp_path / "staging", where)
+        texts += [str(caught.value), "".join(traceback.format_exception(caught.value))]
+    for text in texts:
+        assert PLANTED_SECRET not in text and PLANTED_KEY_ID not in text
+
+
+def test_model_directory_staged_from_a_prefix(tmp_path, endpoint, bucket):
+    files = {"config.json": b'{"model_type": "llama"}', "tokenizer/vocab.json": b'{"a": 0}',
+             "model.safetensors": os.urandom(200_000)}
+    for name, body in files.items():
+        _put(endpoint, bucket, f"models/tiny/{name}", body)
+    _put(endpoint, bucket, "models/tiny-other/config.json", b"{}")  # shares the prefix text, not the directory
+    staging = tmp_path / "models"
+
+    model_dir = stage_model(f"s3://{bucket}/models/tiny/", staging, endpoint)
+    assert model_dir.name == "tiny" and model_dir.is_dir()
+    assert {p.relative_to(model_dir).as_posix(): p.read_bytes() for p in model_dir.rglob("*") if p.is_file()} == files
+    mtimes = {p: p.stat().st_mtime_ns for p in model_dir.rglob("*") if p.is_file()}
+
+    assert stage_model(f"s3://{bucket}/models/tiny", staging, endpoint) == model_dir  # no trailing slash: same dir
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # skipped: nothing rewritten
+
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(b"\0" * len(files["model.safetensors"]))  # same size: only the recorded sha256 catches it
+    assert stage_model(f"s3://{bucket}/models/tiny/", staging, endpoint) == model_dir
+    assert weights.read_bytes() == files["model.safetensors"]
+    assert (model_dir / "config.json").stat().st_mtime_ns == mtimes[model_dir / "config.json"]  # the rest kept
+
+    local = tmp_path / "local-model"
+    local.mkdir()
+    assert stage_model(str(local), staging) == local
+    with pytest.raises(DataError, match=rf"s3://{bucket}/models/none/: no objects under this prefix"):
+        stage_model(f"s3://{bucket}/models/none/", staging, endpoint)
+
+
+@pytest.fixture(scope="session")
+def auth_endpoint(tmp_path_factory):
+    """A second moto server that enforces IAM: a user with no policy, then auth switched on."""
+    proc, url = _start_moto(tmp_path_factory.mktemp("moto-auth") / "moto.log")
+    dummy = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", **dummy)
+    iam.create_user(UserName="reader")
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    s3 = _client(url, **dummy)
+    s3.create_bucket(Bucket="locked")
+    s3.put_object(Bucket="locked", Key="d.jsonl", Body=_jsonl(2, 0))
+    # text/plain, or Flask parses the body as a form and moto reads an empty count.
+    switch_on = urllib.request.Request(f"{url}/moto-api/reset-auth", data=b"0", method="POST",
+                                       headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(switch_on, timeout=10).close()
+    yield url, key["AccessKeyId"], key["SecretAccessKey"]
+    _stop(proc)
+
+
+def test_access_denied_and_rejected_credentials(tmp_path, auth_endpoint, monkeypatch):
+    url, key_id, secret = auth_endpoint
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)  # a real user, but no policy grants it anything
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    with pytest.raises(DataError, match=r"s3://locked/: access denied \(list\)") as denied:
+        stage_dataset("s3://locked/", tmp_path / "staging", url)
+    with pytest.raises(DataError, match=r"s3://locked/d.jsonl: access denied \(HEAD\)"):
+        stage_dataset("s3://locked/d.jsonl", tmp_path / "staging", url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDUNKNOWN000000000")
+    with pytest.raises(DataError, match=r"s3://locked/: the AWS credentials were rejected \(InvalidAccessKeyId\)"):
+        stage_dataset("s3://locked/", tmp_path / "staging", url)
+    assert secret not in str(denied.value) and secret not in "".join(traceback.format_exception(denied.value))
