@@ -28,7 +28,8 @@ def phase1a(config: Phase1aConfig) -> str:
     status = "failed"
     try:
         endpoint = config.data.s3_endpoint_url
-        model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint)
+        model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint,
+                                   copy_local=config.model.stage_local)
         model_dir = resolve_model(str(model_source), config.model.cache_dir)
         staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
                             endpoint_url=endpoint, fingerprint=source_fingerprint(config.data.source, endpoint))

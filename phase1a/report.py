@@ -17,6 +17,7 @@ class RunReport:
         self._started = time.perf_counter()
         self.data: dict[str, Any] = {
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "run_dir": str(self.run_dir),
             "config": config.model_dump(mode="json"),
             "stages": {},
         }

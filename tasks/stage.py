@@ -291,14 +291,46 @@ def _relative_file(url: S3Url, key: str) -> PurePosixPath:
     return relative
 
 
+def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
+    """A model directory on slow storage (a network mount) copied to local disk, each file hashed while it
+    is read and again once written, renamed only when both agree. The listing (names, sizes, mtimes) keys
+    the copy, so an unchanged model is never read from slow storage twice."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    listing = [(p.relative_to(directory).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    target = staged_location(staging_dir, hash_json(listing), directory.name)
+    marker = target / ".phase1a-staged"
+    if marker.is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
+    for relative, _, _ in listing:
+        destination = target / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        partial, digest = _partial(destination), hashlib.sha256()
+        try:
+            with open(directory / relative, "rb") as reader, open(partial, "wb") as writer:
+                while chunk := reader.read(_CHUNK):
+                    digest.update(chunk)
+                    writer.write(chunk)
+            if sha256_file(partial) != digest.hexdigest():
+                raise DataError(f"{directory / relative}: staged copy failed verification")
+            os.replace(partial, destination)
+        finally:
+            partial.unlink(missing_ok=True)
+    marker.write_text(json.dumps(listing) + "\n")
+    return target
+
+
 def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
-                transfer: TransferConfig = DEFAULT_TRANSFER) -> Path:
+                transfer: TransferConfig = DEFAULT_TRANSFER, copy_local: bool = False) -> Path:
     """An s3://bucket/prefix/ model directory downloaded to `staging_dir/<fingerprint[:16]>/<name>/` (verified,
-    renamed into place file by file, skipped when the manifest matches); anything else is returned unchanged
-    (a local directory, or a built-in model name that the model resolver handles)."""
+    renamed into place file by file, skipped when the manifest matches). A local directory is copied the same
+    way when `copy_local` (it lives on slow storage), else returned unchanged; a built-in model name passes
+    through to the model resolver."""
     if not is_s3_url(source):
         parsed = urlparse(source)
-        return Path(parsed.path) if parsed.scheme == "file" else Path(source)
+        path = Path(parsed.path) if parsed.scheme == "file" else Path(source)
+        return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
     url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
     client, objects = _list(url, endpoint_url)
     name = url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket

@@ -31,6 +31,7 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert first["status"] == "passed" and first["stages"]["validate"]["result"]["passed"]
     assert first["stages"]["plan"]["result"]["calibrated"] and first["estimate_vs_actual"]["actual_train_seconds"] > 0
     assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
+    assert (Path(first["run_dir"]) / "lengths.png").is_file()
 
     _, second = run_flow(config_tree)
     assert states(second) == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached", "train": "Completed",

@@ -49,3 +49,16 @@ def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, data
     staged = stage_dataset(str(dataset), staging)
     assert staged.path == str(staged_location(staging, fingerprint, dataset.name))
     assert _staged_copy_present(inputs)
+
+
+def test_a_local_model_directory_on_slow_storage_is_copied_once(tmp_path, tiny_model_dir):
+    from phase1a.fingerprint import sha256_tree
+    from tasks.stage import stage_model
+
+    assert stage_model(str(tiny_model_dir), tmp_path / "models") == tiny_model_dir  # default: used in place
+    staged = stage_model(str(tiny_model_dir), tmp_path / "models", copy_local=True)
+    weights = ("*.json", "*.safetensors")
+    assert staged != tiny_model_dir and sha256_tree(staged, weights) == sha256_tree(tiny_model_dir, weights)
+    mtime = (staged / "config.json").stat().st_mtime_ns
+    assert stage_model(str(tiny_model_dir), tmp_path / "models", copy_local=True) == staged
+    assert (staged / "config.json").stat().st_mtime_ns == mtime  # unchanged source: not copied again

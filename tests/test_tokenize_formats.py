@@ -142,3 +142,19 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
     assert first == second
     assert read_arrow(first["train_path"]).num_rows == first["train_examples"]
     assert sorted(p.name for p in (tmp_path / "cache" / "tokenized").iterdir()) == ["same", "same.lock"]
+
+
+def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
+    from conftest import make_tiny_model_dir
+
+    from phase1a.models import tokenizer_fingerprint
+    from tasks.tokenize import tokenize_fingerprint
+
+    chatml = make_tiny_model_dir(tmp_path / "a")
+    other_template = make_tiny_model_dir(tmp_path / "b", chat_template="{{ messages[0]['content'] }}")
+    base = tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, TokenizeOptions())
+    assert base == tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, TokenizeOptions())
+    assert base != tokenize_fingerprint("other data", tokenizer_fingerprint(chatml), 256, TokenizeOptions())
+    assert base != tokenize_fingerprint("data", tokenizer_fingerprint(other_template), 256, TokenizeOptions())
+    assert base != tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, TokenizeOptions(train_on_inputs=True))
+    assert base != tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 512, TokenizeOptions())
