@@ -9,7 +9,7 @@ from prefect.runtime import flow_run
 from phase1a.config import Phase1aConfig, resolve_paths
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
-from tasks.plan import plan_fingerprint, plan_task
+from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
 from tasks.stage import source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
 from tasks.train import TrainSettings, train_task, training_key
@@ -21,8 +21,8 @@ class GateFailed(RuntimeError):
 
 
 @flow(name="phase1a")
-def phase1a(config: Phase1aConfig) -> str:
-    """Returns the path of the run's report.json."""
+def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
+    """Returns the path of the run's report.json. `plan_only` stops after the plan: no training."""
     config = resolve_paths(config, base=Path.cwd())  # deployment parameters arrive with `~` and relative paths
     report = RunReport.create(config.work_dir, config.name, flow_run.get_name() or "local", config)
     status = "failed"
@@ -46,6 +46,11 @@ def phase1a(config: Phase1aConfig) -> str:
         model_fp = model_fingerprint(model_dir)
         plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data,
                           fingerprint=plan_fingerprint(config, model_fp, data))
+        publish_plan(plan, report.run_dir)
+        print(format_plan(plan))
+        if plan_only:
+            status = "planned"
+            return str(report.path)
 
         run_key = training_key(data.fingerprint, model_fp, config.method)
         settings = TrainSettings(

@@ -25,6 +25,10 @@ def _summary(report_path: Path) -> str:
         from tasks.validate import ValidationResult, format_table
 
         lines += ["", "validation (held-out):", format_table(ValidationResult.model_validate(verdict))]
+    if plan and not verdict:
+        from tasks.plan import Plan, format_plan
+
+        lines += ["", "plan:", format_plan(Plan.model_validate(plan))]
     lines += ["", f"status: {report['status']}, wall {report['wall_seconds']:.1f} s", f"report: {report_path}"]
     return "\n".join(lines)
 
@@ -32,10 +36,12 @@ def _summary(report_path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="phase1a", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the whole flow: stage, tokenize, plan, train, validate")
-    run.add_argument("--config", required=True, type=Path, help="YAML config file")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set method.epochs=2 (repeatable)")
+    for name, help_text in (("run", "run the whole flow: stage, tokenize, plan, train, validate"),
+                            ("plan", "stage, tokenize and plan only: print the plan and its estimate, no training")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--config", required=True, type=Path, help="YAML config file")
+        command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                             help="override a config field, e.g. --set method.epochs=2 (repeatable)")
     args = parser.parse_args(argv)
 
     try:
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.phase1a import phase1a
 
-    state = phase1a(config, return_state=True)
+    state = phase1a(config, plan_only=args.command == "plan", return_state=True)
     report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else _latest_report(config)
     if report_path and report_path.is_file():
         print(_summary(report_path))

@@ -232,6 +232,32 @@ def _peak_flops(accelerator: Accelerator) -> float:
     return accelerator.peak_flops
 
 
+def publish_plan(plan: Plan, run_dir: Path) -> Path:
+    """plan.json in the run directory, and the plan as a Prefect table artifact."""
+    path = Path(run_dir) / "plan.json"
+    path.write_text(plan.model_dump_json(indent=2) + "\n")
+    try:
+        from prefect.artifacts import create_table_artifact
+    except ImportError:
+        return path
+    rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude={"memory"}).items()]
+    rows += [{"setting": f"memory.{key}", "value": f"{value:.3f}"} for key, value in plan.memory.model_dump().items()]
+    create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window")
+    return path
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [f"hardware: {plan.target} (running on {plan.detected}), {'calibrated' if plan.calibrated else 'not calibrated'}",
+             f"precision {plan.precision}, micro-batch {plan.micro_batch_size} x accumulation {plan.gradient_accumulation}, "
+             f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}, max_seq_length {plan.max_seq_length}",
+             f"memory {plan.memory.total_gib:.2f} of {plan.memory.available_gib:.2f} GiB; "
+             f"{plan.tokens_per_second:.0f} tokens/s; {plan.steps} steps, {plan.train_tokens} tokens",
+             f"estimate: train {plan.estimated_train_seconds / 3600:.3f} h, total {plan.estimated_total_seconds / 3600:.3f} h"
+             + (f", ${plan.estimated_cost_usd:.2f}" if plan.estimated_cost_usd is not None else ""),
+             f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes])
+
+
 def plan_fingerprint(config: Phase1aConfig, model_fingerprint: str, data: TokenizedData) -> str:
     """Everything a plan depends on, including the hardware it would calibrate on."""
     sections = config.model_dump(mode="json", include={"method", "hardware", "window", "validation"})

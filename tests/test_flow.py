@@ -81,3 +81,18 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
 
     bad = subprocess.run(cli + ["--set", "method.batch_size=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
+
+
+def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    done = subprocess.run([sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "estimate: train" in done.stdout and "micro-batch" in done.stdout
+    report_path = Path([line for line in done.stdout.splitlines() if line.startswith("report: ")][-1][8:])
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "planned" and list(report["stages"]) == ["stage", "tokenize", "plan"]
+    plan = json.loads((report_path.parent / "plan.json").read_text())
+    assert plan["steps"] > 0 and plan["micro_batch_size"] * plan["gradient_accumulation"] == 8
+    assert not list((Path(config_tree["work_dir"]) / config_tree["name"]).glob("train-*"))
