@@ -1,0 +1,126 @@
+"""The record of earlier training runs that the next plan reads: one JSON object a line in a JSONL file.
+
+Each run appends a `RunRecord` after training: what it ran on, its measured tokens/s and how long the plan
+said training would take against how long it took. The plan can then start from the last measured throughput
+of the same model on the same hardware instead of an assumed MFU, and say how good its time estimates have
+been.
+
+    time_accuracy      = estimated_train_seconds / actual_train_seconds   (>1: the plan was pessimistic)
+    absolute error     = |time_accuracy - 1|, a fraction of the actual time; the summary reports its mean and
+                         worst over matching runs, and the mean ratio, whose distance from 1 is the bias
+
+Appends take an exclusive flock and write each line with one write() on an O_APPEND descriptor, then fsync,
+so concurrent writers (two runs finishing together) never interleave within a line and a crash loses at most
+the line being written. Readers skip and count lines that do not parse, such as that torn last line, rather
+than fail: a damaged history must never stop a plan.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+DEFAULT_HISTORY_PATH = Path.home() / ".cache" / "phase1a" / "history.jsonl"
+
+
+class RunRecord(BaseModel):
+    timestamp: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    model_fingerprint: str
+    model_name: str
+    hardware: str  # catalogue key, "cpu", or "cuda" for a GPU the catalogue does not know
+    device_name: str
+    precision: str
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    max_seq_length: int
+    tokens_per_second: float  # measured over the training run
+    estimated_train_seconds: float | None
+    actual_train_seconds: float
+    time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
+
+    @model_validator(mode="after")
+    def _fill_accuracy(self) -> RunRecord:
+        if self.time_accuracy is None and self.estimated_train_seconds is not None and self.actual_train_seconds > 0:
+            self.time_accuracy = self.estimated_train_seconds / self.actual_train_seconds
+        return self
+
+
+class AccuracySummary(BaseModel):
+    count: int
+    mean_abs_error: float | None  # mean |estimated/actual - 1|; None without runs
+    worst_abs_error: float | None
+    mean_accuracy: float | None  # mean estimated/actual: above 1, estimates run long
+
+
+def append_run(path: Path, record: RunRecord) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (record.model_dump_json() + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # O_APPEND alone keeps one write() whole on local disks; the lock also covers network file systems
+        # and the rare short write that would need a second write() call.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        written = 0
+        while written < len(line):
+            written += os.write(fd, line[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def read_runs(path: Path) -> tuple[list[RunRecord], int]:
+    """(records in file order, number of lines skipped as corrupt); a missing file is an empty history."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    records, skipped = [], 0
+    with path.open("rb") as handle:
+        for raw in handle:
+            if not raw.strip():
+                continue
+            try:
+                records.append(RunRecord.model_validate(json.loads(raw)))
+            except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                skipped += 1
+    return records, skipped
+
+
+def matching_runs(path: Path, model_fingerprint: str, hardware: str, micro_batch_size: int | None = None,
+                  gradient_checkpointing: bool | None = None) -> list[RunRecord]:
+    """Runs of this model on this hardware (and micro-batch / checkpointing where given), oldest first."""
+    records, _ = read_runs(path)
+    matches = [
+        (record.timestamp, index, record) for index, record in enumerate(records)
+        if record.model_fingerprint == model_fingerprint and record.hardware == hardware
+        and (micro_batch_size is None or record.micro_batch_size == micro_batch_size)
+        and (gradient_checkpointing is None or record.gradient_checkpointing == gradient_checkpointing)
+    ]
+    # By timestamp, then file order: histories copied between machines need not be in time order.
+    return [record for _, _, record in sorted(matches, key=lambda item: (_utc(item[0]), item[1]))]
+
+
+def last_throughput(path: Path, model_fingerprint: str, hardware: str, micro_batch_size: int | None = None,
+                    gradient_checkpointing: bool | None = None) -> float | None:
+    """The most recent matching run's measured tokens/s, or None when no run matches."""
+    matches = matching_runs(path, model_fingerprint, hardware, micro_batch_size, gradient_checkpointing)
+    return matches[-1].tokens_per_second if matches else None
+
+
+def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> AccuracySummary:
+    ratios = [record.time_accuracy for record in matching_runs(path, model_fingerprint, hardware)
+              if record.time_accuracy is not None]
+    if not ratios:
+        return AccuracySummary(count=0, mean_abs_error=None, worst_abs_error=None, mean_accuracy=None)
+    errors = [abs(ratio - 1) for ratio in ratios]
+    return AccuracySummary(count=len(ratios), mean_abs_error=sum(errors) / len(errors), worst_abs_error=max(errors),
+                           mean_accuracy=sum(ratios) / len(ratios))
+
+
+def _utc(moment: datetime) -> datetime:
+    # Naive timestamps (hand-edited files) are taken as UTC so they compare with aware ones.
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)

@@ -1,0 +1,165 @@
+"""The options table: the same training job on several hardware options, with hours and dollars for each.
+
+Inputs are the single-GPU plan's numbers: the tokens to train on, the FLOPs per token, the throughput measured
+(or assumed) on a reference catalogue GPU, the memory the unsharded job needs on one GPU, and how much of that
+is shardable weights, gradients and optimizer state. For n GPUs of kind k under a strategy:
+
+    efficiency(n)      = scaling_efficiency ** log2(n)        0.9 per doubling by default: 1, 0.9, 0.81, 0.729
+    tokens_per_second  = reference_tps * peak(k) / peak(reference) * n * efficiency(n)
+    hours              = train_tokens / tokens_per_second / 3600 + fixed_overhead_seconds / 3600
+    dollars            = n * price(k) * hours                    price: `prices[k]`, else the catalogue's
+    mfu                = tokens_per_second * flops_per_token / (n * peak(k))    a sanity check on the above
+    memory per GPU     single, ddp:   memory_needed              (DDP replicates weights, grads and state)
+                       fsdp, zero3:   memory_needed - shardable + shardable / n  (activations stay per GPU)
+    fits               = memory per GPU <= memory(k) * (1 - memory_headroom)
+    global batch       = n * global_batch, the per-GPU micro-batch and accumulation kept (default), or
+                         global_batch with accumulation n times shorter when keep_global_batch
+    learning rate      sqrt: lr * sqrt(n) (Adam: gradient noise falls with sqrt of the batch), linear: lr * n
+                         (SGD-style rule), none: lr; always lr unchanged when keep_global_batch
+
+Assumptions: throughput scales with dense peak FLOP/s between GPU kinds, which holds for compute-bound
+training and overstates GPUs with little memory bandwidth per FLOP (memory-bound small models); FSDP and
+ZeRO-3 traffic and DDP gradient all-reduce are inside `scaling_efficiency`, not modelled apart; DDP gradient
+buckets and sharding's gathered-layer buffers are not counted in memory. FSDP and ZeRO-3 get the same memory
+model here (full sharding of parameters, gradients and optimizer state). A larger global batch also means n
+times fewer optimizer steps for the same tokens, which the learning-rate rule only partly compensates.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel
+
+from phase1a.hardware import CATALOGUE, GIB
+
+Strategy = Literal["single", "ddp", "fsdp", "zero3"]
+LrRule = Literal["sqrt", "linear", "none"]
+SHARDED: frozenset[str] = frozenset({"fsdp", "zero3"})
+IMPLAUSIBLE_MFU = 0.6  # above this a dense transformer's training throughput is almost certainly mis-modelled
+
+
+class OptionSpec(BaseModel):
+    label: str
+    gpus: int
+    kind: str  # catalogue key
+    strategy: Strategy
+
+
+class OptionRow(BaseModel):
+    label: str
+    gpus: int
+    kind: str
+    strategy: Strategy
+    fits: bool
+    memory_per_gpu_gib: float
+    memory_available_gib: float
+    tokens_per_second: float
+    mfu: float
+    hours: float
+    dollars: float | None  # None where no price is known for the GPU kind
+    learning_rate: float
+    global_batch: int
+    note: str
+
+
+DEFAULT_OPTIONS: list[OptionSpec] = [
+    OptionSpec(label="1x H100", gpus=1, kind="h100", strategy="single"),
+    OptionSpec(label="1x H200", gpus=1, kind="h200", strategy="single"),
+    OptionSpec(label="2x H100 DDP", gpus=2, kind="h100", strategy="ddp"),
+    OptionSpec(label="2x H100 FSDP", gpus=2, kind="h100", strategy="fsdp"),
+    OptionSpec(label="4x A100-40GB ZeRO-3", gpus=4, kind="a100-40gb", strategy="zero3"),
+    OptionSpec(label="4x H200 DDP", gpus=4, kind="h200", strategy="ddp"),
+]
+
+
+def scaling_factor(gpus: int, scaling_efficiency: float = 0.9) -> float:
+    """Fraction of linear speed-up kept on `gpus` GPUs: `scaling_efficiency` per doubling beyond one."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    return scaling_efficiency ** math.log2(gpus)
+
+
+def scaled_learning_rate(learning_rate: float, batch_growth: float, lr_rule: LrRule = "sqrt") -> float:
+    if lr_rule == "sqrt":
+        return learning_rate * math.sqrt(batch_growth)
+    if lr_rule == "linear":
+        return learning_rate * batch_growth
+    return learning_rate
+
+
+def memory_per_gpu(memory_needed_bytes_per_gpu: float, weights_and_state_bytes: float, gpus: int,
+                   strategy: Strategy) -> float:
+    if strategy in SHARDED:
+        return memory_needed_bytes_per_gpu - weights_and_state_bytes + weights_and_state_bytes / gpus
+    return memory_needed_bytes_per_gpu
+
+
+def option_rows(train_tokens: int, flops_per_token: float, reference: str, reference_tokens_per_second: float,
+                memory_needed_bytes_per_gpu: float, weights_and_state_bytes: float, global_batch: int,
+                learning_rate: float, *, options: list[OptionSpec] | None = None, scaling_efficiency: float = 0.9,
+                prices: dict[str, float] | None = None, fixed_overhead_seconds: float = 0.0,
+                lr_rule: LrRule = "sqrt", keep_global_batch: bool = False,
+                memory_headroom: float = 0.0) -> list[OptionRow]:
+    """One row per option; the formulas are in the module docstring."""
+    reference_peak = _peak(reference)
+    rows = []
+    for spec in options if options is not None else DEFAULT_OPTIONS:
+        if spec.strategy == "single" and spec.gpus != 1:
+            raise ValueError(f"option {spec.label!r}: strategy 'single' needs exactly one GPU, not {spec.gpus}")
+        accelerator = CATALOGUE[spec.kind]
+        peak = _peak(spec.kind)
+        n = spec.gpus
+        tokens_per_second = reference_tokens_per_second * peak / reference_peak * n * scaling_factor(n, scaling_efficiency)
+        hours = train_tokens / tokens_per_second / 3600 + fixed_overhead_seconds / 3600
+        price = (prices or {}).get(spec.kind, accelerator.price_per_hour)
+        needed = memory_per_gpu(memory_needed_bytes_per_gpu, weights_and_state_bytes, n, spec.strategy)
+        available = accelerator.memory_bytes * (1 - memory_headroom)
+        mfu = tokens_per_second * flops_per_token / (n * peak)
+
+        notes = []
+        if needed > available:
+            notes.append(f"needs {needed / GIB:.1f} GiB per GPU, {available / GIB:.1f} available")
+        if spec.kind != reference:
+            notes.append(f"throughput scaled from {reference} by peak FLOP/s")
+        if keep_global_batch or n == 1:
+            batch, lr = global_batch, learning_rate
+            if n > 1:
+                notes.append(f"accumulation / {n}" + ("" if global_batch % n == 0 else f" (batch {global_batch} not divisible)"))
+        else:
+            batch, lr = n * global_batch, scaled_learning_rate(learning_rate, n, lr_rule)
+            notes.append(f"batch x{n}, {n}x fewer steps, lr {lr_rule}")
+        if mfu > IMPLAUSIBLE_MFU:
+            notes.append(f"implied MFU {mfu:.0%} is implausible")
+        rows.append(OptionRow(
+            label=spec.label, gpus=n, kind=spec.kind, strategy=spec.strategy, fits=needed <= available,
+            memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
+            tokens_per_second=tokens_per_second, mfu=mfu, hours=hours,
+            dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
+            note="; ".join(notes),
+        ))
+    return rows
+
+
+def _peak(kind: str) -> float:
+    if kind not in CATALOGUE:
+        raise ValueError(f"{kind!r} is not in the hardware catalogue ({', '.join(CATALOGUE)}); "
+                         "the options table scales throughput by catalogue peak FLOP/s")
+    peak = CATALOGUE[kind].peak_flops
+    if peak is None:
+        raise ValueError(f"no peak FLOP/s is known for {kind}")
+    return peak
+
+
+def format_options(rows: list[OptionRow]) -> str:
+    """A plain-text table, one line per option, columns padded to their widest cell."""
+    header = ["option", "fits", "GiB/GPU", "tok/s", "MFU", "hours", "USD", "lr", "batch", "note"]
+    cells = [header] + [[
+        row.label, "yes" if row.fits else "NO", f"{row.memory_per_gpu_gib:.1f}/{row.memory_available_gib:.0f}",
+        f"{row.tokens_per_second:,.0f}", f"{row.mfu:.0%}", f"{row.hours:.2f}",
+        "?" if row.dollars is None else f"{row.dollars:,.2f}", f"{row.learning_rate:.3g}", str(row.global_batch),
+        row.note,
+    ] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in cells]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,105 @@
+import json
+import multiprocessing
+import multiprocessing.synchronize
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from phase1a.history import RunRecord, append_run, last_throughput, read_runs, time_accuracy_summary
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+
+def record(**changes) -> RunRecord:
+    fields = dict(timestamp=T0, model_fingerprint="m1", model_name="tiny", hardware="h100", device_name="NVIDIA H100",
+                  precision="bfloat16", micro_batch_size=4, gradient_checkpointing=False, max_seq_length=1024,
+                  tokens_per_second=1000.0, estimated_train_seconds=100.0, actual_train_seconds=100.0)
+    return RunRecord(**{**fields, **changes})
+
+
+def test_round_trip_and_accuracy_filled_in(tmp_path):
+    path = tmp_path / "deep" / "dir" / "history.jsonl"  # parents are created
+    first = record(estimated_train_seconds=120.0, actual_train_seconds=100.0)
+    second = record(hardware="cpu", estimated_train_seconds=None)
+    append_run(path, first)
+    append_run(path, second)
+    records, skipped = read_runs(path)
+    assert records == [first, second] and skipped == 0
+    assert records[0].time_accuracy == pytest.approx(1.2)
+    assert records[1].time_accuracy is None
+
+
+def test_most_recent_match_wins_and_filters(tmp_path):
+    path = tmp_path / "history.jsonl"
+    append_run(path, record(timestamp=T0 + timedelta(hours=2), tokens_per_second=2000.0))
+    append_run(path, record(timestamp=T0, tokens_per_second=1000.0))  # older, though written later
+    append_run(path, record(timestamp=T0 + timedelta(hours=3), tokens_per_second=3000.0, micro_batch_size=8,
+                            gradient_checkpointing=True))
+    append_run(path, record(timestamp=T0 + timedelta(hours=4), tokens_per_second=9999.0, hardware="a100-80gb"))
+    append_run(path, record(timestamp=T0 + timedelta(hours=5), tokens_per_second=7777.0, model_fingerprint="m2"))
+    assert last_throughput(path, "m1", "h100") == 3000.0
+    assert last_throughput(path, "m1", "h100", micro_batch_size=4) == 2000.0
+    assert last_throughput(path, "m1", "h100", gradient_checkpointing=False) == 2000.0
+    assert last_throughput(path, "m1", "h100", micro_batch_size=8, gradient_checkpointing=True) == 3000.0
+    assert last_throughput(path, "m1", "h100", micro_batch_size=2) is None
+    assert last_throughput(path, "m1", "l4") is None
+    assert last_throughput(path, "m2", "h100") == 7777.0
+
+
+def test_corrupt_lines_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "history.jsonl"
+    append_run(path, record(tokens_per_second=1500.0))
+    with path.open("a") as handle:
+        handle.write("{not json\n")
+        handle.write(json.dumps({"model_fingerprint": "m1"}) + "\n")  # valid JSON, not a record
+        handle.write("\n")  # blank lines are not corruption
+    append_run(path, record(timestamp=T0 + timedelta(seconds=1), tokens_per_second=2500.0))
+    with path.open("ab") as handle:
+        handle.write(b'{"timestamp": "2025-01-0')  # torn last line of a crashed writer
+    records, skipped = read_runs(path)
+    assert [r.tokens_per_second for r in records] == [1500.0, 2500.0] and skipped == 3
+    assert last_throughput(path, "m1", "h100") == 2500.0
+
+
+def test_missing_file_is_an_empty_history(tmp_path):
+    path = tmp_path / "absent.jsonl"
+    assert read_runs(path) == ([], 0)
+    assert last_throughput(path, "m1", "h100") is None
+    summary = time_accuracy_summary(path, "m1", "h100")
+    assert summary.count == 0 and summary.mean_abs_error is None and summary.worst_abs_error is None
+
+
+def test_time_accuracy_summary(tmp_path):
+    path = tmp_path / "history.jsonl"
+    for estimated in (110.0, 80.0, 100.0):
+        append_run(path, record(estimated_train_seconds=estimated, actual_train_seconds=100.0))
+    append_run(path, record(estimated_train_seconds=None))  # no estimate: not counted
+    append_run(path, record(hardware="l4", estimated_train_seconds=500.0))  # other hardware
+    summary = time_accuracy_summary(path, "m1", "h100")
+    assert summary.count == 3
+    assert summary.mean_abs_error == pytest.approx((0.1 + 0.2 + 0.0) / 3)
+    assert summary.worst_abs_error == pytest.approx(0.2)
+    assert summary.mean_accuracy == pytest.approx((1.1 + 0.8 + 1.0) / 3)
+
+
+def _append_many(path: str, writer: int, count: int, start: "multiprocessing.synchronize.Barrier") -> None:
+    start.wait(60)  # a barrier: both writers begin together, so their appends overlap
+    for i in range(count):
+        # A long model name makes each line several kB, so a torn or interleaved write would show.
+        append_run(path, record(model_name=f"w{writer}-" + "x" * 5000, tokens_per_second=float(writer * 10_000 + i)))
+
+
+def test_concurrent_appends_from_two_processes_all_land(tmp_path):
+    path = tmp_path / "history.jsonl"
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    writers = [context.Process(target=_append_many, args=(str(path), w, 200, start)) for w in (1, 2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        assert writer.exitcode == 0
+    records, skipped = read_runs(path)
+    assert skipped == 0 and len(records) == 400
+    assert sorted(r.tokens_per_second for r in records) == sorted(
+        float(w * 10_000 + i) for w in (1, 2) for i in range(200))

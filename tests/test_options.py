@@ -1,0 +1,105 @@
+import math
+
+import pytest
+
+from phase1a.hardware import CATALOGUE, GIB
+from phase1a.options import DEFAULT_OPTIONS, OptionSpec, format_options, option_rows, scaling_factor
+
+TOKENS = 36_000_000
+JOB = dict(train_tokens=TOKENS, flops_per_token=6 * 1e9, reference="h100", reference_tokens_per_second=10_000.0,
+           memory_needed_bytes_per_gpu=30 * GIB, weights_and_state_bytes=16 * GIB, global_batch=16,
+           learning_rate=1e-4)
+H100x = [OptionSpec(label=f"{n}x H100", gpus=n, kind="h100", strategy="single" if n == 1 else "ddp") for n in (1, 2, 4)]
+
+
+def by_label(rows):
+    return {row.label: row for row in rows}
+
+
+def test_scaling_efficiency_per_doubling():
+    assert scaling_factor(1) == 1.0
+    assert scaling_factor(2) == pytest.approx(0.9)
+    assert scaling_factor(4) == pytest.approx(0.81)
+    assert scaling_factor(8, 0.95) == pytest.approx(0.95**3)
+
+
+def test_hours_and_dollars_arithmetic():
+    rows = by_label(option_rows(**JOB, options=H100x, fixed_overhead_seconds=600))
+    one, four = rows["1x H100"], rows["4x H100"]
+    assert one.tokens_per_second == pytest.approx(10_000)
+    assert one.hours == pytest.approx(TOKENS / 10_000 / 3600 + 600 / 3600)
+    assert one.dollars == pytest.approx(1 * CATALOGUE["h100"].price_per_hour * one.hours)
+    assert four.tokens_per_second == pytest.approx(10_000 * 4 * 0.81)
+    assert four.hours == pytest.approx(TOKENS / (10_000 * 4 * 0.81) / 3600 + 600 / 3600)
+    assert four.dollars == pytest.approx(4 * CATALOGUE["h100"].price_per_hour * four.hours)
+    assert one.mfu == pytest.approx(10_000 * 6e9 / 989e12)
+
+
+def test_throughput_scales_by_peak_flops_between_kinds():
+    spec = [OptionSpec(label="1x A100", gpus=1, kind="a100-80gb", strategy="single")]
+    (row,) = option_rows(**JOB, options=spec)
+    assert row.tokens_per_second == pytest.approx(10_000 * 312e12 / 989e12)
+    assert "scaled from h100" in row.note
+
+
+def test_learning_rate_rules_and_global_batch():
+    sqrt = by_label(option_rows(**JOB, options=H100x))
+    assert sqrt["2x H100"].learning_rate == pytest.approx(1e-4 * math.sqrt(2))
+    assert sqrt["4x H100"].learning_rate == pytest.approx(2e-4)
+    assert sqrt["4x H100"].global_batch == 64
+    assert sqrt["1x H100"].learning_rate == 1e-4 and sqrt["1x H100"].global_batch == 16
+    linear = by_label(option_rows(**JOB, options=H100x, lr_rule="linear"))
+    assert linear["4x H100"].learning_rate == pytest.approx(4e-4)
+    none = by_label(option_rows(**JOB, options=H100x, lr_rule="none"))
+    assert none["4x H100"].learning_rate == 1e-4 and none["4x H100"].global_batch == 64
+    kept = by_label(option_rows(**JOB, options=H100x, keep_global_batch=True))
+    assert kept["4x H100"].learning_rate == 1e-4 and kept["4x H100"].global_batch == 16
+    assert "accumulation / 4" in kept["4x H100"].note
+
+
+def test_sharding_fits_where_ddp_does_not():
+    parameters = 8_030_000_000
+    state = parameters * 16  # fp32 weights 4 + grads 4 + Adam moments 8, as in the plan's memory model
+    activations = 5 * GIB
+    specs = [OptionSpec(label="4x A100-40GB ZeRO-3", gpus=4, kind="a100-40gb", strategy="zero3"),
+             OptionSpec(label="4x A100-40GB DDP", gpus=4, kind="a100-40gb", strategy="ddp"),
+             OptionSpec(label="4x A100-40GB FSDP", gpus=4, kind="a100-40gb", strategy="fsdp")]
+    rows = by_label(option_rows(**{**JOB, "memory_needed_bytes_per_gpu": state + activations,
+                                   "weights_and_state_bytes": state}, options=specs))
+    zero3, ddp = rows["4x A100-40GB ZeRO-3"], rows["4x A100-40GB DDP"]
+    assert zero3.fits and rows["4x A100-40GB FSDP"].fits and not ddp.fits
+    assert zero3.memory_per_gpu_gib == pytest.approx((state / 4 + activations) / GIB)
+    assert ddp.memory_per_gpu_gib == pytest.approx((state + activations) / GIB)
+    assert "needs" in ddp.note
+    # Headroom can tip a tight fit over.
+    tight = by_label(option_rows(**{**JOB, "memory_needed_bytes_per_gpu": state + activations,
+                                    "weights_and_state_bytes": state}, options=specs, memory_headroom=0.5))
+    assert not tight["4x A100-40GB ZeRO-3"].fits
+
+
+def test_price_override_is_respected_and_missing_kind_is_refused():
+    rows = by_label(option_rows(**JOB, options=H100x, prices={"h100": 1.0}))
+    assert rows["2x H100"].dollars == pytest.approx(2 * 1.0 * rows["2x H100"].hours)
+    with pytest.raises(ValueError, match="not in the hardware catalogue"):
+        option_rows(**{**JOB, "reference": "cpu"})
+    with pytest.raises(ValueError, match="exactly one GPU"):
+        option_rows(**JOB, options=[OptionSpec(label="bad", gpus=2, kind="h100", strategy="single")])
+
+
+def test_default_options_and_text_table():
+    rows = option_rows(**JOB)
+    assert [row.label for row in rows] == [spec.label for spec in DEFAULT_OPTIONS]
+    table = format_options(rows)
+    for spec in DEFAULT_OPTIONS:
+        assert spec.label in table
+    assert len(table.splitlines()) == len(rows) + 1
+
+
+def test_new_catalogue_entries_are_detected_by_their_own_names():
+    from phase1a.hardware import catalogue_key
+
+    names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA L4": "l4",
+             "NVIDIA L40S": "l40s", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100 PCIe": "a100-80gb",
+             "NVIDIA GeForce RTX 4090": "rtx4090", "Tesla T4": None}
+    assert {name: catalogue_key(name) for name in names} == names
+    assert all(accelerator.memory_bandwidth for accelerator in CATALOGUE.values())
