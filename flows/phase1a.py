@@ -12,7 +12,7 @@ from phase1a.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
 from tasks.stage import source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
-from tasks.train import TrainSettings, train_task, training_key
+from tasks.train import TrainSettings, record_run, train_task, training_key
 from tasks.validate import format_table, validate_fingerprint, validate_task
 
 
@@ -44,17 +44,20 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
         publish_length_report(data, report.run_dir)
 
         model_fp = model_fingerprint(model_dir)
+        history = config.cache_dir / "history.jsonl"
         plan = report.run("plan", plan_task, config=config, model_dir=str(model_dir), data=data,
-                          fingerprint=plan_fingerprint(config, model_fp, data))
+                          fingerprint=plan_fingerprint(config, model_fp, data), model_fingerprint=model_fp,
+                          history_path=str(history))
         publish_plan(plan, report.run_dir)
         print(format_plan(plan))
         if plan_only:
             status = "planned"
             return str(report.path)
 
-        run_key = training_key(data.fingerprint, model_fp, config.method)
+        method = config.method.model_copy(update={"epochs": plan.epochs})  # the window may have cut epochs
+        run_key = training_key(data.fingerprint, model_fp, method, plan.max_seq_length)
         settings = TrainSettings(
-            model_dir=str(model_dir), train_path=data.train_path, method=config.method,
+            model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
             output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
             micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
             checkpoint_interval=config.checkpoint.interval,
@@ -62,9 +65,7 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
         )
         trained = report.run("train", train_task, settings=settings)
         if not trained.reused_completed_run:
-            report.set("estimate_vs_actual", {"estimated_train_seconds": plan.estimated_train_seconds,
-                                              "actual_train_seconds": trained.wall_seconds,
-                                              "ratio": trained.wall_seconds / plan.estimated_train_seconds})
+            report.set("estimate_vs_actual", record_run(history, plan, trained, model_fp, config).model_dump(mode="json"))
 
         verdict = report.run("validate", validate_task, model_dir=str(model_dir), adapter_dir=trained.adapter_dir,
                              validation_path=data.validation_path, settings=config.validation,

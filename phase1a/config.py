@@ -75,6 +75,18 @@ class HardwareConfig(_Section):
     calibration_steps: int = Field(2, ge=0, description="Measured steps that calibrate the throughput model.")
 
 
+class PlanConfig(_Section):
+    profile: Literal["fast", "balanced", "quality", "memory_efficient", "custom"] = Field(
+        "balanced", description="fast: truncate at p99.9; quality: never truncate; memory_efficient: micro-batch 1 "
+                                "with gradient checkpointing; custom: micro_batch_size and gradient_checkpointing below.")
+    min_epochs: float = Field(1.0, gt=0.0, description="Fitting a time window never cuts epochs below this.")
+    micro_batch_size: int | None = Field(None, ge=1, description="custom profile only")
+    gradient_checkpointing: bool | None = Field(None, description="custom profile only")
+    assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
+    scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0, description="Options table: throughput kept per GPU doubling.")
+    lr_rule: Literal["sqrt", "linear", "none"] = Field("sqrt", description="Options table: LR for a larger global batch.")
+
+
 class WindowConfig(_Section):
     max_duration: str | None = Field(None, description="Time window for the whole run, e.g. '12h'.")
     safety_margin: str = "30m"
@@ -112,6 +124,7 @@ class Phase1aConfig(_Section):
     model: ModelConfig = ModelConfig()
     method: MethodConfig = MethodConfig()
     hardware: HardwareConfig = HardwareConfig()
+    plan: PlanConfig = PlanConfig()
     window: WindowConfig = WindowConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     validation: ValidationConfig = ValidationConfig()

@@ -23,9 +23,10 @@ class TokenRows:
     input_ids: np.ndarray
     labels: np.ndarray
     offsets: np.ndarray
+    max_length: int | None = None  # a plan may truncate shorter than the tokenized data
 
     @classmethod
-    def from_arrow(cls, path: str | Path) -> "TokenRows":
+    def from_arrow(cls, path: str | Path, max_length: int | None = None) -> "TokenRows":
         table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         ids = table.column("input_ids").combine_chunks()
         labels = table.column("labels").combine_chunks()
@@ -33,16 +34,22 @@ class TokenRows:
             input_ids=ids.values.to_numpy(zero_copy_only=False),
             labels=labels.values.to_numpy(zero_copy_only=False),
             offsets=ids.offsets.to_numpy(),
+            max_length=max_length,
         )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def end(self, i: int) -> int:
+        end = int(self.offsets[i + 1])
+        return end if self.max_length is None else min(end, int(self.offsets[i]) + self.max_length)
+
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        lengths = np.diff(self.offsets)
+        return lengths if self.max_length is None else np.minimum(lengths, self.max_length)
 
     def supervised_tokens(self, indices: np.ndarray) -> int:
-        return sum(int((self.labels[self.offsets[i] + 1 : self.offsets[i + 1]] != IGNORE_INDEX).sum()) for i in indices)
+        return sum(int((self.labels[self.offsets[i] + 1 : self.end(i)] != IGNORE_INDEX).sum()) for i in indices)
 
 
 def pack(rows: TokenRows, indices: np.ndarray) -> dict[str, torch.Tensor]:
@@ -50,7 +57,7 @@ def pack(rows: TokenRows, indices: np.ndarray) -> dict[str, torch.Tensor]:
     is trained to predict the start of the next one."""
     ids, labels, positions = [], [], []
     for i in indices:
-        start, end = rows.offsets[i], rows.offsets[i + 1]
+        start, end = rows.offsets[i], rows.end(i)
         ids.append(rows.input_ids[start:end])
         example_labels = rows.labels[start:end].copy()
         example_labels[0] = IGNORE_INDEX

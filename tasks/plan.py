@@ -18,18 +18,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel
 
 from phase1a.config import Phase1aConfig
-from phase1a.hardware import Accelerator, detect, target_accelerator, training_dtype, training_device
+from phase1a.fingerprint import hash_json
+from phase1a.hardware import CATALOGUE, GIB, Accelerator, detect, target_accelerator, training_device, training_dtype
+from phase1a.history import last_throughput
+from phase1a.options import OptionRow, format_options, option_rows
+from phase1a.lengths import right_size
 from phase1a.packing import TokenRows, example_stream
 from phase1a.units import parse_duration_seconds
-from phase1a.fingerprint import hash_json
+from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from tasks.caching import FingerprintCache, task
 from tasks.tokenize import TokenizedData
-
-ASSUMED_MFU = 0.35  # used only for hardware that is not present to measure; the plan says so when it applies
 
 
 class ModelFacts(BaseModel):
@@ -52,6 +55,9 @@ class MemoryEstimate(BaseModel):
 
 
 class Plan(BaseModel):
+    profile: str
+    epochs: float
+    adjustments: list[Adjustment]
     target: str
     detected: str
     calibrated: bool
@@ -71,6 +77,8 @@ class Plan(BaseModel):
     estimated_cost_usd: float | None
     window_seconds: float | None
     fits_in_window: bool | None
+    throughput_source: str
+    options: list[OptionRow]
     notes: list[str]
 
 
@@ -170,60 +178,100 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData) -> Plan:
+def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model_fingerprint: str = "",
+              history_path: Path | None = None) -> Plan:
     notes: list[str] = []
-    max_seq_length = data.max_seq_length
+    policy = config.plan
     facts = model_facts(model_dir)
     full = config.method.kind == "full"
-    device = training_device()
     target = target_accelerator(config.hardware.target)
     detected_key, detected = detect()
     present = detected_key == config.hardware.target
     if not present:
         notes.append(f"target {config.hardware.target} ({target.name}) is not present; this machine has {detected.name}")
-    dtype = training_dtype(device) if present else torch.bfloat16
+    dtype = training_dtype(training_device()) if present else torch.bfloat16
     weight_bytes = torch.finfo(dtype).bits // 8
     trainable = facts.parameters if full else lora_parameters(facts, config)
     available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
-    micro, checkpointing, memory = choose_micro_batch(
-        facts, trainable, full, weight_bytes, config.method.batch_size, max_seq_length, available
-    )
 
     rows = TokenRows.from_arrow(data.train_path)
-    lengths = rows.lengths()
-    validation_tokens = int(TokenRows.from_arrow(data.validation_path).lengths()[: config.validation.max_examples].sum())
-    total_examples = max(1, round(len(rows) * config.method.epochs))
-    steps = -(-total_examples // config.method.batch_size)
-    train_tokens = int(round(lengths.sum() * config.method.epochs))
-    flops = flops_per_token(facts, full, checkpointing, float(lengths.mean()))
+    max_seq_length = data.max_seq_length
+    if policy.profile == "fast":  # the longest 0.1 % of examples are truncated rather than sizing every batch
+        max_seq_length = min(max_seq_length, right_size(rows.lengths(), FAST_PERCENTILE, data.model_max_length, None))
+    micro, checkpointing, memory = _micro_batch_for_profile(
+        policy, facts, trainable, full, weight_bytes, config.method.batch_size, max_seq_length, available)
+    flops = flops_per_token(facts, full, checkpointing, float(rows.lengths().mean()))
 
     calibrated = present and config.hardware.calibration_steps > 0
+    remembered = history_path and last_throughput(history_path, model_fingerprint, config.hardware.target, micro,
+                                                  checkpointing)
     if calibrated:
-        seconds_per_token = measure_seconds_per_token(config, model_dir, rows, micro, checkpointing)
+        seconds_per_token, source = measure_seconds_per_token(config, model_dir, rows, micro, checkpointing), "measured"
+    elif remembered:
+        seconds_per_token, source = 1.0 / remembered, "history"
+        notes.append(f"throughput {remembered:.0f} tokens/s from the last run of this model on {config.hardware.target}")
     else:
-        seconds_per_token = flops / (_peak_flops(target) * ASSUMED_MFU)
-        notes.append(f"throughput assumed at {ASSUMED_MFU:.0%} MFU of {target.name}'s peak, not measured")
+        seconds_per_token, source = flops / (_peak_flops(target) * policy.assumed_mfu), "assumed"
+        notes.append(f"throughput assumed at {policy.assumed_mfu:.0%} MFU of {target.name}'s peak, not measured")
     # Evaluation runs the forward pass only (2N of the training FLOPs) for the base and the trained model.
+    validation_tokens = int(TokenRows.from_arrow(data.validation_path).lengths()[: config.validation.max_examples].sum())
     eval_seconds = 2 * validation_tokens * seconds_per_token * (2 * facts.parameters) / flops
-    train_seconds = train_tokens * seconds_per_token
-    total_seconds = train_seconds + eval_seconds
+    work = Workload(lengths=rows.lengths(), epochs=config.method.epochs, max_seq_length=max_seq_length,
+                    model_max_length=data.model_max_length, seconds_per_token=seconds_per_token,
+                    fixed_seconds=eval_seconds)
+
+    epochs, profile, adjustments, window = config.method.epochs, policy.profile, [], None
+    if config.window.max_duration:
+        window = parse_duration_seconds(config.window.max_duration)
+        budget = window - parse_duration_seconds(config.window.safety_margin)
+        epochs, max_seq_length, profile, adjustments = fit_window(work, budget, policy.profile, policy.min_epochs)
+    total_examples = max(1, round(len(rows) * epochs))
+    total_seconds = work.seconds(epochs, max_seq_length)
     price = config.hardware.price_per_gpu_hour or target.price_per_hour
-    window = parse_duration_seconds(config.window.max_duration) if config.window.max_duration else None
-    fits = None
-    if window is not None:
-        fits = total_seconds <= window - parse_duration_seconds(config.window.safety_margin)
-        if not fits:
-            notes.append(f"estimated {total_seconds / 3600:.2f} h does not fit the {config.window.max_duration} window "
-                         f"with a {config.window.safety_margin} margin")
+    train_tokens = int(round(np.minimum(rows.lengths(), max_seq_length).sum() * epochs))
+    # The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
+    # else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU).
+    reference = config.hardware.target if config.hardware.target in CATALOGUE else "h100"
+    reference_tps = (1.0 / seconds_per_token if reference == config.hardware.target
+                     else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops)
+    options = option_rows(
+        train_tokens, flops, reference, reference_tps, memory.total_gib * GIB, (memory.weights_gib + memory.trainable_gib) * GIB,
+        config.method.batch_size, config.method.learning_rate, scaling_efficiency=policy.scaling_efficiency,
+        prices={config.hardware.target: config.hardware.price_per_gpu_hour} if config.hardware.price_per_gpu_hour else None,
+        fixed_overhead_seconds=eval_seconds, lr_rule=policy.lr_rule, memory_headroom=config.hardware.memory_headroom)
     return Plan(
-        target=config.hardware.target, detected=detected.name, calibrated=calibrated, precision=str(dtype).removeprefix("torch."),
-        micro_batch_size=micro, gradient_accumulation=config.method.batch_size // micro,
-        gradient_checkpointing=checkpointing, max_seq_length=max_seq_length, trainable_parameters=trainable,
-        memory=memory, flops_per_token=flops, tokens_per_second=1.0 / seconds_per_token, steps=steps,
-        train_tokens=train_tokens, estimated_train_seconds=train_seconds, estimated_total_seconds=total_seconds,
+        profile=profile, epochs=epochs, adjustments=adjustments,
+        target=config.hardware.target, detected=detected.name, calibrated=calibrated,
+        precision=str(dtype).removeprefix("torch."), micro_batch_size=micro,
+        gradient_accumulation=config.method.batch_size // micro, gradient_checkpointing=checkpointing,
+        max_seq_length=max_seq_length, trainable_parameters=trainable, memory=memory, flops_per_token=flops,
+        tokens_per_second=1.0 / seconds_per_token, steps=-(-total_examples // config.method.batch_size),
+        train_tokens=train_tokens,
+        estimated_train_seconds=total_seconds - eval_seconds, estimated_total_seconds=total_seconds,
         estimated_cost_usd=None if price is None else price * config.hardware.num_gpus * total_seconds / 3600,
-        window_seconds=window, fits_in_window=fits, notes=notes,
+        window_seconds=window, fits_in_window=None if window is None else True, throughput_source=source,
+        options=options, notes=notes,
     )
+
+
+def _micro_batch_for_profile(policy, facts: ModelFacts, trainable: int, full: bool, weight_bytes: int,
+                             batch_size: int, max_seq_length: int, available: int) -> tuple[int, bool, MemoryEstimate]:
+    """memory_efficient: one example with checkpointing; custom: the user's knobs, checked; else the model's pick."""
+    if policy.profile == "memory_efficient":
+        micro, checkpointing = 1, True
+    elif policy.profile == "custom":
+        if policy.micro_batch_size is None or policy.gradient_checkpointing is None:
+            raise ValueError("plan.profile custom needs plan.micro_batch_size and plan.gradient_checkpointing")
+        if batch_size % policy.micro_batch_size:
+            raise ValueError(f"plan.micro_batch_size {policy.micro_batch_size} must divide method.batch_size {batch_size}")
+        micro, checkpointing = policy.micro_batch_size, policy.gradient_checkpointing
+    else:
+        return choose_micro_batch(facts, trainable, full, weight_bytes, batch_size, max_seq_length, available)
+    memory = memory_estimate(facts, trainable, full, weight_bytes, micro * max_seq_length, checkpointing, available)
+    if memory.total_gib > memory.available_gib:
+        raise MemoryError(f"plan.profile {policy.profile}: micro-batch {micro} needs {memory.total_gib:.1f} GiB, "
+                          f"{memory.available_gib:.1f} GiB are available")
+    return micro, checkpointing, memory
 
 
 def _peak_flops(accelerator: Accelerator) -> float:
@@ -240,7 +288,7 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
         from prefect.artifacts import create_table_artifact
     except ImportError:
         return path
-    rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude={"memory"}).items()]
+    rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude={"memory", "options"}).items()]
     rows += [{"setting": f"memory.{key}", "value": f"{value:.3f}"} for key, value in plan.memory.model_dump().items()]
     create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window")
     return path
@@ -255,15 +303,17 @@ def format_plan(plan: Plan) -> str:
              f"estimate: train {plan.estimated_train_seconds / 3600:.3f} h, total {plan.estimated_total_seconds / 3600:.3f} h"
              + (f", ${plan.estimated_cost_usd:.2f}" if plan.estimated_cost_usd is not None else ""),
              f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]
-    return "\n".join(lines + [f"note: {note}" for note in plan.notes])
+    lines += [f"adjusted {a.step}: {a.before} -> {a.after} ({a.estimated_hours:.2f} h)" for a in plan.adjustments]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options)])
 
 
 def plan_fingerprint(config: Phase1aConfig, model_fingerprint: str, data: TokenizedData) -> str:
     """Everything a plan depends on, including the hardware it would calibrate on."""
-    sections = config.model_dump(mode="json", include={"method", "hardware", "window", "validation"})
+    sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "validation"})
     return hash_json({"config": sections, "model": model_fingerprint, "data": data.fingerprint, "device": detect()[1].name})
 
 
 @task(name="plan", cache_policy=FingerprintCache(), persist_result=True, result_serializer="json")
-def plan_task(config: Phase1aConfig, model_dir: str, data: TokenizedData, fingerprint: str) -> Plan:
-    return make_plan(config, Path(model_dir), data)
+def plan_task(config: Phase1aConfig, model_dir: str, data: TokenizedData, fingerprint: str,
+              model_fingerprint: str = "", history_path: str | None = None) -> Plan:
+    return make_plan(config, Path(model_dir), data, model_fingerprint, Path(history_path) if history_path else None)

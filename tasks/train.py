@@ -31,6 +31,7 @@ class TrainSettings(BaseModel):
     method: MethodConfig
     micro_batch_size: int
     gradient_checkpointing: bool
+    max_seq_length: int | None = None  # the plan's truncation, when it is shorter than the tokenized data
     checkpoint_interval: str = "30m"
     keep_last: int = 2
     trust_remote_code: bool = False
@@ -51,9 +52,10 @@ class TrainResult(BaseModel):
     checkpoint_seconds: float
 
 
-def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig) -> str:
+def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int) -> str:
     """What makes two runs the same run: same data, weights and training semantics (not micro-batching)."""
-    return hash_json({"data": tokenized_fingerprint, "model": model_fingerprint, "method": method.model_dump()})[:16]
+    return hash_json({"data": tokenized_fingerprint, "model": model_fingerprint, "method": method.model_dump(),
+                      "max_seq_length": max_seq_length})[:16]
 
 
 def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False):
@@ -121,7 +123,7 @@ def train(settings: TrainSettings) -> TrainResult:
 
     method = settings.method
     torch.manual_seed(method.seed)
-    rows = TokenRows.from_arrow(settings.train_path)
+    rows = TokenRows.from_arrow(settings.train_path, settings.max_seq_length)
     order, total_examples = example_stream(len(rows), method.epochs, method.seed)
     total_steps = -(-total_examples // method.batch_size)
     model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code)
@@ -201,6 +203,21 @@ def _progress_bar(enabled: bool, total: int, initial: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def record_run(history: Path, plan, result: TrainResult, model_fingerprint: str, config) -> "RunRecord":
+    """Measured against estimated, appended to the history that the next plan of this model reads."""
+    from phase1a.history import RunRecord, append_run
+
+    record = RunRecord(
+        model_fingerprint=model_fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
+        device_name=plan.detected, precision=plan.precision, micro_batch_size=plan.micro_batch_size,
+        gradient_checkpointing=plan.gradient_checkpointing, max_seq_length=plan.max_seq_length,
+        tokens_per_second=result.tokens_per_second, estimated_train_seconds=plan.estimated_train_seconds,
+        actual_train_seconds=result.wall_seconds,
+    )
+    append_run(history, record)
+    return record
 
 
 @task(name="train")

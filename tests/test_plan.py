@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from phase1a.config import Phase1aConfig
+from phase1a.window import WindowError
 from tasks.plan import (
     ModelFacts, choose_micro_batch, flops_per_token, lora_parameters, make_plan, memory_estimate, model_facts,
 )
@@ -73,7 +74,29 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     remote = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
     assert not remote.calibrated and remote.precision == "bfloat16" and any("not present" in n for n in remote.notes)
     assert remote.estimated_cost_usd == pytest.approx(2.50 * remote.estimated_total_seconds / 3600)
-    assert remote.fits_in_window is True
+    assert remote.fits_in_window is True and remote.throughput_source == "assumed"
+    assert [row.label for row in remote.options][:2] == ["1x H100", "1x H200"] and remote.options[0].fits
+    assert remote.options[0].hours * 3600 == pytest.approx(remote.estimated_total_seconds, rel=1e-6)
+
+    # A run recorded on the target hardware replaces the assumption for the next plan of the same model.
+    from phase1a.history import RunRecord, append_run
+
+    history = tmp_path / "history.jsonl"
+    append_run(history, RunRecord(model_fingerprint="fp-model", model_name="tiny", hardware="h100", device_name="H100",
+                                  precision="bfloat16", micro_batch_size=remote.micro_batch_size,
+                                  gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
+                                  tokens_per_second=12345.0, estimated_train_seconds=1.0, actual_train_seconds=1.1))
+    learned = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data, "fp-model", history)
+    assert learned.throughput_source == "history" and learned.tokens_per_second == pytest.approx(12345.0)
 
     config_tree["window"] = {"max_duration": "30m", "safety_margin": "30m"}
-    assert make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data).fits_in_window is False
+    with pytest.raises(WindowError, match="nothing fits the time window"):
+        make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+
+    config_tree["window"] = {}
+    config_tree["plan"] = {"profile": "memory_efficient"}
+    lean = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    assert (lean.micro_batch_size, lean.gradient_checkpointing, lean.gradient_accumulation) == (1, True, 8)
+    config_tree["plan"] = {"profile": "custom", "micro_batch_size": 3, "gradient_checkpointing": False}
+    with pytest.raises(ValueError, match="must divide method.batch_size 8"):
+        make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
