@@ -72,7 +72,7 @@ class HardwareConfig(_Section):
     num_gpus: int = Field(1, ge=1)
     price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue price.")
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
-    calibration_steps: int = Field(2, ge=0, description="Measured steps that calibrate the throughput model.")
+    calibration_steps: int = Field(4, ge=0, description="Measured steps that calibrate the throughput model.")
 
 
 class PlanConfig(_Section):

@@ -151,14 +151,16 @@ def choose_micro_batch(facts: ModelFacts, trainable: int, full: bool, weight_byt
 
 def measure_seconds_per_token(config: Phase1aConfig, model_dir: Path, rows: TokenRows, micro: int,
                               checkpointing: bool) -> float:
-    """Time real optimizer steps of the chosen configuration on real batches (one warm-up step first)."""
+    """Time real optimizer steps of the chosen configuration on real batches: one warm-up step, then the median
+    seconds per token of the measured steps, so one slow step (allocator growth, a page-fault burst) does not
+    set the estimate."""
     from tasks.train import build_model, make_optimizer, train_step
 
     method = config.method
     model = build_model(model_dir, method, checkpointing, config.model.trust_remote_code)
     optimizer = make_optimizer(model, method)
     order, _ = example_stream(len(rows), 1.0, method.seed)
-    seconds, tokens = 0.0, 0
+    per_token = []
     for step in range(config.hardware.calibration_steps + 1):
         indices = order[(step * method.batch_size) % len(rows):][: method.batch_size]
         _sync()
@@ -168,9 +170,8 @@ def measure_seconds_per_token(config: Phase1aConfig, model_dir: Path, rows: Toke
         optimizer.zero_grad(set_to_none=True)
         _sync()
         if step > 0:
-            seconds += time.perf_counter() - began
-            tokens += step_tokens
-    return seconds / tokens
+            per_token.append((time.perf_counter() - began) / step_tokens)
+    return float(np.median(per_token))
 
 
 def _sync() -> None:
