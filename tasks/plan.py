@@ -151,7 +151,7 @@ def choose_micro_batch(facts: ModelFacts, trainable: int, full: bool, weight_byt
 
 def measure_seconds_per_token(config: Phase1aConfig, model_dir: Path, rows: TokenRows, micro: int,
                               checkpointing: bool) -> float:
-    """Time real optimizer steps of the chosen configuration on real batches: one warm-up step, then the median
+    """Time real optimizer steps of the chosen configuration on real batches: two warm-up steps, then the median
     seconds per token of the measured steps, so one slow step (allocator growth, a page-fault burst) does not
     set the estimate."""
     from tasks.train import build_model, make_optimizer, train_step
@@ -161,7 +161,8 @@ def measure_seconds_per_token(config: Phase1aConfig, model_dir: Path, rows: Toke
     optimizer = make_optimizer(model, method)
     order, _ = example_stream(len(rows), 1.0, method.seed)
     per_token = []
-    for step in range(config.hardware.calibration_steps + 1):
+    warmup = 2
+    for step in range(config.hardware.calibration_steps + warmup):
         indices = order[(step * method.batch_size) % len(rows):][: method.batch_size]
         _sync()
         began = time.perf_counter()
@@ -169,7 +170,7 @@ def measure_seconds_per_token(config: Phase1aConfig, model_dir: Path, rows: Toke
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync()
-        if step > 0:
+        if step >= warmup:
             per_token.append((time.perf_counter() - began) / step_tokens)
     return float(np.median(per_token))
 
@@ -203,14 +204,16 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
         policy, facts, trainable, full, weight_bytes, config.method.batch_size, max_seq_length, available)
     flops = flops_per_token(facts, full, checkpointing, float(rows.lengths().mean()))
 
-    calibrated = present and config.hardware.calibration_steps > 0
+    # A whole earlier run of this model and configuration on this hardware is the best predictor; a few
+    # calibration steps see only the first, slower steps of a run; an assumed MFU is the last resort.
     remembered = history_path and last_throughput(history_path, model_fingerprint, config.hardware.target, micro,
                                                   checkpointing)
-    if calibrated:
-        seconds_per_token, source = measure_seconds_per_token(config, model_dir, rows, micro, checkpointing), "measured"
-    elif remembered:
+    calibrated = not remembered and present and config.hardware.calibration_steps > 0
+    if remembered:
         seconds_per_token, source = 1.0 / remembered, "history"
         notes.append(f"throughput {remembered:.0f} tokens/s from the last run of this model on {config.hardware.target}")
+    elif calibrated:
+        seconds_per_token, source = measure_seconds_per_token(config, model_dir, rows, micro, checkpointing), "measured"
     else:
         seconds_per_token, source = flops / (_peak_flops(target) * policy.assumed_mfu), "assumed"
         notes.append(f"throughput assumed at {policy.assumed_mfu:.0%} MFU of {target.name}'s peak, not measured")
