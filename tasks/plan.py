@@ -16,6 +16,7 @@ instead of assumed; elsewhere peak FLOP/s times `assumed_mfu` gives an uncalibra
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -197,12 +198,13 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
 
     rows = TokenRows.from_arrow(data.train_path)
+    lengths = rows.lengths()
     max_seq_length = data.max_seq_length
     if policy.profile == "fast":  # the longest 0.1 % of examples are truncated rather than sizing every batch
-        max_seq_length = min(max_seq_length, right_size(rows.lengths(), FAST_PERCENTILE, data.model_max_length, None))
+        max_seq_length = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, data.model_max_length, None))
     micro, checkpointing, memory = _micro_batch_for_profile(
         policy, facts, trainable, full, weight_bytes, config.method.batch_size, max_seq_length, available)
-    flops = flops_per_token(facts, full, checkpointing, float(rows.lengths().mean()))
+    flops = flops_per_token(facts, full, checkpointing, float(np.minimum(lengths, max_seq_length).mean()))
 
     # A whole earlier run of this model and configuration on this hardware is the best predictor; a few
     # calibration steps see only the first, slower steps of a run; an assumed MFU is the last resort.
@@ -213,14 +215,16 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
         seconds_per_token, source = 1.0 / remembered, "history"
         notes.append(f"throughput {remembered:.0f} tokens/s from the last run of this model on {config.hardware.target}")
     elif calibrated:
-        seconds_per_token, source = measure_seconds_per_token(config, model_dir, rows, micro, checkpointing), "measured"
+        # Calibrate on the rows as training will see them, truncated to this plan's length.
+        truncated = replace(rows, max_length=max_seq_length)
+        seconds_per_token, source = measure_seconds_per_token(config, model_dir, truncated, micro, checkpointing), "measured"
     else:
         seconds_per_token, source = flops / (_peak_flops(target) * policy.assumed_mfu), "assumed"
         notes.append(f"throughput assumed at {policy.assumed_mfu:.0%} MFU of {target.name}'s peak, not measured")
     # Evaluation runs the forward pass only (2N of the training FLOPs) for the base and the trained model.
     validation_tokens = int(TokenRows.from_arrow(data.validation_path).lengths()[: config.validation.max_examples].sum())
     eval_seconds = 2 * validation_tokens * seconds_per_token * (2 * facts.parameters) / flops
-    work = Workload(lengths=rows.lengths(), epochs=config.method.epochs, max_seq_length=max_seq_length,
+    work = Workload(lengths=lengths, epochs=config.method.epochs, max_seq_length=max_seq_length,
                     model_max_length=data.model_max_length, seconds_per_token=seconds_per_token,
                     fixed_seconds=eval_seconds)
 
@@ -232,7 +236,7 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     total_examples = max(1, round(len(rows) * epochs))
     total_seconds = work.seconds(epochs, max_seq_length)
     price = config.hardware.price_per_gpu_hour or target.price_per_hour
-    train_tokens = int(round(np.minimum(rows.lengths(), max_seq_length).sum() * epochs))
+    train_tokens = int(round(np.minimum(lengths, max_seq_length).sum() * epochs))
     # The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
     # else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU).
     reference = config.hardware.target if config.hardware.target in CATALOGUE else "h100"
