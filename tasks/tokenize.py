@@ -180,6 +180,7 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
     # Plain reads, not a memory map: one batch at a time in RAM, so peak RSS does not grow with the data.
     source = pa.ipc.open_file(pa.OSFile(str(work / "all.arrow"), "rb"))
     kept_lengths, supervised, without_labels, start = [], 0, 0, 0
+    counts = {"train": 0, "validation": 0}
     with _writer(work / "train.arrow") as train_out, _writer(work / "validation.arrow") as validation_out:
         for index in range(source.num_record_batches):
             batch = source.get_batch(index)
@@ -192,8 +193,10 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
             without_labels += int((keep[rows] & ~has_labels).sum())
             row_keep = keep[rows] & has_labels
             table = pa.table({"input_ids": ids, "labels": labels, "length": pc.list_value_length(ids)})
-            train_out.write_table(table.filter(pa.array(row_keep & ~validation[rows])))
-            validation_out.write_table(table.filter(pa.array(row_keep & validation[rows])))
+            for name, out, mask in (("train", train_out, row_keep & ~validation[rows]),
+                                    ("validation", validation_out, row_keep & validation[rows])):
+                out.write_table(table.filter(pa.array(mask)))
+                counts[name] += int(mask.sum())
             kept_lengths.append(np.minimum(lengths_all[rows], max_seq_length)[row_keep])
             supervised += int(label_counts[row_keep].sum())
     (work / "all.arrow").unlink()
@@ -202,16 +205,16 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
         raise DataError(f"{data_path}: {final_keep.size} usable examples after filtering; need a train and a validation split")
     stats = length_stats(final_keep, supervised)
     histogram = save_histogram(final_keep, stats, max_seq_length, work / "lengths.png")
-    train_rows, validation_rows = (read_arrow(work / name).num_rows for name in ("train.arrow", "validation.arrow"))
+    duplicates = int((~first_seen).sum())
     return TokenizedData(
         fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
         validation_path=str(out_dir / "validation.arrow"), histogram_path=str(out_dir / histogram.name),
-        train_examples=train_rows, validation_examples=validation_rows,
+        train_examples=counts["train"], validation_examples=counts["validation"],
         template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
         lengths=stats, max_seq_length=max_seq_length, model_max_length=model_max_length,
         waste=waste_table(lengths_all, options.max_seq_length or model_max_length, max_seq_length),
-        skipped=dict(skipped), skipped_examples=shown, duplicates=int((~first_seen).sum()),
-        duplicates_dropped=int((~first_seen).sum()) if options.drop_duplicates else 0,
+        skipped=dict(skipped), skipped_examples=shown, duplicates=duplicates,
+        duplicates_dropped=duplicates if options.drop_duplicates else 0,
         truncated_examples=int((overlong & keep).sum()) if options.overlong == "truncate" else 0,
         dropped_overlong=int(overlong.sum()) if options.overlong == "drop" else 0,
         dropped_without_labels=without_labels,
