@@ -99,3 +99,40 @@ def example_stream(num_examples: int, epochs: float, seed: int) -> tuple[np.ndar
     full_epochs = -(-total // num_examples)
     order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(num_examples) for epoch in range(full_epochs)])
     return order[:total], total
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Optimizer step k -> its packed micro-batches and the step's supervised-token count.
+
+    A pure function of k, so resuming at step k re-iterates nothing, and dataloader workers can pack steps
+    ahead of the accelerator. Workers reopen the memory-mapped Arrow file instead of receiving a pickled copy."""
+
+    def __init__(self, train_path: str | Path, max_length: int | None, order: np.ndarray, batch_size: int,
+                 total_examples: int, micro_batch_size: int):
+        self.train_path, self.max_length, self.order = str(train_path), max_length, order
+        self.batch_size, self.total_examples, self.micro_batch_size = batch_size, total_examples, micro_batch_size
+        self._rows: TokenRows | None = None
+
+    @property
+    def rows(self) -> TokenRows:
+        if self._rows is None:
+            self._rows = TokenRows.from_arrow(self.train_path, self.max_length)
+        return self._rows
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rows": None}
+
+    def __len__(self) -> int:
+        return -(-self.total_examples // self.batch_size)
+
+    def __getitem__(self, step: int) -> dict:
+        indices = step_indices(self.order, step, self.batch_size, self.total_examples)
+        micro = [pack(self.rows, indices[start : start + self.micro_batch_size])
+                 for start in range(0, len(indices), self.micro_batch_size)]
+        return {"micro_batches": micro, "supervised": self.rows.supervised_tokens(indices)}
+
+
+def step_loader(batches: StepBatches, steps: range, workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """Steps in order; with workers, two steps a worker are packed (and pinned) ahead."""
+    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=steps, num_workers=workers,
+                                       pin_memory=pin_memory, prefetch_factor=2 if workers else None)
