@@ -60,7 +60,7 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
             model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
             output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
             micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-            checkpoint_interval=config.checkpoint.interval,
+            compile=plan.compile, dataloader_workers=plan.dataloader_workers, checkpoint_interval=config.checkpoint.interval,
             keep_last=config.checkpoint.keep_last, trust_remote_code=config.model.trust_remote_code,
         )
         trained = report.run("train", train_task, settings=settings)
