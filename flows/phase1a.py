@@ -7,6 +7,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from phase1a.config import Phase1aConfig, resolve_paths
+from phase1a.hardware import detect
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
@@ -60,7 +61,10 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
             model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
             output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
             micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-            compile=plan.compile, dataloader_workers=plan.dataloader_workers, checkpoint_interval=config.checkpoint.interval,
+            compile=plan.compile, dataloader_workers=plan.dataloader_workers,
+            checkpoint_interval=config.checkpoint.interval, num_processes=config.hardware.num_gpus,
+            model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
+            planned_seconds=plan.estimated_train_seconds,
             keep_last=config.checkpoint.keep_last, trust_remote_code=config.model.trust_remote_code,
         )
         trained = report.run("train", train_task, settings=settings)

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from phase1a.checkpoints import TrainingState, save_checkpoint
 from phase1a.config import Phase1aConfig
-from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader
+from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 
 _WARMUP_STEPS = 2
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
@@ -79,7 +79,7 @@ Alternatives = Callable[[Candidate, str], list[Candidate]]
 
 def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_length: int, start: Candidate,
               alternatives: Alternatives, train_tokens: int, work_dir: Path) -> Calibration:
-    from tasks.train import build_model, make_optimizer, set_gradient_checkpointing
+    from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
 
     began = time.perf_counter()
     method = config.method
@@ -95,7 +95,8 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
         set_gradient_checkpointing(model, candidate.gradient_checkpointing)
         if candidate.compile and not getattr(model, "_compiled_call_impl", None):
             model.compile(dynamic=True)
-        batches = StepBatches(train_path, max_seq_length, order, method.batch_size, total, candidate.micro_batch_size)
+        batches = StepBatches(train_path, max_seq_length, order, method.batch_size, total,
+                              token_budget(candidate.micro_batch_size, max_seq_length))
         return _trial(model, optimizer, batches, candidate, config.hardware.calibration_steps)
 
     best = run(start)

@@ -76,7 +76,8 @@ class Plan(BaseModel):
     trainable_parameters: int
     memory: MemoryEstimate
     measured_peak_memory_gib: float | None
-    flops_per_token: float
+    flops_per_token: float  # what a step computes, recompute included
+    model_flops_per_token: float  # what MFU counts: no recompute
     tokens_per_second: float
     steps: int
     train_tokens: int
@@ -208,7 +209,8 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
         dataloader_workers=chosen.dataloader_workers, max_seq_length=max_seq_length, model=facts,
         trainable_parameters=trainable, memory=memory,
         measured_peak_memory_gib=throughput.calibration.peak_memory_gib if throughput.calibration else None,
-        flops_per_token=flops, tokens_per_second=1.0 / spt, steps=steps, train_tokens=train_tokens, estimate=estimate,
+        flops_per_token=flops, tokens_per_second=1.0 / spt,
+        model_flops_per_token=flops_per_token(facts, shape.full, False, _mean(lengths, max_seq_length)), steps=steps, train_tokens=train_tokens, estimate=estimate,
         estimated_train_seconds=train_seconds, estimated_total_seconds=estimate.total_seconds,
         estimated_cost_usd=None if price is None else price * config.hardware.num_gpus * estimate.total_seconds / 3600,
         window_seconds=window, fits_in_window=None if window is None else True, throughput_source=throughput.source,

@@ -96,7 +96,7 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.train import set_gradient_checkpointing
+    from phase1a.modeling import set_gradient_checkpointing
 
     torch.manual_seed(0)
     shape = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,

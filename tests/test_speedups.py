@@ -11,7 +11,8 @@ import torch
 from phase1a.config import MethodConfig
 from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.train import build_model, make_optimizer, set_gradient_checkpointing, train_step
+from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
+from tasks.train import train_step
 from conftest import date_records, make_tokenizer, write_jsonl
 
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
@@ -87,11 +88,12 @@ def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, tra
 def test_dataloader_workers_deliver_the_same_steps(train_path):
     """Workers only move packing to other processes: the step contents are identical, so is the training."""
     order, total = example_stream(len(TokenRows.from_arrow(train_path)), 2.0, seed=0)
-    batches = StepBatches(train_path, 48, order, 8, total, micro_batch_size=3)
+    batches = StepBatches(train_path, 48, order, 8, total, token_budget=100)
     inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
     workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
     assert len(inline) == len(workers) == len(batches) - 2
-    assert len(inline[0]["micro_batches"]) == 3  # 8 examples in rows of 3, 3, 2
+    rows = inline[0]["micro_batches"]
+    assert len(rows) > 1 and all(row["input_ids"].numel() <= 100 for row in rows)  # the budget splits the step
     for a, b in zip(inline, workers):
         assert a["supervised"] == b["supervised"] and len(a["micro_batches"]) == len(b["micro_batches"]) >= 1
         for micro_a, micro_b in zip(a["micro_batches"], b["micro_batches"]):
@@ -103,7 +105,7 @@ def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, 
     """The loader's step, normalised over its supervised tokens, is the mean loss of its examples' tokens."""
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
     order, total = example_stream(len(TokenRows.from_arrow(train_path)), 1.0, seed=0)
-    step = StepBatches(train_path, None, order, 8, total, micro_batch_size=3)[0]
+    step = StepBatches(train_path, None, order, 8, total, token_budget=120)[0]
     loss, tokens = train_step(model, step["micro_batches"], step["supervised"])
     with torch.no_grad():
         whole = pack(TokenRows.from_arrow(train_path), order[:8])
