@@ -84,6 +84,25 @@ def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: Met
                       "max_seq_length": max_seq_length})[:16]
 
 
+def train_settings(config, plan, data, model_dir: Path, model_fingerprint: str) -> TrainSettings:
+    """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
+    them), its truncation; the output directory is keyed by what makes two runs the same run."""
+    from phase1a.hardware import detect
+
+    method = config.method.model_copy(update={"epochs": plan.epochs})
+    run_key = training_key(data.fingerprint, model_fingerprint, method, plan.max_seq_length)
+    return TrainSettings(
+        model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
+        output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
+        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+        compile=plan.compile, dataloader_workers=plan.dataloader_workers,
+        checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
+        trust_remote_code=config.model.trust_remote_code, num_processes=config.hardware.num_gpus,
+        model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
+        planned_seconds=plan.estimated_train_seconds,
+    )
+
+
 def train_step(model, micro_batches: list[dict[str, torch.Tensor]], supervised: int, weight: float = 1.0,
                world_size: int = 1) -> tuple[float, int]:
     """Forward and backward over one rank's rows of an optimizer step; the loss is normalised over the whole
