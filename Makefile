@@ -28,6 +28,7 @@ test: setup
 VENV_BIN := $(UV_PROJECT_ENVIRONMENT)/bin
 PREFECT_HOME ?= $(CURDIR)/.prefect
 PREFECT_PORT ?= 4200
+PREFECT_HOST ?= 127.0.0.1
 SERVER_URL := http://127.0.0.1:$(PREFECT_PORT)/api
 PREFECT_API_URL ?= $(SERVER_URL)
 PHASE1A_TZ ?= UTC
@@ -47,7 +48,7 @@ server: setup
 	  echo "prefect server already running (pid $$(cat $(SERVER_PID))) at $(SERVER_URL)"; \
 	else \
 	  PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_API_URL=$(SERVER_URL) \
-	    setsid nohup $(VENV_BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) \
+	    setsid nohup $(VENV_BIN)/prefect server start --host $(PREFECT_HOST) --port $(PREFECT_PORT) \
 	    > $(PREFECT_HOME)/server.log 2>&1 < /dev/null & echo $$! > $(SERVER_PID); \
 	  echo "prefect server starting (pid $$(cat $(SERVER_PID))), log $(PREFECT_HOME)/server.log"; \
 	fi
