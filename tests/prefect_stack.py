@@ -111,22 +111,28 @@ class PrefectStack:
             **(extra_env or {}),
         }
         self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.outputs: list[str] = []  # of every command run through run()
 
-    def start(self, name: str, args: list[str], program: str | None = None) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], program: str | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `prefect ARGS` (or `program ARGS`) in its own process group, output to HOME/<name>.log."""
         log = self.home / f"{name}.log"
         with log.open("w") as handle:
-            proc = subprocess.Popen([program or str(PREFECT), *args], cwd=ROOT, env=self.env, stdout=handle,
+            proc = subprocess.Popen([program or str(PREFECT), *args], cwd=ROOT, env=env or self.env, stdout=handle,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((proc, log))
         return proc
 
     def logs(self) -> str:
-        return "\n".join(f"--- {log.name} (exit {proc.poll()}) ---\n{_tail(log)}" for proc, log in self.procs)
+        """The tail of every log under HOME: the processes started here, and a server started by `make server`."""
+        exits = {log: proc.poll() for proc, log in self.procs}
+        return "\n".join(f"--- {log.name} (exit {exits.get(log, '?')}) ---\n{_tail(log)}"
+                         for log in sorted(self.home.glob("*.log")))
 
     def run(self, args: list[str], timeout: float = 120) -> str:
         result = subprocess.run(args, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         output = result.stdout + result.stderr
+        self.outputs.append(output)
         assert result.returncode == 0, f"{' '.join(args)} exited {result.returncode}:\n{output}\n{self.logs()}"
         return output
 
