@@ -314,7 +314,14 @@ def run(settings: TrainSettings) -> TrainResult:
 
 @task(name="train")
 def train_task(settings: TrainSettings) -> TrainResult:
-    return run(settings)
+    # Two runs with the same training key share output_dir (a duplicate manual run, or one during the nightly
+    # run): training side by side would interleave metrics, race on checkpoint renames and write one
+    # final.partial. The second waits, then reuses the finished run, or resumes if the first one died. The
+    # launching process holds the lock for all its torchrun ranks.
+    from phase1a.locks import exclusive
+
+    with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
+        return run(settings)
 
 
 if __name__ == "__main__":  # a torchrun rank: python -m tasks.train SETTINGS.json
