@@ -123,7 +123,10 @@ class GateTolerances(_Section):
 
 class ValidationConfig(_Section):
     max_examples: int = Field(200, ge=1, description="Held-out examples scored: the first N of the validation split.")
-    batch_size: int = Field(16, ge=1, description="Examples per evaluation and per generation batch.")
+    batch_size: int = Field(16, ge=1, description="Examples per packed row of the loss and token-accuracy pass.")
+    generation_batch_size: int = Field(
+        32, ge=1, description="Prompts per generation batch. Decoding re-reads every weight per step, so a larger "
+                              "batch costs little more per step; the bound is KV-cache memory.")
     extractor: Literal["whole", "last_number", "regex"] = Field(
         "whole", description="What exact match compares: the whole normalised answer, its last number, or the "
                              "first group of `answer_pattern`.")

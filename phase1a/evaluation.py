@@ -64,7 +64,8 @@ def metric_settings_key(settings: ValidationConfig, device: torch.device, dtype:
     precision, and this code."""
     return hash_json({
         "scoring": settings.model_dump(mode="json", include={"extractor", "answer_pattern", "max_new_tokens",
-                                                             "new_tokens_margin", "ece_bins", "batch_size"}),
+                                                             "new_tokens_margin", "ece_bins", "batch_size",
+                                                             "generation_batch_size"}),
         "device": device.type, "dtype": str(dtype),
         "code": code_version("phase1a/evaluation.py", "phase1a/generation.py", "phase1a/answers.py",
                              "phase1a/packing.py"),
@@ -126,7 +127,7 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
     max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generated = generate_greedy(model, [e.prompt for e in examples], max_new, stop_token_ids(tokenizer, model),
-                                pad_id, settings.batch_size)
+                                pad_id, settings.generation_batch_size)
 
     hits, confidences, answers = [], [], []
     for reference, output in zip(references, generated):
