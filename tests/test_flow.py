@@ -103,7 +103,7 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     promoted = tmp_path / "promoted"
-    config_tree["validation"]["promote_to"] = str(promoted)
+    config_tree["validation"].update({"promote_to": str(promoted), "promote_merged": True})
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
     section = first["validation"]
@@ -112,6 +112,9 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
     assert section["metrics"]["loss"]["delta"] == section["metrics"]["loss"]["candidate"] - section["metrics"]["loss"]["baseline"]
     pointer = (promoted / "promoted.json").read_bytes()
     assert json.loads(pointer)["version"] == section["promotion"]["version"] == Path(first["run_dir"]).name
+    version = promoted / "versions" / section["promotion"]["version"]
+    assert (version / "adapter" / "adapter_config.json").is_file() and (version / "merged" / "config.json").is_file()
+    assert not (Path(first["run_dir"]) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation"])))
     assert artifacts and {row["metric"] for row in json.loads(artifacts[0].data)} >= {"loss", "exact_match"}

@@ -15,7 +15,7 @@ from phase1a.fingerprint import sha256_tree
 from phase1a.packing import TokenRows
 from phase1a.promotion import POINTER, PromotionConflict, PromotionError, PromotionRecord, promote, read_pointer
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.validate import evaluate, load_for_eval, promoted_baseline
+from tasks.validate import evaluate, load_for_eval, merge_adapter, promoted_baseline
 from conftest import date_records, make_tokenizer, write_jsonl
 from test_stage_s3 import _client, _start_moto, _stop, aws_env  # noqa: F401 - aws_env is an autouse fixture
 
@@ -201,3 +201,19 @@ def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir
         promoted_baseline(pointer.model_copy(update={"base_model_fingerprint": "another"}), tiny_model_dir,
                           make_tokenizer(), rows, indices, settings, tmp_path / "cache", "model-fp",
                           torch.device("cpu"), staging_dir=tmp_path / "staging", endpoint_url=endpoint)
+
+
+def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter_does(tiny_model_dir, adapters, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = merge_adapter(tiny_model_dir, adapters[0], tmp_path / "merged")
+    outcome = promote({"adapter": adapters[0], "merged": merged}, str(tmp_path / "promoted"), "v1", record(adapters[0]))
+    stored = Path(outcome.pointer.artifacts["merged"])
+    assert not (stored / "adapter_config.json").exists() and (stored / "tokenizer.json").is_file()
+    ids = AutoTokenizer.from_pretrained(stored)("write 2020-03 in us format", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(stored).eval()(input_ids=ids).logits
+        with_adapter = load_for_eval(tiny_model_dir, adapters[0], torch.device("cpu"))(input_ids=ids).logits
+        base = load_for_eval(tiny_model_dir, None, torch.device("cpu"))(input_ids=ids).logits
+    torch.testing.assert_close(plain, with_adapter, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(plain, base, atol=1e-3)  # the adapter really changed the weights
