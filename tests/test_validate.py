@@ -9,14 +9,15 @@ import torch
 
 from phase1a.answers import extract_answer, normalise
 from phase1a.config import GateTolerances, MethodConfig, ValidationConfig
-from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, expected_calibration_error, sample_fingerprint
+from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
 from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
 from phase1a.packing import TokenRows
 from phase1a.promotion import PromotionError, read_pointer
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from tasks.validate import base_model_metrics, format_table, load_for_eval, promote_candidate, validate
+from tasks.validate import (base_model_metrics, for_scoring, format_table, load_for_eval, promote_candidate,
+                            validate)
 from conftest import date_records, make_tokenizer, write_jsonl
 
 SPECIALS = ["<|im_end|>", "</s>"]
@@ -180,6 +181,23 @@ def test_base_model_metrics_are_computed_once_per_model_sample_and_settings(tiny
     base_model_metrics(model, tokenizer, rows, indices, settings.model_copy(update={"ece_bins": 5}), tmp_path, "model-fp")
     assert len(list((tmp_path / "metrics").glob("*.json"))) == 3
     assert sample_fingerprint(rows, indices) != sample_fingerprint(rows, np.arange(5))
+
+
+def test_scoring_with_the_adapter_merged_gives_the_metrics_of_the_separate_adapter(tiny_model_dir, split):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(load_for_eval(tiny_model_dir, None, torch.device("cpu")),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    rows, indices, settings = TokenRows.from_arrow(split.validation_path), np.arange(8), ValidationConfig()
+    separate = evaluate(model.eval(), make_tokenizer(), rows, indices, settings)
+    merged_model = for_scoring(model)
+    assert not any("lora" in name for name, _ in merged_model.named_parameters())
+    merged = evaluate(merged_model, make_tokenizer(), rows, indices, settings)
+    assert merged.loss == pytest.approx(separate.loss, rel=1e-5)
+    assert (merged.token_accuracy, merged.exact_match) == (separate.token_accuracy, separate.exact_match)
+    assert [a.prediction for a in merged.answers] == [a.prediction for a in separate.answers]
+    assert merged.ece == pytest.approx(separate.ece, abs=1e-5)
 
 
 def test_trained_adapter_beats_the_base_on_held_out_data(tiny_model_dir, split, tmp_path):
