@@ -13,7 +13,8 @@ from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
 from tasks.stage import source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
 from tasks.train import record_run, train_settings, train_task
-from tasks.validate import format_table, validate_fingerprint, validate_task
+from tasks.validate import (format_table, promote_task, publish_validation, validate_fingerprint,
+                            validate_task, validation_section)
 
 
 class GateFailed(RuntimeError):
@@ -61,12 +62,24 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
 
         verdict = report.run("validate", validate_task, model_dir=str(model_dir), adapter_dir=trained.adapter_dir,
                              validation_path=data.validation_path, settings=config.validation,
+                             cache_dir=str(config.cache_dir), model_fingerprint=model_fp,
+                             staging_dir=str(config.data.staging_dir), endpoint_url=endpoint,
                              trust_remote_code=config.model.trust_remote_code,
                              fingerprint=validate_fingerprint(model_fp, trained.adapter_dir, data.fingerprint,
-                                                              config.validation))
+                                                              config.validation, endpoint))
+        report.set("validation", validation_section(verdict))
+        publish_validation(verdict, report.run_dir)
         print(format_table(verdict))
         if not verdict.passed:
-            raise GateFailed("validation gate failed: " + "; ".join(verdict.reasons))
+            raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))
+        if config.validation.promote_to:  # only a pass gets here: a failed gate never moves the pointer
+            promotion = report.run("promote", promote_task, verdict=verdict, adapter_dir=trained.adapter_dir,
+                                   model_dir=str(model_dir), settings=config.validation, version=report.run_dir.name,
+                                   run=str(report.run_dir), work_dir=str(report.run_dir), endpoint_url=endpoint,
+                                   trust_remote_code=config.model.trust_remote_code)
+            report.set("validation", validation_section(verdict, promotion))
+            print(f"promoted: {promotion.pointer.version} at {promotion.pointer.path}"
+                  + ("" if promotion.promoted else " (already the promoted model)"))
         status = "passed"
     finally:
         path = report.write(status)

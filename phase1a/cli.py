@@ -25,6 +25,10 @@ def _summary(report_path: Path) -> str:
         from tasks.validate import ValidationResult, format_table
 
         lines += ["", "validation (held-out):", format_table(ValidationResult.model_validate(verdict))]
+        promotion = report.get("validation", {}).get("promotion")
+        if promotion:
+            lines.append(f"promoted: {promotion['version']} at {promotion['path']}"
+                         + ("" if promotion["promoted"] else " (already the promoted model)"))
     if plan and not verdict:
         from tasks.plan import Plan, format_plan
 

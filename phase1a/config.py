@@ -1,6 +1,7 @@
 """The one config schema: the CLI, the flow and the deployments all validate through `Phase1aConfig`."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -134,10 +135,55 @@ class CheckpointConfig(_Section):
         return value
 
 
+class GateTolerances(_Section):
+    """How much worse than the baseline the candidate may be, per metric; None leaves a metric out of the gate."""
+
+    loss: float | None = Field(0.0, ge=0.0, description="candidate eval loss <= baseline + this")
+    perplexity: float | None = Field(None, ge=0.0, description="candidate perplexity <= baseline + this")
+    token_accuracy: float | None = Field(0.0, ge=0.0, le=1.0, description="candidate >= baseline - this")
+    exact_match: float | None = Field(0.0, ge=0.0, le=1.0, description="candidate >= baseline - this")
+    ece: float | None = Field(None, ge=0.0, le=1.0, description="candidate calibration error <= baseline + this")
+
+
 class ValidationConfig(_Section):
-    max_examples: int = Field(200, ge=1)
-    loss_tolerance: float = Field(0.0, ge=0.0, description="Trained eval loss may exceed the base's by this much.")
-    accuracy_tolerance: float = Field(0.0, ge=0.0, le=1.0, description="Token accuracy may drop by this much.")
+    max_examples: int = Field(200, ge=1, description="Held-out examples scored: the first N of the validation split.")
+    batch_size: int = Field(16, ge=1, description="Examples per packed row of the loss and token-accuracy pass.")
+    generation_batch_size: int = Field(
+        32, ge=1, description="Prompts per generation batch. Decoding re-reads every weight per step, so a larger "
+                              "batch costs little more per step; the bound is KV-cache memory.")
+    extractor: Literal["whole", "last_number", "regex"] = Field(
+        "whole", description="What exact match compares: the whole normalised answer, its last number, or the "
+                             "first group of `answer_pattern`.")
+    answer_pattern: str | None = Field(None, description="regex extractor only, e.g. '#### (\\S+)'.")
+    max_new_tokens: int = Field(256, ge=1, description="Upper bound on generated tokens per answer.")
+    new_tokens_margin: int = Field(8, ge=0, description="Generate up to the longest reference plus this many tokens.")
+    ece_bins: int = Field(10, ge=1, description="Equal-width confidence bins of the expected calibration error.")
+    baseline: Literal["base", "file", "promoted"] = Field(
+        "base", description="base: the model without the adapter, same sample (cached); file: `baseline_file`; "
+                            "promoted: the model the `promote_to` pointer names.")
+    baseline_file: Path | None = Field(None, description="baseline: file; a metrics JSON (e.g. candidate_metrics.json "
+                                                         "of a full-precision reference run).")
+    tolerances: GateTolerances = GateTolerances()
+    promote_to: str | None = Field(None, description="On a pass, copy the adapter here (a local directory or "
+                                                     "s3://bucket/prefix/) and move its `promoted.json` pointer.")
+    promote_merged: bool = Field(False, description="Also promote the model with the LoRA adapter merged in.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ValidationConfig":
+        if self.extractor == "regex":
+            if not self.answer_pattern:
+                raise ValueError("extractor 'regex' needs answer_pattern, e.g. '#### (\\S+)'")
+            try:
+                groups = re.compile(self.answer_pattern).groups
+            except re.error as error:
+                raise ValueError(f"answer_pattern {self.answer_pattern!r} is not a regex: {error}") from None
+            if groups < 1:
+                raise ValueError(f"answer_pattern {self.answer_pattern!r} needs a group: the answer is its first group")
+        if self.baseline == "file" and self.baseline_file is None:
+            raise ValueError("baseline 'file' needs baseline_file")
+        if self.baseline == "promoted" and not self.promote_to:
+            raise ValueError("baseline 'promoted' needs promote_to, where the promoted pointer lives")
+        return self
 
 
 class Phase1aConfig(_Section):
@@ -219,6 +265,11 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
     model_path = config.model.name_or_path
     if "://" not in model_path and ("/" in model_path or model_path.startswith(".")):
         model_path = str(absolute(Path(model_path)))
+    validation = config.validation
+    if validation.baseline_file is not None:
+        validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
+    if validation.promote_to and "://" not in validation.promote_to:
+        validation = validation.model_copy(update={"promote_to": str(absolute(Path(validation.promote_to)))})
     return config.model_copy(
         update={
             "work_dir": absolute(config.work_dir),
@@ -227,5 +278,6 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
             "model": config.model.model_copy(
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),
+            "validation": validation,
         }
     )

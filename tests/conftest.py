@@ -103,5 +103,5 @@ def config_tree(tmp_path, tiny_model_dir, dataset) -> dict:
         "method": {"learning_rate": 5e-3, "batch_size": 8, "epochs": 1, "lora": {"r": 4, "alpha": 8}},
         "hardware": {"target": "cpu", "calibration_steps": 1},
         "checkpoint": {"interval": "3steps", "keep_last": 2},
-        "validation": {"max_examples": 16, "loss_tolerance": 0.05},
+        "validation": {"max_examples": 16, "tolerances": {"loss": 0.05}},
     }

@@ -97,3 +97,38 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     assert plan["steps"] > 0 and plan["micro_batch_size"] * plan["gradient_accumulation"] == 8
     assert plan["calibration"]["trials"][0]["status"] == "measured" and plan["estimate"]["startup_seconds"] > 0
     assert not list((Path(config_tree["work_dir"]) / config_tree["name"]).glob("train-*"))
+
+
+def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing(config_tree, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    promoted = tmp_path / "promoted"
+    config_tree["validation"].update({"promote_to": str(promoted), "promote_merged": True})
+    state, first = run_flow(config_tree)
+    assert state.is_completed(), state.message
+    section = first["validation"]
+    assert section["verdict"] == "pass" and section["promotion"]["promoted"]
+    assert set(section["metrics"]) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece"}
+    assert section["metrics"]["loss"]["delta"] == section["metrics"]["loss"]["candidate"] - section["metrics"]["loss"]["baseline"]
+    pointer = (promoted / "promoted.json").read_bytes()
+    assert json.loads(pointer)["version"] == section["promotion"]["version"] == Path(first["run_dir"]).name
+    version = promoted / "versions" / section["promotion"]["version"]
+    assert (version / "adapter" / "adapter_config.json").is_file() and (version / "merged" / "config.json").is_file()
+    assert not (Path(first["run_dir"]) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation"])))
+    assert artifacts and {row["metric"] for row in json.loads(artifacts[0].data)} >= {"loss", "exact_match"}
+
+    # A stored reference no model of this size can meet: the same weights now fail against it.
+    reference = tmp_path / "reference.json"
+    reference.write_text(json.dumps({"source": "unreachable", "metrics": {"loss": 0.0, "token_accuracy": 1.0,
+                                                                          "exact_match": 1.0}}))
+    config_tree["validation"].update({"baseline": "file", "baseline_file": str(reference)})
+    state, second = run_flow(config_tree)
+    assert state.is_failed() and second["status"] == "failed" and second["validation"]["verdict"] == "fail"
+    loss = second["validation"]["metrics"]["loss"]["candidate"]
+    with pytest.raises(Exception, match=f"validation gate failed against file {reference}.*: loss {loss:.4f} > "
+                                        "baseline 0.0000 \\+ tolerance 0.05"):
+        state.result()
+    assert "promote" not in second["stages"] and (promoted / "promoted.json").read_bytes() == pointer

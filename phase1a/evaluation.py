@@ -1,0 +1,146 @@
+"""Held-out metrics of one model on one sample: teacher-forced loss, perplexity and token accuracy, then
+generated answers scored by exact match, with their calibration.
+
+Calibration: the confidence of an answer is the mean probability the model gave the tokens of its own greedy
+answer (stop token included), and ECE compares it with that answer's exact-match correctness. We score
+answers rather than tokens because exact match is the accuracy the gate and the report speak about; per-token
+max-probability on teacher-forced response tokens is dominated by template and format tokens the model
+predicts almost surely, and says little about whether the answer is right.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from phase1a.answers import extract_answer
+from phase1a.config import ValidationConfig
+from phase1a.fingerprint import code_version, hash_json
+from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
+from phase1a.packing import TokenRows, pack, summed_loss
+
+# Metric name -> the direction that is better; the gate and the report read this.
+HIGHER_IS_BETTER = {"loss": False, "perplexity": False, "token_accuracy": True, "exact_match": True, "ece": False}
+_SHOWN_ANSWERS = 5
+
+
+class Answer(BaseModel):
+    reference: str
+    prediction: str
+    correct: bool
+    confidence: float
+
+
+class Metrics(BaseModel):
+    examples: int
+    tokens: int
+    loss: float
+    perplexity: float
+    token_accuracy: float
+    exact_match: float | None = None
+    ece: float | None = None
+    mean_confidence: float | None = None
+    generated_tokens: int = 0
+    unavailable: dict[str, str] = {}  # metric -> why it could not be computed on this sample
+    answers: list[Answer] = []  # the first few, for the report
+
+    def value(self, metric: str) -> float | None:
+        return getattr(self, metric)
+
+
+def sample_fingerprint(rows: TokenRows, indices: np.ndarray) -> str:
+    """The tokens and labels of the scored examples: the same sample gives the same fingerprint anywhere."""
+    parts = []
+    for i in indices:
+        start, end = int(rows.offsets[i]), rows.end(int(i))
+        parts.append([rows.input_ids[start:end].tolist(), rows.labels[start:end].tolist()])
+    return hash_json(parts)
+
+
+def metric_settings_key(settings: ValidationConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """Everything besides weights and sample that changes a metric: how answers are generated and scored, the
+    precision, and this code."""
+    return hash_json({
+        "scoring": settings.model_dump(mode="json", include={"extractor", "answer_pattern", "max_new_tokens",
+                                                             "new_tokens_margin", "ece_bins", "batch_size",
+                                                             "generation_batch_size"}),
+        "device": device.type, "dtype": str(dtype),
+        "code": code_version("phase1a/evaluation.py", "phase1a/generation.py", "phase1a/answers.py",
+                             "phase1a/packing.py"),
+    })
+
+
+def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bins: int) -> float:
+    """Sum over equal-width confidence bins (lo, hi] of (share of answers in the bin) x |accuracy - mean
+    confidence| in the bin; a confidence of exactly 0 falls in the first bin."""
+    confidences = np.asarray(confidences, dtype=np.float64)
+    correct = np.asarray(correct, dtype=np.float64)
+    if confidences.size == 0:
+        raise ValueError("no answers to calibrate")
+    # Rounded first: 0.7 * 10 is 7.000000000000001 in floating point, which would put 0.7 in (0.7, 0.8].
+    which = np.clip(np.ceil(np.round(confidences * bins, 9)).astype(np.int64) - 1, 0, bins - 1)
+    error = 0.0
+    for b in range(bins):
+        members = which == b
+        if members.any():
+            error += members.mean() * abs(correct[members].mean() - confidences[members].mean())
+    return float(error)
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray, batch_size: int) -> tuple[float, int, int]:
+    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches."""
+    device = next(model.parameters()).device
+    loss_sum, correct, tokens = 0.0, 0, 0
+    for start in range(0, len(indices), batch_size):
+        batch = {k: v.to(device) for k, v in pack(rows, indices[start : start + batch_size]).items()}
+        loss, right, count = summed_loss(model, batch)
+        loss_sum += loss.item()
+        correct += int(right)
+        tokens += count
+    return loss_sum, correct, tokens
+
+
+def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.ndarray,
+             settings: ValidationConfig) -> Metrics:
+    model.eval()
+    loss_sum, correct, tokens = teacher_forced(model, rows, indices, settings.batch_size)
+    mean = loss_sum / max(tokens, 1)
+    metrics = Metrics(examples=len(indices), tokens=tokens, loss=mean, perplexity=math.exp(min(mean, 50.0)),
+                      token_accuracy=correct / max(tokens, 1))
+
+    examples = generation_examples(rows, indices)
+    if isinstance(examples, str):
+        metrics.unavailable = {"exact_match": examples, "ece": examples}
+        return metrics
+    specials = tokenizer.all_special_tokens
+    references = [extract_answer(tokenizer.decode(e.reference.tolist()), settings.extractor,
+                                 settings.answer_pattern, specials) for e in examples]
+    if None in references:
+        bad = examples[references.index(None)]
+        raise ValueError(f"validation.extractor {settings.extractor}: the reference "
+                         f"{tokenizer.decode(bad.reference.tolist())!r} has no answer to extract "
+                         f"(pattern {settings.answer_pattern!r}); exact match would be meaningless")
+    longest = max(len(e.reference) for e in examples)
+    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generated = generate_greedy(model, [e.prompt for e in examples], max_new, stop_token_ids(tokenizer, model),
+                                pad_id, settings.generation_batch_size)
+
+    hits, confidences, answers = [], [], []
+    for reference, output in zip(references, generated):
+        text = tokenizer.decode(output.tokens)
+        prediction = extract_answer(text, settings.extractor, settings.answer_pattern, specials)
+        hits.append(prediction is not None and prediction == reference)
+        confidences.append(output.mean_prob)
+        if len(answers) < _SHOWN_ANSWERS:
+            answers.append(Answer(reference=reference, prediction=prediction if prediction is not None else text,
+                                  correct=hits[-1], confidence=round(output.mean_prob, 4)))
+    metrics.exact_match = float(np.mean(hits))
+    metrics.ece = expected_calibration_error(np.array(confidences), np.array(hits), settings.ece_bins)
+    metrics.mean_confidence = float(np.mean(confidences))
+    metrics.generated_tokens = sum(len(output.tokens) for output in generated)
+    metrics.answers = answers
+    return metrics

@@ -1,0 +1,111 @@
+"""Batched greedy generation on held-out examples: prompts and references come from the tokenized rows.
+
+An example's prompt is its tokens up to its first supervised token (the rendered conversation up to the
+assistant's first reply, generation header included); its reference is that first run of supervised tokens
+(the reply and its end-of-turn token). Later turns of a multi-turn example are not generated: the prompt
+would need the reference's own tokens.
+
+Prompts are left-padded so every row's next token sits in the last column; the attention mask hides the
+padding and transformers derives position ids from it, so a padded row generates what it would alone (tested).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from phase1a.packing import IGNORE_INDEX, TokenRows
+
+
+@dataclass
+class GenerationExample:
+    prompt: np.ndarray  # token ids
+    reference: np.ndarray  # token ids of the first supervised run
+
+
+@dataclass
+class Generated:
+    tokens: list[int]  # up to and including the first stop token, or max_new_tokens of them
+    token_probs: list[float]  # the probability the model gave each of those tokens
+
+    @property
+    def mean_prob(self) -> float:
+        return float(np.mean(self.token_probs)) if self.token_probs else 0.0
+
+
+def generation_examples(rows: TokenRows, indices: np.ndarray) -> list[GenerationExample] | str:
+    """Prompt and reference per example, or why the sample cannot be generated from (a string)."""
+    examples = []
+    for i in indices:
+        start, end = int(rows.offsets[i]), rows.end(int(i))
+        supervised = np.flatnonzero(rows.labels[start:end] != IGNORE_INDEX)
+        if supervised.size == 0:
+            return f"validation example {int(i)} has no supervised tokens"
+        first = int(supervised[0])
+        if first == 0:
+            return (f"validation example {int(i)} is supervised from its first token (train_on_inputs or plain "
+                    "text), so it has no prompt to generate from")
+        gaps = np.flatnonzero(np.diff(supervised) > 1)
+        last = int(supervised[gaps[0]]) if gaps.size else int(supervised[-1])
+        examples.append(GenerationExample(prompt=rows.input_ids[start : start + first].astype(np.int64),
+                                          reference=rows.input_ids[start + first : start + last + 1].astype(np.int64)))
+    return examples
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """EOS of the tokenizer and of the model's generation config (chat models end a turn with their own)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+class _GreedyProbability:
+    """A logits processor that records, per step, the probability of the token greedy decoding picks (the
+    arg-max, since this is the last processor and nothing samples). It keeps (batch, steps) floats instead of
+    the (batch, steps, vocab) logits that `output_logits` would hold on the device."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(torch.softmax(scores.float(), dim=-1).amax(dim=-1).cpu())
+        return scores
+
+
+@torch.no_grad()
+def generate_greedy(model, prompts: list[np.ndarray], max_new_tokens: int, stop_ids: list[int], pad_id: int,
+                    batch_size: int) -> list[Generated]:
+    """Greedy continuations of `prompts`, `batch_size` at a time, cut after the first stop token."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    device = next(model.parameters()).device
+    # A fresh config: a checkpoint's own generation_config may ask for sampling; this run must be greedy.
+    # use_cache=True explicitly: training switches the model config's cache off for packed rows, and without
+    # the KV cache every new token would recompute the whole prefix.
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                              eos_token_id=stop_ids, pad_token_id=pad_id)
+    results: list[Generated] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        width = max(len(p) for p in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            input_ids[row, width - len(prompt):] = torch.from_numpy(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        recorder = _GreedyProbability()
+        sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                   generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+        new_tokens = sequences[:, width:].cpu()
+        probs = torch.stack(recorder.steps, dim=1)
+        for row in range(len(batch)):
+            tokens, token_probs = [], []
+            for token, prob in zip(new_tokens[row].tolist(), probs[row].tolist()):
+                tokens.append(token)
+                token_probs.append(prob)
+                if token in stop_ids:
+                    break
+            results.append(Generated(tokens, token_probs))
+    return results

@@ -1,0 +1,270 @@
+"""Promotion: copy a model that passed the gate to a versioned location, then move the `promoted` pointer.
+
+Layout, the same in a local directory and under an s3://bucket/prefix/:
+
+    promoted.json                      the pointer: version, where it lives, its metrics, when
+    versions/<version>/adapter/...     the adapter (or full weights) as training saved it
+    versions/<version>/merged/...      optional: the model with the adapter merged in
+    versions/<version>/version.json    the pointer as it was written for this version
+
+Every file of a version is written and verified before the pointer moves, and the pointer is replaced in one
+atomic step (locally a temporary file and os.replace, on S3 a single PUT), so a reader sees the old pointer or
+the new one, never a pointer to a half-copied version. A failure before the pointer leaves the old one in
+place. Concurrent promotions: the pointer is replaced only if it is still the one this promotion started
+from (locally under a file lock, on S3 a conditional PUT with If-Match / If-None-Match), so a run validated
+against version A can never overwrite a version B promoted meanwhile.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from types import EllipsisType
+from typing import Any, Callable, Iterator
+
+from botocore.exceptions import ClientError
+from pydantic import BaseModel, ValidationError
+
+from phase1a.fingerprint import sha256_file
+from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
+
+POINTER = "promoted.json"
+
+
+class PromotionError(RuntimeError):
+    """A promotion that did not happen; the previous pointer is intact."""
+
+
+class PromotionConflict(PromotionError):
+    """The pointer moved while this promotion ran; this version was stored but not pointed at."""
+
+
+class PromotionRecord(BaseModel):
+    """What the caller knows about the model being promoted."""
+
+    run: str
+    adapter_sha256: str
+    base_model_fingerprint: str
+    sample_fingerprint: str
+    metric_settings: str
+    metrics: dict[str, Any]
+
+
+class PromotedPointer(PromotionRecord):
+    version: str
+    path: str  # the version's directory or s3:// prefix
+    artifacts: dict[str, str]  # "adapter" / "merged" -> its location
+    files: dict[str, str]  # path relative to the version -> sha256
+    promoted_at: str
+
+
+class PromotionOutcome(BaseModel):
+    pointer: PromotedPointer
+    promoted: bool  # False: the pointer already named this adapter, nothing was copied
+
+
+def _files(artifacts: dict[str, Path]) -> list[tuple[str, Path]]:
+    listing = []
+    for name, root in sorted(artifacts.items()):
+        root = Path(root)
+        if not root.is_dir():
+            raise PromotionError(f"cannot promote {name}: {root} is not a directory")
+        listing += [(f"{name}/{path.relative_to(root).as_posix()}", path)
+                    for path in sorted(root.rglob("*")) if path.is_file()]
+    return listing
+
+
+def _check_expected(current: PromotedPointer | None, expected_version: str | None | EllipsisType, where: str) -> None:
+    if expected_version is ...:
+        return
+    seen = current.version if current else None
+    if seen != expected_version:
+        raise PromotionConflict(f"{where}: the promoted pointer is {seen or 'absent'}, but this run was validated "
+                                f"against {expected_version or 'no promoted model'}; re-run to validate against it")
+
+
+def _new_pointer(record: PromotionRecord, version: str, path: str, artifacts: dict[str, Path],
+                 files: dict[str, str], join: Callable[[str], str]) -> PromotedPointer:
+    return PromotedPointer(**record.model_dump(), version=version, path=path, files=files,
+                           artifacts={name: join(name) for name in sorted(artifacts)},
+                           promoted_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def promote(artifacts: dict[str, Path], destination: str, version: str, record: PromotionRecord, *,
+            endpoint_url: str | None = None, expected_version: str | None | EllipsisType = ...,
+            copy_file: Callable[[Path, Path], Any] = shutil.copyfile,
+            upload_file: Callable[[Any, Path, str, str], Any] | None = None) -> PromotionOutcome:
+    """Store `artifacts` (name -> directory) as `version` under `destination` and point `promoted.json` at it.
+
+    `expected_version`: the pointer version the gate compared against (None: no pointer existed); `...` takes
+    whatever the pointer is when promotion starts. `copy_file` / `upload_file` move one file (the defaults are
+    shutil.copyfile and boto3's managed upload); every copy is verified after it is written."""
+    if is_s3_url(destination):
+        return _promote_s3(artifacts, parse_s3_url(destination.rstrip("/") + "/"), version, record, endpoint_url,
+                           expected_version, upload_file or _upload)
+    return _promote_local(artifacts, Path(destination), version, record, expected_version, copy_file)
+
+
+def read_pointer(destination: str, endpoint_url: str | None = None) -> PromotedPointer | None:
+    if is_s3_url(destination):
+        url = parse_s3_url(destination.rstrip("/") + "/")
+        return _read_s3_pointer(make_client(endpoint_url), url)[0]
+    return _read_local_pointer(Path(destination))
+
+
+# --- a local directory -------------------------------------------------------------------------------------
+
+def _parse_pointer(raw: bytes, where: str) -> PromotedPointer:
+    try:
+        return PromotedPointer.model_validate_json(raw)
+    except (ValidationError, ValueError) as error:
+        raise PromotionError(f"{where}: not a promoted pointer: {error}") from None
+
+
+def _read_local_pointer(root: Path) -> PromotedPointer | None:
+    path = root / POINTER
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return _parse_pointer(raw, str(path))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(partial, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record: PromotionRecord,
+                   expected_version, copy_file: Callable[[Path, Path], Any]) -> PromotionOutcome:
+    root.mkdir(parents=True, exist_ok=True)
+    current = _read_local_pointer(root)
+    _check_expected(current, expected_version, str(root))
+    if current and current.adapter_sha256 == record.adapter_sha256:
+        return PromotionOutcome(pointer=current, promoted=False)
+    final = root / "versions" / version
+    if final.exists():
+        raise PromotionError(f"{final}: version {version} already exists; versions are never overwritten")
+    partial = final.with_name(f".{version}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    files: dict[str, str] = {}
+    try:
+        for relative, source in _files(artifacts):
+            target = partial / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            expected = sha256_file(source)
+            copy_file(source, target)
+            if sha256_file(target) != expected:
+                raise PromotionError(f"{source}: the promoted copy failed verification")
+            files[relative] = expected
+        pointer = _new_pointer(record, version, str(final), artifacts, files, lambda name: str(final / name))
+        (partial / "version.json").write_text(pointer.model_dump_json(indent=2) + "\n")
+        partial.rename(final)  # the whole version appears at once, or not at all
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    with _locked(root / ".promoted.lock"):
+        now = _read_local_pointer(root)
+        if (now.version if now else None) != (current.version if current else None):
+            raise PromotionConflict(f"{root}: the promoted pointer moved to {now.version if now else 'nothing'} "
+                                    f"while {version} was copied; {final} is stored but not promoted")
+        _write_atomically(root / POINTER, pointer.model_dump_json(indent=2) + "\n")
+    return PromotionOutcome(pointer=pointer, promoted=True)
+
+
+# --- S3 ----------------------------------------------------------------------------------------------------
+
+def _upload(client: Any, path: Path, bucket: str, key: str) -> None:
+    # botocore sends a CRC32 of every part and S3 refuses a part that does not match it.
+    client.upload_file(str(path), bucket, key)
+
+
+def _read_s3_pointer(client: Any, url: S3Url) -> tuple[PromotedPointer | None, str | None]:
+    key = url.key + POINTER
+    with s3_errors(client, f"s3://{url.bucket}/{key}", url.bucket, "GET"):
+        try:
+            response = client.get_object(Bucket=url.bucket, Key=key)
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None, None
+            raise
+        raw = response["Body"].read()
+    return _parse_pointer(raw, f"s3://{url.bucket}/{key}"), response["ETag"]
+
+
+def _delete_quietly(client: Any, bucket: str, keys: list[str]) -> None:
+    """Best effort: objects of a version that never got pointed at are unreferenced garbage, not harm."""
+    for start in range(0, len(keys), 1000):
+        try:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+        except Exception:  # noqa: BLE001 - cleanup must never mask the error that led here
+            return
+
+
+def _promote_s3(artifacts: dict[str, Path], url: S3Url, version: str, record: PromotionRecord,
+                endpoint_url: str | None, expected_version, upload_file) -> PromotionOutcome:
+    client = make_client(endpoint_url)
+    where = str(url)
+    current, etag = _read_s3_pointer(client, url)
+    _check_expected(current, expected_version, where)
+    if current and current.adapter_sha256 == record.adapter_sha256:
+        return PromotionOutcome(pointer=current, promoted=False)
+    prefix = f"{url.key}versions/{version}/"
+    with s3_errors(client, f"s3://{url.bucket}/{prefix}", url.bucket, "list"):
+        if client.list_objects_v2(Bucket=url.bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0):
+            raise PromotionError(f"s3://{url.bucket}/{prefix}: version {version} already exists; "
+                                 "versions are never overwritten")
+    uploaded: list[str] = []
+    files: dict[str, str] = {}
+    try:
+        for relative, source in _files(artifacts):
+            key = prefix + relative
+            what = f"s3://{url.bucket}/{key}"
+            files[relative] = sha256_file(source)
+            with s3_errors(client, what, url.bucket, "upload"):
+                uploaded.append(key)
+                upload_file(client, source, url.bucket, key)
+                size = client.head_object(Bucket=url.bucket, Key=key)["ContentLength"]
+            if size != source.stat().st_size:
+                raise PromotionError(f"{what}: {size} bytes stored, {source} has {source.stat().st_size}")
+        pointer = _new_pointer(record, version, f"s3://{url.bucket}/{prefix}", artifacts, files,
+                               lambda name: f"s3://{url.bucket}/{prefix}{name}/")
+        body = (pointer.model_dump_json(indent=2) + "\n").encode()
+        with s3_errors(client, f"s3://{url.bucket}/{prefix}version.json", url.bucket, "PUT"):
+            uploaded.append(prefix + "version.json")
+            client.put_object(Bucket=url.bucket, Key=prefix + "version.json", Body=body)
+    except BaseException:
+        _delete_quietly(client, url.bucket, uploaded)
+        raise
+    # The pointer last, and only over the pointer this promotion started from.
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+    with s3_errors(client, f"s3://{url.bucket}/{url.key}{POINTER}", url.bucket, "PUT"):
+        try:
+            client.put_object(Bucket=url.bucket, Key=url.key + POINTER, Body=body,
+                              ContentType="application/json", **condition)
+        except ClientError as error:
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412):
+                raise PromotionConflict(f"{where}: the promoted pointer moved while {version} was uploaded; "
+                                        f"s3://{url.bucket}/{prefix} is stored but not promoted") from None
+            raise
+    return PromotionOutcome(pointer=pointer, promoted=True)
