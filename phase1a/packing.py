@@ -164,6 +164,11 @@ def token_budget(micro_batch_size: int, max_seq_length: int) -> int:
 
 
 def step_loader(batches: StepBatches, steps, workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
-    """Steps in order; with workers, two steps a worker are packed (and pinned) ahead."""
+    """Steps in order; with workers, two steps a worker are packed (and pinned) ahead.
+
+    Workers start from a fork server, not a fork of this process: a process that ran a Prefect flow carries
+    Prefect's exit hooks into a forked child, where they fail (exit code 1) and take the loader down when it
+    shuts its workers. `StepBatches` pickles without its rows, so starting a worker this way copies nothing."""
     return torch.utils.data.DataLoader(batches, batch_size=None, sampler=steps, num_workers=workers,
-                                       pin_memory=pin_memory, prefetch_factor=2 if workers else None)
+                                       pin_memory=pin_memory, prefetch_factor=2 if workers else None,
+                                       multiprocessing_context="forkserver" if workers else None)

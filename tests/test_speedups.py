@@ -4,6 +4,10 @@ Tolerances are stated per test: fp32 on CPU; a different kernel order changes th
 Packing is tested in test_packing.py, accumulation (micro-batch size) in test_train.py.
 """
 import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +103,25 @@ def test_dataloader_workers_deliver_the_same_steps(train_path):
         for micro_a, micro_b in zip(a["micro_batches"], b["micro_batches"]):
             for key in micro_a:
                 assert torch.equal(micro_a[key], micro_b[key])
+
+
+def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train_path):
+    """A process that ran a Prefect flow (the flow trains in-process) carries Prefect's threading exit hook,
+    which fails in a forked child: forked workers then die with exit code 1 as the loader shuts them."""
+    script = textwrap.dedent(f"""
+        import os, threading
+        from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader
+        parent = os.getpid()
+        def drain():  # what Prefect's service does at exit in a forked child
+            assert os.getpid() == parent, "a service of the parent process"
+        threading._register_atexit(drain)
+        order, total = example_stream(len(TokenRows.from_arrow({train_path!r})), 1.0, seed=0)
+        batches = StepBatches({train_path!r}, 48, order, 8, total, token_budget=100)
+        assert len(list(step_loader(batches, range(len(batches)), workers=2, pin_memory=False))) == len(batches)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, train_path):
