@@ -1,7 +1,10 @@
 """Sparse, crash-safe checkpoints: written to a temporary directory, renamed, valid only with a COMPLETE marker.
 
 Trainable weights go to safetensors; optimizer, scheduler, RNG and step go to a torch file that is loaded
-with `weights_only=True`, so a checkpoint can never run code when it is read.
+with `weights_only=True`, so a checkpoint can never run code when it is read. Both hold whole tensors keyed by
+parameter name, whatever the number of GPUs and DDP or FSDP: a run resumes under another layout. Under FSDP
+gathering the shards is collective: every rank calls `trainable_state_dict` and `optimizer_state_dict`, and
+rank 0 writes.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -29,15 +34,24 @@ class TrainingState:
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
+            for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(root: Path, model: torch.nn.Module, state: TrainingState, keep_last: int) -> Path:
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: TrainingState, keep_last: int) -> Path:
     final = Path(root) / f"step-{state.step:08d}"
     partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file(trainable_state_dict(model), partial / "trainable.safetensors")
+    save_file(weights, partial / "trainable.safetensors")
     torch.save(
         {
             "step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler,
@@ -63,6 +77,7 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> TrainingState:
+    """Trainable weights into `model` (each rank its shard under FSDP); the rest is returned."""
     weights = load_file(path / "trainable.safetensors")
     missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in weights]
     if missing:
@@ -70,7 +85,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> TrainingState:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in weights:
-                p.copy_(weights[name].to(p.device, p.dtype))
+                value = weights[name].to(p.device, p.dtype)
+                p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
     raw = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
     return TrainingState(
         step=int(raw["step"]), optimizer=raw["optimizer"], scheduler=raw["scheduler"],

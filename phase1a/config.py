@@ -81,6 +81,9 @@ class MethodConfig(_Section):
 class HardwareConfig(_Section):
     target: Literal["cpu", "h100", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "l4", "a10g", "l40s", "rtx4090"] = "cpu"
     num_gpus: int = Field(1, ge=1)
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With several GPUs. ddp: every GPU holds the whole model (fastest when it fits); fsdp: "
+                           "weights, gradients and optimizer state are sharded across the GPUs (bigger models).")
     price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue price.")
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
     calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")

@@ -22,6 +22,8 @@ t tokens in one micro-batch.
                  t x t tensor: t^2 bytes (bool) plus t^2*4 (its additive float form) kept by every layer that
                  saves its attention inputs (L, or 1 with checkpointing). Quadratic in the row: it caps the
                  token budget of a packed row; one example a row (micro-batch 1) needs no mask
+    sharded      FSDP over n GPUs: weights/n + 2 layers' weights gathered whole (the one computing, the one
+                 prefetched), trainable/n; activations, logits and mask stay per GPU
 Measured on CPU (fp32, torch profiler, `tests/test_cost_model.py`): activations + logits + mask + gradients
 cover the peak a real packed forward/backward allocates, by at most 20 %.
 
@@ -86,6 +88,7 @@ class TrainingShape(BaseModel):
     weight_bytes: int = 2  # compute dtype
     base_bits: int = 16  # 4: a quantised base (QLoRA)
     optimizer: str = "adamw_fused"
+    shards: int = 1  # FSDP over this many GPUs: each holds 1/shards of weights and trainable state
 
 
 def model_facts(model_dir: Path) -> ModelFacts:
@@ -122,6 +125,9 @@ def memory_estimate(facts: ModelFacts, trainable: int, shape: TrainingShape, tok
     per_trainable = 4 + OPTIMIZER_STATE_BYTES[shape.optimizer] + (0 if shape.full else 4)
     per_trainable += 4 if shape.optimizer == "adamw" else 0  # the for-each step's temporary
     trainable_bytes = trainable * per_trainable
+    if shape.shards > 1:  # each GPU keeps its shard, plus the layer it computes and the next one, gathered whole
+        weights = weights / shape.shards + 2 * weights / facts.layers
+        trainable_bytes = trainable_bytes / shape.shards
     one_layer = t * b * (9 * h + 4 * facts.intermediate)
     logits = t * facts.vocab * 8
     if checkpointing:

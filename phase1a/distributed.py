@@ -3,13 +3,16 @@
 Each optimizer step's examples are split across ranks (`StepBatches(rank, world)`), every rank normalises
 its loss by the whole step's supervised tokens and scales it by the world size, so DDP's gradient average is
 exactly the one-process gradient of the same global batch: the plan's global batch and learning rate hold
-whatever the number of GPUs. Rank 0 writes checkpoints, metrics and the final adapter; decisions that depend on
+whatever the number of GPUs. DDP keeps a whole model on every GPU and all-reduces gradients; FSDP (`fully_shard`,
+one unit a decoder layer) keeps 1/n of the weights, gradients and optimizer state on each and gathers a layer's
+weights just before it runs: a model that does not fit one GPU trains, at the price of that traffic. Rank 0 writes checkpoints, metrics and the final adapter; decisions that depend on
 a clock or a signal (checkpoint now, stop now) are taken together, so no rank waits for one that moved on.
 """
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import nullcontext
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,15 +46,36 @@ def init_world() -> World:
     return world
 
 
-def wrap(model: torch.nn.Module, world: World) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, world: World, strategy: str = "ddp") -> torch.nn.Module:
+    """Before the optimizer is made: FSDP replaces the parameters with their shards."""
     if world.size == 1:
         return model
+    if strategy == "fsdp":
+        return _shard(model, world)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[world.local_rank] if torch.cuda.is_available() else None)
 
 
+def _shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft keeps the class list there
+    layer_classes = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"FSDP needs the model's decoder layer class; {type(base).__name__} names none "
+                         "(_no_split_modules)")
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world.size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # embeddings, final norm and head: the root unit
+    return model
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose parameter names are the checkpoint's: DDP adds a `module.` prefix, FSDP adds none."""
     return model.module if is_ddp(model) else model
 
 
@@ -59,6 +83,21 @@ def is_ddp(model: torch.nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Accumulating micro-batches skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) until the last."""
+    if is_ddp(model) and not enabled:
+        return model.no_sync()
+    if is_sharded(model):
+        model.set_requires_gradient_sync(enabled)
+    return nullcontext()
 
 
 def sum_over_ranks(value: int, world: World) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from phase1a.checkpoints import TrainingState, save_checkpoint
+from phase1a.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
 from phase1a.config import Phase1aConfig
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 
@@ -178,9 +178,9 @@ def _time_checkpoint(model, optimizer, work_dir: Path) -> float:
     """Write one real checkpoint (trainable weights, optimizer state) where training will write them."""
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".calibration-") as scratch:
-        state = TrainingState(0, optimizer.state_dict(), {}, torch.get_rng_state(), [])
         began = time.perf_counter()
-        save_checkpoint(Path(scratch), model, state, keep_last=1)
+        state = TrainingState(0, optimizer_state_dict(model, optimizer), {}, torch.get_rng_state(), [])
+        save_checkpoint(Path(scratch), trainable_state_dict(model), state, keep_last=1)
         return time.perf_counter() - began
 
 

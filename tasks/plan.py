@@ -115,7 +115,8 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
         notes.append(f"target {config.hardware.target} ({target.name}) is not present; this machine has {detected.name}")
     dtype = training_dtype(training_device()) if present else torch.bfloat16
     shape = TrainingShape(full=method.kind == "full", weight_bytes=torch.finfo(dtype).bits // 8,
-                          base_bits=4 if method.base_precision == "4bit" else 16, optimizer=method.optimizer)
+                          base_bits=4 if method.base_precision == "4bit" else 16, optimizer=method.optimizer,
+                          shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1)
     trainable = facts.parameters if shape.full else lora_parameters(facts, method.lora.r, method.lora.target_modules)
     available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
 

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from contextlib import nullcontext
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel
 
 from phase1a import distributed
-from phase1a.checkpoints import TrainingState, list_checkpoints, load_checkpoint, save_checkpoint
+from phase1a.checkpoints import (TrainingState, list_checkpoints, load_checkpoint, load_optimizer_state,
+                                 optimizer_state_dict, save_checkpoint, trainable_state_dict)
 from phase1a.config import MethodConfig
 from phase1a.fingerprint import hash_json
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
@@ -53,6 +54,7 @@ class TrainSettings(BaseModel):
     trust_remote_code: bool = False
     show_progress: bool = True
     num_processes: int = 1  # >1: torchrun, one process a GPU
+    strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes
     model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
@@ -98,6 +100,7 @@ def train_settings(config, plan, data, model_dir: Path, model_fingerprint: str) 
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, num_processes=config.hardware.num_gpus,
+        strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
         planned_seconds=plan.estimated_train_seconds,
     )
@@ -114,7 +117,7 @@ def train_step(model, micro_batches: list[dict[str, torch.Tensor]], supervised: 
     for index, micro in enumerate(micro_batches):
         batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
         last = index == len(micro_batches) - 1
-        with model.no_sync() if distributed.is_ddp(model) and not last else nullcontext():
+        with distributed.gradient_sync(model, enabled=last):
             loss, _, _ = summed_loss(model, batch)
             (loss * scale).backward()
         total_loss += loss.item() * weight
@@ -129,6 +132,8 @@ def optimizer_step(model, optimizer, step_batch: dict, world_size: int = 1) -> t
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm over all shards, a distributed tensor
+        grad_norm = grad_norm.full_tensor()
     return loss, tokens, float(grad_norm)
 
 
@@ -154,19 +159,21 @@ def train(settings: TrainSettings, on_model=None) -> TrainResult:
                            token_budget(micro_batch_size, max_length), world.rank, world.size)
 
     total_steps = len(batches_for(micro))
+    sharded = settings.strategy == "fsdp" and world.size > 1
+    # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
     model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code,
-                        settings.compile)
+                        settings.compile and not sharded)
     if on_model is not None:
         on_model(model)
+    model = distributed.wrap(model, world, settings.strategy)
     optimizer = make_optimizer(model, method)
     scheduler = make_scheduler(optimizer, round(method.warmup_fraction * total_steps), total_steps)
-    model = distributed.wrap(model, world)
 
     checkpoint_root = output_dir / "checkpoints"
     start_step, resumed_from, prior_seconds = 0, None, 0.0
     if existing := list_checkpoints(checkpoint_root):
         state = load_checkpoint(existing[-1], distributed.unwrap(model))
-        optimizer.load_state_dict(state.optimizer)
+        load_optimizer_state(distributed.unwrap(model), optimizer, state.optimizer)
         scheduler.load_state_dict(state.scheduler)
         torch.set_rng_state(state.torch_rng)
         if state.cuda_rng and torch.cuda.is_available():
@@ -192,9 +199,13 @@ def train(settings: TrainSettings, on_model=None) -> TrainResult:
         nonlocal checkpoints, checkpoint_seconds
         began_save = time.perf_counter()
         path = checkpoint_root / f"step-{step:08d}"
+        weights = trainable_state_dict(distributed.unwrap(model))  # every rank: FSDP gathers the shards
+        optimizer_state = optimizer_state_dict(distributed.unwrap(model), optimizer)
         if world.main:
-            state = _state(step, optimizer, scheduler, prior_seconds + began_save - started)
-            path = save_checkpoint(checkpoint_root, distributed.unwrap(model), state, settings.keep_last)
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+            state = TrainingState(step, optimizer_state, scheduler.state_dict(), torch.get_rng_state(), cuda_rng,
+                                  prior_seconds + began_save - started)
+            path = save_checkpoint(checkpoint_root, weights, state, settings.keep_last)
         distributed.barrier(world)
         checkpoints += 1
         checkpoint_seconds += time.perf_counter() - began_save
@@ -250,15 +261,11 @@ def train(settings: TrainSettings, on_model=None) -> TrainResult:
         micro_batch_size=micro, out_of_memory_backoffs=backoffs,
         mean_mfu=round(sum(mfus) / len(mfus), 4) if mfus else None,
     )
+    weights = trainable_state_dict(model) if sharded else None  # every rank: FSDP gathers the shards
     if world.main:
-        _save_final(distributed.unwrap(model), final_dir, result)
+        _save_final(distributed.unwrap(model), final_dir, result, weights)
     distributed.barrier(world)
     return result
-
-
-def _state(step: int, optimizer, scheduler, elapsed: float) -> TrainingState:
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), cuda_rng, elapsed)
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -270,11 +277,12 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _save_final(model, final_dir: Path, result: TrainResult) -> None:
-    """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last."""
+def _save_final(model, final_dir: Path, result: TrainResult, weights: dict | None = None) -> None:
+    """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last. `weights`:
+    the trainable tensors gathered whole, when the model holds only its shards (FSDP)."""
     partial = final_dir.with_name("final.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
+    model.save_pretrained(partial, **({"state_dict": weights} if weights is not None else {}))
     (partial / "result.json").write_text(result.model_dump_json(indent=2))
     (partial / "COMPLETE").write_text("ok\n")
     shutil.rmtree(final_dir, ignore_errors=True)

@@ -48,6 +48,15 @@ def test_a_4bit_base_and_8bit_optimizer_shrink_what_they_should():
     assert unfused.trainable_gib - fused.trainable_gib == pytest.approx(8.03e9 * 4 / GIB)
 
 
+def test_fsdp_shards_weights_and_state_but_not_activations():
+    whole = memory_estimate(FACTS_8B, FACTS_8B.parameters, FULL, 4096, True, 80 * GIB)
+    sharded = memory_estimate(FACTS_8B, FACTS_8B.parameters, FULL.model_copy(update={"shards": 4}), 4096, True, 80 * GIB)
+    assert sharded.weights_gib == pytest.approx(whole.weights_gib / 4 + 2 * whole.weights_gib / 32)  # + 2 layers gathered
+    assert sharded.trainable_gib == pytest.approx(whole.trainable_gib / 4)
+    assert (sharded.activations_gib, sharded.logits_gib) == (whole.activations_gib, whole.logits_gib)
+    assert whole.total_gib > 80 > sharded.total_gib  # a full 8B fine-tune: one H100 cannot, four sharded can
+
+
 def test_micro_batch_choice_prefers_no_checkpointing_then_falls_back():
     micro, checkpointing, estimate = choose_micro_batch(FACTS_8B, 20_000_000, LORA, 16, 1024, 80 * GIB)
     assert 16 % micro == 0 and not checkpointing and estimate.total_gib <= 80

@@ -1,37 +1,61 @@
-"""Two ranks under torchrun (gloo on CPU) train the same global batch as one process, to float noise."""
+"""Two ranks under torchrun (gloo on CPU) train the same global batch as one process, to float noise: with DDP
+(a whole model a rank) and FSDP (a shard a rank). Checkpoints hold whole tensors by name, so a sharded run's
+checkpoint resumes in one process and ends where the sharded run ended."""
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.distributed import torchrun_command
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.train import TrainSettings, run
+from tasks.train import TrainResult, TrainSettings, run
 from conftest import date_records, make_tokenizer, write_jsonl
 
 
-def test_two_ranks_match_one_process(tiny_model_dir, tmp_path):
-    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(45)), make_tokenizer(), 256,
-                            TokenizeOptions(), tmp_path / "cache", "fp")
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory) -> tuple[callable, TrainResult]:
+    root = tmp_path_factory.mktemp("distributed")
+    data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(45)), make_tokenizer(), 256,
+                            TokenizeOptions(), root / "cache", "fp")
 
-    def settings(name: str, processes: int) -> TrainSettings:
+    def settings(name: str, processes: int, strategy: str = "ddp") -> TrainSettings:
         # 45 examples in steps of 8: the last step has 5, so one rank gets 3 and the other 2.
         return TrainSettings(model_dir=str(tiny_model_dir), train_path=data.train_path,
-                             output_dir=str(tmp_path / name), num_processes=processes,
+                             output_dir=str(root / name), num_processes=processes, strategy=strategy,
                              method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=1, lora={"r": 4, "alpha": 8}),
                              micro_batch_size=2, gradient_checkpointing=False, checkpoint_interval="2steps",
-                             show_progress=False)
+                             keep_last=3, show_progress=False)
 
+    return settings, run(settings("one", 1))
+
+
+def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
+    weights_a = load_file(Path(a.adapter_dir) / "adapter_model.safetensors")
+    weights_b = load_file(Path(b.adapter_dir) / "adapter_model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(one_process, strategy):
+    settings, one = one_process
     assert torchrun_command(2, Path("s.json"))[-4:] == ["--nproc_per_node=2", "-m", "tasks.train", "s.json"]
-    one = run(settings("one", 1))
-    two = run(settings("two", 2))
+    two = run(settings(f"two-{strategy}", 2, strategy))
     assert two.steps == one.steps == 6 and two.train_tokens == one.train_tokens  # tokens summed over ranks
     assert two.checkpoints_written == one.checkpoints_written == 2
-    metrics = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    metrics = (Path(two.output_dir) / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 6  # rank 0 alone writes
-    a = load_file(Path(one.adapter_dir) / "adapter_model.safetensors")
-    b = load_file(Path(two.adapter_dir) / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_adapter(one, two)
+    if strategy == "fsdp":  # the sharded run's step-2 checkpoint, resumed by one process, ends at the same weights
+        resumed = Path(one.output_dir).with_name("fsdp-resumed")
+        shutil.copytree(Path(two.output_dir) / "checkpoints", resumed / "checkpoints")
+        for later in list_checkpoints(resumed / "checkpoints")[1:]:
+            shutil.rmtree(later)
+        result = run(settings(resumed.name, 1))
+        assert result.resumed_from_step == 2
+        assert_same_adapter(one, result)
