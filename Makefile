@@ -3,7 +3,7 @@ SHELL := /bin/bash
 UV ?= $(shell command -v uv 2>/dev/null || echo $(CURDIR)/.tools/bin/uv)
 export UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
 
-.PHONY: setup demo test demo-data
+.PHONY: setup demo test demo-data server server-stop pools deploy worker automations
 
 $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
@@ -20,3 +20,67 @@ demo: demo-data
 
 test: setup
 	$(UV) run --frozen pytest -q
+
+# Operations (README, "Operations"): a local Prefect server, its work pools, the deployments, a worker.
+# Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the
+# local server that `make server` starts on PREFECT_PORT with SQLite under PREFECT_HOME (./.prefect).
+# Nothing is exported globally: `make demo` keeps running on Prefect's embedded server.
+VENV_BIN := $(UV_PROJECT_ENVIRONMENT)/bin
+PREFECT_HOME ?= $(CURDIR)/.prefect
+PREFECT_PORT ?= 4200
+PREFECT_HOST ?= 127.0.0.1
+SERVER_URL := http://127.0.0.1:$(PREFECT_PORT)/api
+PREFECT_API_URL ?= $(SERVER_URL)
+PHASE1A_TZ ?= UTC
+POOL ?= phase1a-cpu
+NAME ?=
+HEARTBEAT ?= 60
+ZOMBIE_AFTER ?= 600
+NOTIFY_BLOCK ?=
+SERVER_PID := $(PREFECT_HOME)/server.pid
+PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_API_URL=$(PREFECT_API_URL) PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+# The server runs in its own session (setsid) so that server-stop can end it and its children as a group.
+# A fresh SQLite database migrates on first start, which takes a while on 2 cores: wait up to 180 s.
+server: setup
+	@mkdir -p $(PREFECT_HOME)
+	@if [ -f $(SERVER_PID) ] && kill -0 $$(cat $(SERVER_PID)) 2>/dev/null; then \
+	  echo "prefect server already running (pid $$(cat $(SERVER_PID))) at $(SERVER_URL)"; \
+	else \
+	  PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_API_URL=$(SERVER_URL) \
+	    setsid nohup $(VENV_BIN)/prefect server start --host $(PREFECT_HOST) --port $(PREFECT_PORT) \
+	    > $(PREFECT_HOME)/server.log 2>&1 < /dev/null & echo $$! > $(SERVER_PID); \
+	  echo "prefect server starting (pid $$(cat $(SERVER_PID))), log $(PREFECT_HOME)/server.log"; \
+	fi
+	@for i in $$(seq 180); do \
+	  if $(VENV_BIN)/python -c "import urllib.request as u; u.urlopen('$(SERVER_URL)/health', timeout=2)" 2>/dev/null; then \
+	    echo "prefect server ready at $(SERVER_URL)"; exit 0; fi; \
+	  kill -0 $$(cat $(SERVER_PID)) 2>/dev/null || { echo "prefect server exited:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1; }; \
+	  sleep 1; \
+	done; echo "prefect server not ready after 180 s:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1
+
+server-stop:
+	@if [ -f $(SERVER_PID) ] && kill -0 $$(cat $(SERVER_PID)) 2>/dev/null; then \
+	  pid=$$(cat $(SERVER_PID)); kill -TERM -- -$$pid; \
+	  for i in $$(seq 20); do kill -0 $$pid 2>/dev/null || break; sleep 1; done; \
+	  kill -0 $$pid 2>/dev/null && kill -KILL -- -$$pid; \
+	  echo "prefect server stopped (pid $$pid)"; \
+	else echo "prefect server not running"; fi
+	@rm -f $(SERVER_PID)
+
+pools: setup
+	@$(PREFECT_ENV) $(VENV_BIN)/python deployments/ops.py pools
+
+# All three deployments, or some: make deploy NAME="cpu h100". PHASE1A_TZ sets the nightly schedule's zone.
+deploy: setup
+	$(PREFECT_ENV) PHASE1A_TZ=$(PHASE1A_TZ) $(VENV_BIN)/prefect --no-prompt deploy \
+	  --prefect-file deployments/prefect.yaml $(if $(strip $(NAME)),$(foreach n,$(NAME),--name $(n)),--all)
+
+# In the foreground (run it under systemd, tmux or `&`). The pools target runs first: a worker started on a
+# missing pool would create it without the GPU pools' concurrency limit.
+worker: pools
+	$(PREFECT_ENV) PREFECT_FLOWS_HEARTBEAT_FREQUENCY=$(HEARTBEAT) $(VENV_BIN)/prefect worker start --pool $(POOL)
+
+automations: setup
+	@$(PREFECT_ENV) $(VENV_BIN)/python deployments/ops.py automations --zombie-after $(ZOMBIE_AFTER) \
+	  $(if $(strip $(NOTIFY_BLOCK)),--notify-block $(NOTIFY_BLOCK))

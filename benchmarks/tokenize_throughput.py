@@ -26,7 +26,7 @@ WORDS = ("the of and to in is was for on that with as by at from this are be or 
          "second time people water energy city system process function language history science").split()
 
 
-def generate(path: Path, count: int, seed: int = 0) -> None:
+def generate(path: Path, count: int, seed: int = 0, max_answer_words: int = 1500) -> None:
     rng = random.Random(seed)
 
     def words(mu: float, sigma: float, cap: int) -> str:
@@ -36,7 +36,7 @@ def generate(path: Path, count: int, seed: int = 0) -> None:
         for _ in range(count):
             handle.write(json.dumps({"messages": [
                 {"role": "user", "content": words(2.8, 0.7, 400).capitalize() + "?"},
-                {"role": "assistant", "content": words(3.9, 0.9, 1500).capitalize() + "."},
+                {"role": "assistant", "content": words(3.9, 0.9, max_answer_words).capitalize() + "."},
             ]}) + "\n")
 
 

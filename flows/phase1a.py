@@ -12,7 +12,7 @@ from phase1a.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
 from tasks.stage import source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
-from tasks.train import TrainSettings, record_run, train_task, training_key
+from tasks.train import record_run, train_settings, train_task
 from tasks.validate import (format_table, promote_task, publish_validation, validate_fingerprint,
                             validate_task, validation_section)
 
@@ -55,15 +55,7 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
             status = "planned"
             return str(report.path)
 
-        method = config.method.model_copy(update={"epochs": plan.epochs})  # the window may have cut epochs
-        run_key = training_key(data.fingerprint, model_fp, method, plan.max_seq_length)
-        settings = TrainSettings(
-            model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
-            output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
-            micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-            checkpoint_interval=config.checkpoint.interval,
-            keep_last=config.checkpoint.keep_last, trust_remote_code=config.model.trust_remote_code,
-        )
+        settings = train_settings(config, plan, data, model_dir, model_fp)
         trained = report.run("train", train_task, settings=settings)
         if not trained.reused_completed_run:
             report.set("estimate_vs_actual", record_run(history, plan, trained, model_fp, config).model_dump(mode="json"))

@@ -25,6 +25,7 @@ class TrainingState:
     scheduler: dict
     torch_rng: torch.Tensor
     cuda_rng: list[torch.Tensor]
+    elapsed_seconds: float = 0.0  # training time spent before this checkpoint, for honest ETAs after a resume
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -40,7 +41,7 @@ def save_checkpoint(root: Path, model: torch.nn.Module, state: TrainingState, ke
     torch.save(
         {
             "step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler,
-            "torch_rng": state.torch_rng, "cuda_rng": state.cuda_rng,
+            "torch_rng": state.torch_rng, "cuda_rng": state.cuda_rng, "elapsed_seconds": state.elapsed_seconds,
         },
         partial / "trainer_state.pt",
     )
@@ -73,5 +74,5 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> TrainingState:
     raw = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
     return TrainingState(
         step=int(raw["step"]), optimizer=raw["optimizer"], scheduler=raw["scheduler"],
-        torch_rng=raw["torch_rng"], cuda_rng=raw["cuda_rng"],
+        torch_rng=raw["torch_rng"], cuda_rng=raw["cuda_rng"], elapsed_seconds=float(raw.get("elapsed_seconds", 0.0)),
     )

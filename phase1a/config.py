@@ -66,14 +66,24 @@ class MethodConfig(_Section):
     epochs: float = Field(1.0, gt=0.0)
     batch_size: int = Field(16, ge=1, description="Examples per optimizer step (the global batch).")
     seed: int = 0
+    optimizer: Literal["adamw_fused", "adamw", "adamw_8bit"] = Field(
+        "adamw_fused", description="adamw_fused: one kernel, no temporaries; adamw_8bit: bitsandbytes, 2-byte state.")
+    base_precision: Literal["16bit", "4bit"] = Field("16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
+    liger: Literal["auto", "on", "off"] = Field("auto", description="Liger kernels on CUDA: auto uses them when installed.")
+
+    @model_validator(mode="after")
+    def _quantised_base_is_lora(self) -> "MethodConfig":
+        if self.base_precision == "4bit" and self.kind != "lora":
+            raise ValueError("base_precision 4bit trains LoRA adapters on a frozen base; set kind: lora")
+        return self
 
 
 class HardwareConfig(_Section):
-    target: Literal["cpu", "h100", "h200", "a100-80gb", "a100-40gb", "l4", "a10g"] = "cpu"
+    target: Literal["cpu", "h100", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "l4", "a10g", "l40s", "rtx4090"] = "cpu"
     num_gpus: int = Field(1, ge=1)
     price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue price.")
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
-    calibration_steps: int = Field(4, ge=0, description="Measured steps that calibrate the throughput model.")
+    calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")
 
 
 class PlanConfig(_Section):
@@ -83,6 +93,20 @@ class PlanConfig(_Section):
     min_epochs: float = Field(1.0, gt=0.0, description="Fitting a time window never cuts epochs below this.")
     micro_batch_size: int | None = Field(None, ge=1, description="custom profile only")
     gradient_checkpointing: bool | None = Field(None, description="custom profile only")
+    compile: bool | None = Field(None, description="custom profile only: torch.compile the model")
+    dataloader_workers: int | None = Field(None, ge=0, description="custom profile only")
+    sweep: list[Literal["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"]] = Field(
+        ["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"],
+        description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global batch.")
+    calibration_budget: str = Field("10m", description="Most wall time the calibration sweep may spend.")
+    calibration_share: float = Field(0.05, ge=0.0, le=1.0,
+                                     description="...and at most this share of the first estimate of training time.")
+
+    @field_validator("calibration_budget")
+    @classmethod
+    def _budget(cls, value: str) -> str:
+        parse_duration_seconds(value)
+        return value
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
     scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0, description="Options table: throughput kept per GPU doubling.")
     lr_rule: Literal["sqrt", "linear", "none"] = Field("sqrt", description="Options table: LR for a larger global batch.")

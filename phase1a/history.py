@@ -34,10 +34,15 @@ class RunRecord(BaseModel):
     hardware: str  # catalogue key, "cpu", or "cuda" for a GPU the catalogue does not know
     device_name: str
     precision: str
+    method_kind: str = "lora"  # records written before this field were all LoRA runs
     micro_batch_size: int
     gradient_checkpointing: bool
+    compile: bool = False
+    dataloader_workers: int = 0
     max_seq_length: int
-    tokens_per_second: float  # measured over the training run
+    tokens_per_second: float  # measured over the training run, checkpoint writes excluded
+    startup_seconds: float | None = None  # model load to the first step
+    checkpoint_seconds_each: float | None = None
     estimated_train_seconds: float | None
     actual_train_seconds: float
     time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
@@ -109,6 +114,12 @@ def last_throughput(path: Path, model_fingerprint: str, hardware: str, micro_bat
     """The most recent matching run's measured tokens/s, or None when no run matches."""
     matches = matching_runs(path, model_fingerprint, hardware, micro_batch_size, gradient_checkpointing)
     return matches[-1].tokens_per_second if matches else None
+
+
+def latest_run(path: Path, model_fingerprint: str, hardware: str, method_kind: str) -> RunRecord | None:
+    """The most recent run of this model, method and hardware, whatever its knobs: a plan may reuse them."""
+    matches = [r for r in matching_runs(path, model_fingerprint, hardware) if r.method_kind == method_kind]
+    return matches[-1] if matches else None
 
 
 def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> AccuracySummary:

@@ -99,3 +99,71 @@ def example_stream(num_examples: int, epochs: float, seed: int) -> tuple[np.ndar
     full_epochs = -(-total // num_examples)
     order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(num_examples) for epoch in range(full_epochs)])
     return order[:total], total
+
+
+def budget_rows(rows: TokenRows, indices: np.ndarray, token_budget: int) -> list[np.ndarray]:
+    """Length-aware bucketing of one step's examples into packed rows of at most `token_budget` tokens:
+    first-fit decreasing, longest first, each into the first row with room (a row holds at least one example).
+    Short examples share rows, so a step takes as few forward passes as the budget allows, and rows come out
+    evenly full. Order within a step does not change its gradient: the loss is a sum over examples."""
+    lengths = [rows.end(int(i)) - int(rows.offsets[i]) for i in indices]
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for k in sorted(range(len(indices)), key=lambda k: -lengths[k]):
+        for b, load in enumerate(loads):
+            if load + lengths[k] <= token_budget:
+                bins[b].append(int(indices[k]))
+                loads[b] += lengths[k]
+                break
+        else:
+            bins.append([int(indices[k])])
+            loads.append(lengths[k])
+    return [np.array(b) for b in bins]
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Optimizer step k -> this rank's packed rows, the whole step's supervised-token count, and a loss weight.
+
+    A pure function of k, so resuming at step k re-iterates nothing, and dataloader workers can pack steps
+    ahead of the accelerator. Workers reopen the memory-mapped Arrow file instead of receiving a pickled copy.
+    With several ranks each takes every world-th example of the step; a rank left without one (a short last
+    step) computes one example with weight 0, so it still joins the gradient all-reduce."""
+
+    def __init__(self, train_path: str | Path, max_length: int | None, order: np.ndarray, batch_size: int,
+                 total_examples: int, token_budget: int, rank: int = 0, world: int = 1):
+        self.train_path, self.max_length, self.order = str(train_path), max_length, order
+        self.batch_size, self.total_examples, self.token_budget = batch_size, total_examples, token_budget
+        self.rank, self.world = rank, world
+        self._rows: TokenRows | None = None
+
+    @property
+    def rows(self) -> TokenRows:
+        if self._rows is None:
+            self._rows = TokenRows.from_arrow(self.train_path, self.max_length)
+        return self._rows
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rows": None}
+
+    def __len__(self) -> int:
+        return -(-self.total_examples // self.batch_size)
+
+    def __getitem__(self, step: int) -> dict:
+        indices = step_indices(self.order, step, self.batch_size, self.total_examples)
+        mine, weight = indices[self.rank :: self.world], 1.0
+        if len(mine) == 0:
+            mine, weight = indices[:1], 0.0
+        rows = budget_rows(self.rows, mine, self.token_budget)
+        return {"micro_batches": [pack(self.rows, row) for row in rows],
+                "supervised": self.rows.supervised_tokens(indices), "weight": weight}
+
+
+def token_budget(micro_batch_size: int, max_seq_length: int) -> int:
+    """A packed row's token budget: `micro_batch_size` examples of the longest allowed length."""
+    return micro_batch_size * max_seq_length
+
+
+def step_loader(batches: StepBatches, steps, workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """Steps in order; with workers, two steps a worker are packed (and pinned) ahead."""
+    return torch.utils.data.DataLoader(batches, batch_size=None, sampler=steps, num_workers=workers,
+                                       pin_memory=pin_memory, prefetch_factor=2 if workers else None)

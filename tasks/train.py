@@ -1,25 +1,39 @@
-"""Train: LoRA (or full) fine-tuning on packed batches, sparse time-based checkpoints, resume from the latest.
+"""Train: LoRA (or full) fine-tuning on packed rows, sparse checkpoints, exact resume, honest progress.
 
+Read top to bottom, `train()` is the whole recipe:
+  1. a finished run is reused; otherwise build the model and optimizer the plan chose (`phase1a/modeling.py`)
+  2. resume from the latest complete checkpoint of this run: weights, optimizer, scheduler, RNG, step. The
+     data position is the step number itself (`StepBatches` is a pure function of the step), so nothing is
+     re-iterated
+  3. each optimizer step: this rank's packed rows, the loss normalised over the whole step's supervised
+     tokens, clip, step. Out of memory: halve the row's token budget (accumulation doubles, the global batch
+     and the gradient stay the same), restore the step's RNG, redo the step
+  4. checkpoint when the interval (wall time and/or steps) fires, and on SIGTERM/SIGINT before exiting
+  5. save the adapter in peft's format, with `result.json`, marked complete last
+
+Several GPUs: `train_task` launches `torchrun` over this module's `__main__`; see `phase1a/distributed.py`.
 Imports without Prefect, so the same loop runs on a bare GPU host.
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
+from contextlib import nullcontext
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import BaseModel
 
+from phase1a import distributed
 from phase1a.checkpoints import TrainingState, list_checkpoints, load_checkpoint, save_checkpoint
 from phase1a.config import MethodConfig
 from phase1a.fingerprint import hash_json
-from phase1a.hardware import training_device, training_dtype
-from phase1a.models import load_model
-from phase1a.packing import TokenRows, example_stream, pack, step_indices, summed_loss
+from phase1a.modeling import build_model, make_optimizer, make_scheduler
+from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, summed_loss, token_budget
+from phase1a.preemption import Preempted, StopSignals
+from phase1a.progress import ProgressReporter
 from phase1a.units import parse_interval
 from tasks.caching import task
 
@@ -29,13 +43,19 @@ class TrainSettings(BaseModel):
     train_path: str
     output_dir: str
     method: MethodConfig
-    micro_batch_size: int
+    micro_batch_size: int  # a packed row's token budget, in examples of max_seq_length
     gradient_checkpointing: bool
+    compile: bool = False
+    dataloader_workers: int = 0
     max_seq_length: int | None = None  # the plan's truncation, when it is shorter than the tokenized data
     checkpoint_interval: str = "30m"
     keep_last: int = 2
     trust_remote_code: bool = False
     show_progress: bool = True
+    num_processes: int = 1  # >1: torchrun, one process a GPU
+    model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
+    peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
+    planned_seconds: float | None = None  # the plan's train estimate, for "on track"
 
 
 class TrainResult(BaseModel):
@@ -50,6 +70,12 @@ class TrainResult(BaseModel):
     final_loss: float | None
     checkpoints_written: int
     checkpoint_seconds: float
+    startup_seconds: float = 0.0  # model load, adapter, optimizer, resume: before the first step
+    checkpoint_share: float = 0.0  # checkpoint writes as a share of the wall time
+    micro_batch_size: int = 0  # at the end: smaller than planned after out-of-memory back-offs
+    out_of_memory_backoffs: int = 0
+    padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
+    mean_mfu: float | None = None
 
 
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int) -> str:
@@ -58,134 +84,190 @@ def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: Met
                       "max_seq_length": max_seq_length})[:16]
 
 
-def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False):
-    device = training_device()
-    model = load_model(model_dir, training_dtype(device), trust_remote_code).to(device)
-    model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
-    if method.kind == "lora":
-        from peft import LoraConfig, get_peft_model
+def train_settings(config, plan, data, model_dir: Path, model_fingerprint: str) -> TrainSettings:
+    """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
+    them), its truncation; the output directory is keyed by what makes two runs the same run."""
+    from phase1a.hardware import detect
 
-        lora = method.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                       target_modules=lora.target_modules, task_type="CAUSAL_LM"),
-        )
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if method.kind == "lora":
-            model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return model
+    method = config.method.model_copy(update={"epochs": plan.epochs})
+    run_key = training_key(data.fingerprint, model_fingerprint, method, plan.max_seq_length)
+    return TrainSettings(
+        model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
+        output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
+        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+        compile=plan.compile, dataloader_workers=plan.dataloader_workers,
+        checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
+        trust_remote_code=config.model.trust_remote_code, num_processes=config.hardware.num_gpus,
+        model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
+        planned_seconds=plan.estimated_train_seconds,
+    )
 
 
-def make_optimizer(model: torch.nn.Module, method: MethodConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = next(iter(params)).is_cuda
-    return torch.optim.AdamW(params, lr=method.learning_rate, weight_decay=method.weight_decay, fused=fused)
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up, then cosine decay to zero."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def train_step(model, optimizer, rows: TokenRows, indices: np.ndarray, micro_batch_size: int) -> tuple[float, int]:
-    """One optimizer step over `indices`, in micro-batches; the loss is normalised over the whole step's
-    supervised tokens, so accumulation gives the same gradient as one big batch. Returns (loss, tokens)."""
+def train_step(model, micro_batches: list[dict[str, torch.Tensor]], supervised: int, weight: float = 1.0,
+               world_size: int = 1) -> tuple[float, int]:
+    """Forward and backward over one rank's rows of an optimizer step; the loss is normalised over the whole
+    step's supervised tokens, so accumulation (and DDP's average, undone by `world_size`) gives the gradient of
+    one big batch. Gradients are all-reduced once, on the last row. Returns (this rank's loss, tokens)."""
     device = next(model.parameters()).device
-    supervised = max(1, rows.supervised_tokens(indices))
+    scale = weight * world_size / max(1, supervised)
     total_loss, tokens = 0.0, 0
-    for start in range(0, len(indices), micro_batch_size):
-        batch = {k: v.to(device, non_blocking=True) for k, v in pack(rows, indices[start : start + micro_batch_size]).items()}
-        loss, _, _ = summed_loss(model, batch)
-        (loss / supervised).backward()
-        total_loss += loss.item()
-        tokens += batch["input_ids"].numel()
-    return total_loss / supervised, tokens
+    for index, micro in enumerate(micro_batches):
+        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+        last = index == len(micro_batches) - 1
+        with model.no_sync() if distributed.is_ddp(model) and not last else nullcontext():
+            loss, _, _ = summed_loss(model, batch)
+            (loss * scale).backward()
+        total_loss += loss.item() * weight
+        tokens += batch["input_ids"].numel() if weight else 0
+    return total_loss / max(1, supervised), tokens
 
 
-def train(settings: TrainSettings) -> TrainResult:
+def optimizer_step(model, optimizer, step_batch: dict, world_size: int = 1) -> tuple[float, int, float]:
+    """One whole optimizer step as training runs it, shared with calibration so both time the same work."""
+    loss, tokens = train_step(model, step_batch["micro_batches"], step_batch["supervised"],
+                              step_batch.get("weight", 1.0), world_size)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, tokens, float(grad_norm)
+
+
+def train(settings: TrainSettings, on_model=None) -> TrainResult:
+    """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection."""
     output_dir = Path(settings.output_dir)
     final_dir = output_dir / "final"
     if (final_dir / "COMPLETE").is_file():  # this exact run already finished: nothing to redo
         summary = TrainResult.model_validate_json((final_dir / "result.json").read_text())
         return summary.model_copy(update={"reused_completed_run": True})
 
+    world = distributed.init_world()
     method = settings.method
+    began = time.perf_counter()
     torch.manual_seed(method.seed)
-    rows = TokenRows.from_arrow(settings.train_path, settings.max_seq_length)
-    order, total_examples = example_stream(len(rows), method.epochs, method.seed)
-    total_steps = -(-total_examples // method.batch_size)
-    model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code)
+    num_examples = len(TokenRows.from_arrow(settings.train_path))
+    max_length = settings.max_seq_length or int(TokenRows.from_arrow(settings.train_path).lengths().max())
+    order, total_examples = example_stream(num_examples, method.epochs, method.seed)
+    micro = settings.micro_batch_size
+
+    def batches_for(micro_batch_size: int) -> StepBatches:
+        return StepBatches(settings.train_path, settings.max_seq_length, order, method.batch_size, total_examples,
+                           token_budget(micro_batch_size, max_length), world.rank, world.size)
+
+    total_steps = len(batches_for(micro))
+    model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code,
+                        settings.compile)
+    if on_model is not None:
+        on_model(model)
     optimizer = make_optimizer(model, method)
     scheduler = make_scheduler(optimizer, round(method.warmup_fraction * total_steps), total_steps)
+    model = distributed.wrap(model, world)
 
     checkpoint_root = output_dir / "checkpoints"
-    start_step, resumed_from = 0, None
+    start_step, resumed_from, prior_seconds = 0, None, 0.0
     if existing := list_checkpoints(checkpoint_root):
-        state = load_checkpoint(existing[-1], model)
+        state = load_checkpoint(existing[-1], distributed.unwrap(model))
         optimizer.load_state_dict(state.optimizer)
         scheduler.load_state_dict(state.scheduler)
         torch.set_rng_state(state.torch_rng)
         if state.cuda_rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state.cuda_rng)
         start_step = resumed_from = state.step
+        prior_seconds = state.elapsed_seconds
 
     interval = parse_interval(settings.checkpoint_interval)
-    metrics_path = output_dir / "metrics.jsonl"
     output_dir.mkdir(parents=True, exist_ok=True)
-    progress = _progress_bar(settings.show_progress, total_steps, start_step)
+    if world.main:
+        _trim_metrics(output_dir / "metrics.jsonl", start_step)  # steps after the checkpoint are redone
+    reporter = ProgressReporter(output_dir, total_steps, start_step, model_flops_per_token=settings.model_flops_per_token,
+                                peak_flops=settings.peak_flops, planned_seconds=settings.planned_seconds,
+                                show_progress=settings.show_progress and world.main, enabled=world.main)
+    if resumed_from is not None:
+        reporter.event("resumed", from_step=resumed_from, checkpoint=existing[-1].name)
     model.train()
     started = last_save = time.perf_counter()
-    last_save_step, checkpoints, checkpoint_seconds, tokens_done, loss = start_step, 0, 0.0, 0, None
-    with open(metrics_path, "a") as metrics:
-        for step in range(start_step, total_steps):
-            indices = step_indices(order, step, method.batch_size, total_examples)
-            loss, tokens = train_step(model, optimizer, rows, indices, settings.micro_batch_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-            optimizer.step()
+    startup = started - began
+    last_save_step, checkpoints, checkpoint_seconds, tokens_done, loss, backoffs, mfus = start_step, 0, 0.0, 0, None, 0, []
+
+    def checkpoint(step: int) -> Path:
+        nonlocal checkpoints, checkpoint_seconds
+        began_save = time.perf_counter()
+        path = checkpoint_root / f"step-{step:08d}"
+        if world.main:
+            state = _state(step, optimizer, scheduler, prior_seconds + began_save - started)
+            path = save_checkpoint(checkpoint_root, distributed.unwrap(model), state, settings.keep_last)
+        distributed.barrier(world)
+        checkpoints += 1
+        checkpoint_seconds += time.perf_counter() - began_save
+        return path
+
+    loader = iter(step_loader(batches_for(micro), range(start_step, total_steps), settings.dataloader_workers,
+                              pin_memory=torch.cuda.is_available()))
+    step = start_step
+    with StopSignals() as stop:
+        while step < total_steps:
+            step_batch, rng = next(loader), torch.get_rng_state()
+            try:
+                loss, tokens, grad_norm = optimizer_step(model, optimizer, step_batch, world.size)
+            except torch.OutOfMemoryError:
+                if world.size > 1 or micro == 1:
+                    raise  # one rank cannot back off alone; a row of one example has nowhere to go
+                optimizer.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                torch.set_rng_state(rng)
+                micro, backoffs = micro // 2, backoffs + 1
+                reporter.event("out_of_memory", step=step + 1, micro_batch_size=micro,
+                               token_budget=token_budget(micro, max_length))
+                loader = iter(step_loader(batches_for(micro), range(step, total_steps), settings.dataloader_workers,
+                                          pin_memory=torch.cuda.is_available()))
+                continue
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            step += 1
             tokens_done += tokens
-            elapsed = time.perf_counter() - started
-            record = {"step": step + 1, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
-                      "grad_norm": float(grad_norm), "tokens": tokens, "elapsed_s": round(elapsed, 3),
-                      "tokens_per_s": round(tokens_done / max(elapsed, 1e-9), 1)}
-            metrics.write(json.dumps(record) + "\n")
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            now = time.perf_counter()
-            if step + 1 < total_steps and interval.due(now - last_save, step + 1 - last_save_step):
-                save_checkpoint(checkpoint_root, model, _state(step + 1, optimizer, scheduler), settings.keep_last)
-                checkpoints += 1
-                checkpoint_seconds += time.perf_counter() - now
-                last_save, last_save_step = time.perf_counter(), step + 1
-    progress.close()
+            record = reporter.step(step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=tokens,
+                                   elapsed=time.perf_counter() - started, prior_seconds=prior_seconds)
+            if record.get("mfu") is not None:
+                mfus.append(record["mfu"])
+            due = interval.due(time.perf_counter() - last_save, step - last_save_step)
+            if distributed.any_rank(stop.requested is not None, world):
+                path = checkpoint(step)
+                reporter.event("preempted", signal=stop.requested or "peer", step=step, checkpoint=path.name)
+                reporter.close()
+                raise Preempted(stop.requested or "a signal to another rank", step, str(path))
+            if step < total_steps and distributed.any_rank(due, world):
+                checkpoint(step)
+                last_save, last_save_step = time.perf_counter(), step
+    reporter.close()
     wall = time.perf_counter() - started
+    tokens_done = distributed.sum_over_ranks(tokens_done, world)
 
     result = TrainResult(
         adapter_dir=str(final_dir), output_dir=str(output_dir), steps=total_steps, resumed_from_step=resumed_from,
         reused_completed_run=False, wall_seconds=round(wall, 3), train_tokens=tokens_done,
         tokens_per_second=round(tokens_done / max(wall, 1e-9), 2), final_loss=loss,
         checkpoints_written=checkpoints, checkpoint_seconds=round(checkpoint_seconds, 3),
+        startup_seconds=round(startup, 3), checkpoint_share=round(checkpoint_seconds / max(wall, 1e-9), 5),
+        micro_batch_size=micro, out_of_memory_backoffs=backoffs,
+        mean_mfu=round(sum(mfus) / len(mfus), 4) if mfus else None,
     )
-    _save_final(model, final_dir, result)
+    if world.main:
+        _save_final(distributed.unwrap(model), final_dir, result)
+    distributed.barrier(world)
     return result
 
 
-def _state(step: int, optimizer, scheduler) -> TrainingState:
+def _state(step: int, optimizer, scheduler, elapsed: float) -> TrainingState:
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), cuda_rng)
+    return TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), torch.get_rng_state(), cuda_rng, elapsed)
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the records up to the checkpoint a run resumes from: the curve stays continuous, without repeats."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _save_final(model, final_dir: Path, result: TrainResult) -> None:
@@ -199,27 +281,52 @@ def _save_final(model, final_dir: Path, result: TrainResult) -> None:
     partial.rename(final_dir)
 
 
-def _progress_bar(enabled: bool, total: int, initial: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
-
-
 def record_run(history: Path, plan, result: TrainResult, model_fingerprint: str, config) -> "RunRecord":
     """Measured against estimated, appended to the history that the next plan of this model reads."""
     from phase1a.history import RunRecord, append_run
 
     record = RunRecord(
         model_fingerprint=model_fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
-        device_name=plan.detected, precision=plan.precision, micro_batch_size=plan.micro_batch_size,
-        gradient_checkpointing=plan.gradient_checkpointing, max_seq_length=plan.max_seq_length,
-        tokens_per_second=result.tokens_per_second, estimated_train_seconds=plan.estimated_train_seconds,
-        actual_train_seconds=result.wall_seconds,
+        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
+        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
+        # Steady speed: checkpoint writes are estimated separately, from their own measured cost.
+        tokens_per_second=result.train_tokens / max(result.wall_seconds - result.checkpoint_seconds, 1e-9),
+        startup_seconds=result.startup_seconds,
+        checkpoint_seconds_each=result.checkpoint_seconds / result.checkpoints_written if result.checkpoints_written else None,
+        estimated_train_seconds=plan.estimated_train_seconds, actual_train_seconds=result.wall_seconds,
     )
     append_run(history, record)
     return record
 
 
+def run(settings: TrainSettings) -> TrainResult:
+    """One process, or `num_processes` ranks under torchrun; the result is rank 0's, read from the run."""
+    if settings.num_processes <= 1:
+        return train(settings)
+    output_dir = Path(settings.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    settings_path = output_dir / "settings.json"
+    settings_path.write_text(settings.model_dump_json(indent=2))
+    distributed.launch(settings.num_processes, settings_path, cwd=Path(__file__).resolve().parents[1])
+    return TrainResult.model_validate_json((output_dir / "final" / "result.json").read_text())
+
+
 @task(name="train")
 def train_task(settings: TrainSettings) -> TrainResult:
-    return train(settings)
+    # Two runs with the same training key share output_dir (a duplicate manual run, or one during the nightly
+    # run): training side by side would interleave metrics, race on checkpoint renames and write one
+    # final.partial. The second waits, then reuses the finished run, or resumes if the first one died. The
+    # launching process holds the lock for all its torchrun ranks.
+    from phase1a.locks import exclusive
+
+    with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
+        return run(settings)
+
+
+if __name__ == "__main__":  # a torchrun rank: python -m tasks.train SETTINGS.json
+    rank_world = distributed.init_world()
+    try:
+        train(TrainSettings.model_validate_json(Path(sys.argv[1]).read_text()))
+    finally:
+        distributed.finish(rank_world)

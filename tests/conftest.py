@@ -47,13 +47,14 @@ def make_tokenizer(chat_template: str | None = CHATML):
     return fast
 
 
-def make_tiny_model_dir(target: Path, chat_template: str | None = CHATML, seed: int = 0) -> Path:
+def make_tiny_model_dir(target: Path, chat_template: str | None = CHATML, seed: int = 0, **shape) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer(chat_template)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, **shape}
+    config = LlamaConfig(vocab_size=len(tokenizer), **sizes,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)

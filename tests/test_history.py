@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from phase1a.history import RunRecord, append_run, last_throughput, read_runs, time_accuracy_summary
+from phase1a.history import RunRecord, append_run, last_throughput, latest_run, read_runs, time_accuracy_summary
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
@@ -27,6 +27,21 @@ def test_round_trip_and_accuracy_filled_in(tmp_path):
     assert records == [first, second] and skipped == 0
     assert records[0].time_accuracy == pytest.approx(1.2)
     assert records[1].time_accuracy is None
+
+
+def test_latest_run_keeps_the_knobs_and_separates_lora_from_full(tmp_path):
+    path = tmp_path / "history.jsonl"
+    # A line written before the method and knob fields existed still reads, as the LoRA run it was.
+    old = record(timestamp=T0).model_dump(mode="json", exclude={"method_kind", "compile", "dataloader_workers"})
+    path.write_text(json.dumps(old) + "\n")
+    append_run(path, record(timestamp=T0 + timedelta(hours=1), method_kind="full", micro_batch_size=2,
+                            compile=True, dataloader_workers=4, startup_seconds=31.5, checkpoint_seconds_each=4.2))
+    lora = latest_run(path, "m1", "h100", "lora")
+    assert lora is not None and (lora.micro_batch_size, lora.compile, lora.dataloader_workers) == (4, False, 0)
+    full = latest_run(path, "m1", "h100", "full")
+    assert (full.micro_batch_size, full.compile, full.dataloader_workers) == (2, True, 4)
+    assert (full.startup_seconds, full.checkpoint_seconds_each) == (31.5, 4.2)
+    assert latest_run(path, "m1", "h200", "lora") is None
 
 
 def test_most_recent_match_wins_and_filters(tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from phase1a.packing import IGNORE_INDEX, TokenRows, example_stream, pack, step_indices, summed_loss
+from phase1a.packing import IGNORE_INDEX, TokenRows, budget_rows, example_stream, pack, step_indices, summed_loss
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,12 @@ def test_example_stream_is_deterministic_and_spans_epochs():
     assert total == 25 and np.array_equal(order, again)
     assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
     assert list(step_indices(order, 3, 8, total)) == list(order[24:25])
+
+
+def test_budget_rows_bucket_by_length_within_the_budget(rows):
+    indices = np.arange(len(rows))  # lengths 5, 17, 9, 30, 12
+    packed = budget_rows(rows, indices, token_budget=32)
+    assert sorted(int(i) for row in packed for i in row) == list(range(5))  # every example exactly once
+    assert [int(sum(rows.lengths()[row])) for row in packed] == [30, 29, 14]  # first-fit, longest first
+    assert [len(row) for row in budget_rows(rows, indices, token_budget=10)] == [1, 1, 1, 1, 1]  # too long: alone
+    assert len(budget_rows(rows, indices, token_budget=1000)) == 1

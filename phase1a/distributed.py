@@ -1,0 +1,102 @@
+"""Several processes, one run: torchrun starts one process a GPU (or, for tests, a CPU process with gloo).
+
+Each optimizer step's examples are split across ranks (`StepBatches(rank, world)`), every rank normalises
+its loss by the whole step's supervised tokens and scales it by the world size, so DDP's gradient average is
+exactly the one-process gradient of the same global batch: the plan's global batch and learning rate hold
+whatever the number of GPUs. Rank 0 writes checkpoints, metrics and the final adapter; decisions that depend on
+a clock or a signal (checkpoint now, stop now) are taken together, so no rank waits for one that moved on.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_world() -> World:
+    """Join the process group torchrun described in the environment; one process needs none."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return world
+
+
+def wrap(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    if world.size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[world.local_rank] if torch.cuda.is_available() else None)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if is_ddp(model) else model
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def sum_over_ranks(value: int, world: World) -> int:
+    if world.size == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    """True on every rank when it is true on any: rank 0's clock says checkpoint, one rank got SIGTERM."""
+    if world.size == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()
+
+
+def finish(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def torchrun_command(processes: int, settings_path: Path) -> list[str]:
+    """`torchrun` for one node and `processes` ranks, running this project's train entry point."""
+    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    base = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
+    return [*base, "--standalone", f"--nproc_per_node={processes}", "-m", "tasks.train", str(settings_path)]
+
+
+def launch(processes: int, settings_path: Path, cwd: Path) -> None:
+    """Run the ranks and wait; a failed rank fails the launch with its exit code (torchrun prints its log)."""
+    done = subprocess.run(torchrun_command(processes, settings_path), cwd=cwd)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun with {processes} processes exited with {done.returncode}")

@@ -1,0 +1,133 @@
+"""Honest progress for a training run: one record per optimizer step, to every sink that is available.
+
+Sinks: `metrics.jsonl` in the run directory (always; appended, so a resumed run continues the curve; events
+such as a resume or an out-of-memory back-off go to `events.jsonl`), a
+terminal progress bar (step, tokens/s, ETA), TensorBoard under `tensorboard/` (when the `tensorboard` package is
+installed), and a Prefect progress artifact (inside a Prefect run).
+
+Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's steps, MFU, peak accelerator
+memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
+plan. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention, never the 2N that
+checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the projected train
+time with the plan's estimate: within 10 % is on track.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+ON_TRACK_TOLERANCE = 0.10
+_ARTIFACT_EVERY_SECONDS = 10.0
+
+
+class ProgressReporter:
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, *, model_flops_per_token: float | None,
+                 peak_flops: float | None, planned_seconds: float | None, show_progress: bool = True,
+                 enabled: bool = True):
+        """`enabled` False (ranks other than 0): the numbers are computed, nothing is written."""
+        self.total_steps, self.start_step = total_steps, start_step
+        self.model_flops_per_token, self.peak_flops, self.planned_seconds = model_flops_per_token, peak_flops, planned_seconds
+        self.metrics = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None
+        self.events = open(Path(output_dir) / "events.jsonl", "a") if enabled else None
+        self.bar = _progress_bar(show_progress and enabled, total_steps, start_step)
+        self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
+        self.artifact_id = _progress_artifact(start_step, total_steps) if enabled else None
+        self.artifact_at, self.tokens = 0.0, 0
+
+    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, elapsed: float,
+             prior_seconds: float = 0.0) -> dict:
+        """`step` counts from 1; `elapsed` is this process's training time, `prior_seconds` what a resumed run
+        had already spent before its checkpoint."""
+        self.tokens += tokens
+        done = step - self.start_step
+        tokens_per_second = self.tokens / max(elapsed, 1e-9)
+        remaining = (self.total_steps - step) * elapsed / max(done, 1)
+        record = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6), "tokens": tokens,
+                  "tokens_per_s": round(tokens_per_second, 1), "elapsed_s": round(elapsed, 3),
+                  "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
+                  "gpu_utilization": _gpu_utilization(), "on_track": None}
+        if self.model_flops_per_token and self.peak_flops:
+            record["mfu"] = round(tokens_per_second * self.model_flops_per_token / self.peak_flops, 4)
+        if self.planned_seconds:
+            projected = prior_seconds + elapsed + remaining
+            record["projected_s"] = round(projected, 1)
+            record["on_track"] = projected <= self.planned_seconds * (1 + ON_TRACK_TOLERANCE)
+        self._write(self.metrics, record)
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
+            if self.tensorboard is not None and record.get(key) is not None:
+                self.tensorboard.add_scalar(f"train/{key}", record[key], step)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
+        if self.artifact_id and (time.monotonic() - self.artifact_at > _ARTIFACT_EVERY_SECONDS or step == self.total_steps):
+            _update_artifact(self.artifact_id, 100.0 * step / self.total_steps)
+            self.artifact_at = time.monotonic()
+        return record
+
+    def event(self, kind: str, **fields) -> None:
+        """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
+        self._write(self.events, {"event": kind, "time": time.time(), **fields})
+        if self.events is not None:
+            self.bar.write(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def close(self) -> None:
+        self.bar.close()
+        for sink in (self.metrics, self.events, self.tensorboard):
+            if sink is not None:
+                sink.close()
+
+    @staticmethod
+    def _write(sink, record: dict) -> None:
+        if sink is not None:
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()  # a killed run keeps every step it finished
+
+
+def _peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1024**3
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux: the process's peak RSS
+
+
+def _gpu_utilization() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.utilization())  # NVML: needs nvidia-ml-py
+    except Exception:  # no NVML on this host: the field stays empty rather than failing a run
+        return None
+
+
+def _tensorboard(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the tensorboard package is optional on bare GPU hosts
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def _progress_artifact(start_step: int, total_steps: int):
+    try:
+        from prefect.artifacts import create_progress_artifact
+        from prefect.context import get_run_context
+
+        get_run_context()
+    except Exception:  # not inside a Prefect run (a bare GPU host, a test): no artifact
+        return None
+    return create_progress_artifact(100.0 * start_step / max(total_steps, 1), key="train-progress",
+                                    description="phase1a training: optimizer steps done")
+
+
+def _update_artifact(artifact_id, percent: float) -> None:
+    from prefect.artifacts import update_progress_artifact
+
+    update_progress_artifact(artifact_id, progress=percent)
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

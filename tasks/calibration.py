@@ -1,0 +1,200 @@
+"""Calibration: time a few real optimizer steps of each candidate configuration on the hardware present, and
+keep the fastest that fits.
+
+The global batch is fixed; candidates differ only in how a step is executed: examples per micro-batch (the
+token budget of one packed row), gradient checkpointing, dataloader workers, torch.compile. The search is
+greedy, one knob at a time in `plan.sweep` order, starting from the memory model's pick: a change is kept when
+it is faster by more than the noise between repeated measurements (`_MIN_GAIN`). Every candidate runs the same
+steps of the same data (the run's first steps), so they compare like with like.
+
+Per candidate: two warm-up steps (allocator growth, kernel selection, compilation), then `calibration_steps`
+measured steps, spread evenly over the run so that their lengths are the run's. Its speed is the measured
+steps' total time over their total tokens (the slowest step left out), a ratio of sums so that fixed per-step
+costs weigh as they will in the run. The warm-up steps' excess over that speed is kept too: a training run
+pays it once at its start. Step time is taken from the end of one step
+to the end of the next, so it includes waiting for the data loader.
+
+When several candidates were measured, the winner is measured once more and that measurement sets the
+estimate: the fastest of several noisy measurements is biased fast.
+
+The sweep may spend at most `plan.calibration_budget`, and at most `plan.calibration_share` of the first
+estimate of training time: a two-minute run does not get a five-minute search. What was skipped is listed.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from phase1a.checkpoints import TrainingState, save_checkpoint
+from phase1a.config import Phase1aConfig
+from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+
+_WARMUP_STEPS = 2
+_MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
+
+
+class Candidate(BaseModel, frozen=True):
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    compile: bool = False
+    dataloader_workers: int = 0
+
+    def label(self) -> str:
+        return (f"micro {self.micro_batch_size}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+                f"compile {'on' if self.compile else 'off'}, workers {self.dataloader_workers}")
+
+
+class Trial(BaseModel):
+    candidate: Candidate
+    status: Literal["measured", "out_of_memory", "failed", "skipped"]
+    tokens_per_second: float | None = None
+    warmup_excess_seconds: float | None = None  # what the first steps cost beyond steady state (compilation)
+    peak_memory_gib: float | None = None  # CUDA only: the allocator's peak during the trial
+    seconds: float = 0.0
+    note: str = ""
+
+
+class Calibration(BaseModel):
+    chosen: Candidate
+    seconds_per_token: float
+    warmup_excess_seconds: float
+    startup_seconds: float  # load the model, wrap it, build the optimizer
+    checkpoint_seconds: float  # one checkpoint written, measured
+    peak_memory_gib: float | None
+    trials: list[Trial]
+    budget_seconds: float
+    seconds: float
+
+
+# Proposes the next candidates to try for one knob, given the best so far.
+Alternatives = Callable[[Candidate, str], list[Candidate]]
+
+
+def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_length: int, start: Candidate,
+              alternatives: Alternatives, train_tokens: int, work_dir: Path) -> Calibration:
+    from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
+
+    began = time.perf_counter()
+    method = config.method
+    model = build_model(model_dir, method, start.gradient_checkpointing, config.model.trust_remote_code)
+    optimizer = make_optimizer(model, method)
+    model.train()  # as training runs it: train mode takes other code paths (dropout, mask construction)
+    startup = time.perf_counter() - began
+
+    num_examples = len(TokenRows.from_arrow(train_path))
+    order, total = example_stream(num_examples, method.epochs, method.seed)
+
+    def run(candidate: Candidate) -> Trial:
+        set_gradient_checkpointing(model, candidate.gradient_checkpointing)
+        if candidate.compile and not getattr(model, "_compiled_call_impl", None):
+            model.compile(dynamic=True)
+        batches = StepBatches(train_path, max_seq_length, order, method.batch_size, total,
+                              token_budget(candidate.micro_batch_size, max_seq_length))
+        return _trial(model, optimizer, batches, candidate, config.hardware.calibration_steps)
+
+    best = run(start)
+    if best.status != "measured":
+        raise MemoryError(f"calibration: the memory model's pick ({start.label()}) could not run: {best.note}")
+    trials = [best]
+    budget = min(_budget_cap(config), config.plan.calibration_share * train_tokens / best.tokens_per_second)
+    for knob in config.plan.sweep:
+        for candidate in alternatives(best.candidate, knob):
+            if any(t.candidate == candidate for t in trials):
+                continue
+            expected = best.seconds + (60.0 if candidate.compile else 0.0)  # compiling takes about a minute
+            if time.perf_counter() - began + expected > budget:
+                trials.append(Trial(candidate=candidate, status="skipped",
+                                    note=f"calibration budget of {budget:.0f} s spent"))
+                continue
+            trial = run(candidate)
+            trials.append(trial)
+            if trial.status == "measured" and trial.tokens_per_second > best.tokens_per_second * (1 + _MIN_GAIN):
+                best = trial
+            elif trial.status == "measured":
+                break  # slower: further steps in the same direction will not help
+    speed = best.tokens_per_second
+    if sum(t.status == "measured" for t in trials) > 1:
+        # The fastest of several noisy measurements is biased fast (the winner's curse): a fresh measurement of
+        # the winner sets the estimate.
+        confirmation = run(best.candidate).model_copy(update={"note": "the chosen candidate, measured again"})
+        trials.append(confirmation)
+        if confirmation.status == "measured":
+            speed = confirmation.tokens_per_second
+    set_gradient_checkpointing(model, best.candidate.gradient_checkpointing)
+    checkpoint_seconds = _time_checkpoint(model, optimizer, work_dir)
+    return Calibration(
+        chosen=best.candidate, seconds_per_token=1.0 / speed,
+        warmup_excess_seconds=best.warmup_excess_seconds or 0.0, startup_seconds=startup,
+        checkpoint_seconds=checkpoint_seconds, peak_memory_gib=best.peak_memory_gib, trials=trials,
+        budget_seconds=budget, seconds=time.perf_counter() - began,
+    )
+
+
+def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: int) -> Trial:
+    from tasks.train import optimizer_step
+
+    count = _WARMUP_STEPS + steps
+    # Steps spread over the whole run, so their lengths are the run's; a short run repeats its steps.
+    sampler = [int(step) % len(batches) for step in np.linspace(0, len(batches), count, endpoint=False)]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    durations, tokens = [], []
+    began = last = time.perf_counter()
+    try:
+        for step_batch in step_loader(batches, sampler, candidate.dataloader_workers, pin_memory=cuda):
+            _, step_tokens, _ = optimizer_step(model, optimizer, step_batch)
+            _sync()
+            now = time.perf_counter()
+            durations.append(now - last)
+            tokens.append(step_tokens)
+            last = now
+    except torch.cuda.OutOfMemoryError as error:
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return Trial(candidate=candidate, status="out_of_memory", seconds=time.perf_counter() - began,
+                     note=str(error).splitlines()[0])
+    except Exception as error:  # a compiler missing on this host, say: that candidate is out, not the plan
+        optimizer.zero_grad(set_to_none=True)
+        return Trial(candidate=candidate, status="failed", seconds=time.perf_counter() - began,
+                     note=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    measured = sorted(zip(durations[_WARMUP_STEPS:], tokens[_WARMUP_STEPS:]))
+    kept = measured[:-1] if len(measured) >= 4 else measured  # one outlier (a page-fault burst) does not count
+    per_token = sum(d for d, _ in kept) / sum(t for _, t in kept)  # a ratio of sums: per-step overheads count
+    excess = sum(d - t * per_token for d, t in zip(durations[:_WARMUP_STEPS], tokens[:_WARMUP_STEPS]))
+    return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token,
+                 warmup_excess_seconds=max(0.0, excess), seconds=time.perf_counter() - began,
+                 peak_memory_gib=torch.cuda.max_memory_allocated() / 1024**3 if cuda else None)
+
+
+def _time_checkpoint(model, optimizer, work_dir: Path) -> float:
+    """Write one real checkpoint (trainable weights, optimizer state) where training will write them."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".calibration-") as scratch:
+        state = TrainingState(0, optimizer.state_dict(), {}, torch.get_rng_state(), [])
+        began = time.perf_counter()
+        save_checkpoint(Path(scratch), model, state, keep_last=1)
+        return time.perf_counter() - began
+
+
+def _budget_cap(config: Phase1aConfig) -> float:
+    from phase1a.units import parse_duration_seconds
+
+    return parse_duration_seconds(config.plan.calibration_budget)
+
+
+def default_workers() -> int:
+    """Workers to try: half the cores, at most four; the other half feed the accelerator (or compute, on CPU)."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

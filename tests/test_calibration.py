@@ -1,0 +1,79 @@
+"""The calibration sweep: real steps on this CPU, one knob at a time, the global batch fixed, within a budget."""
+import pytest
+
+from phase1a.config import Phase1aConfig
+from phase1a.cost_model import GIB, TrainingShape, micro_batch_memory
+from tasks.calibration import _MIN_GAIN, Candidate, calibrate
+from tasks.plan import _alternatives
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from test_cost_model import FACTS_8B
+from conftest import date_records, make_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def train_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("calibration")
+    data = write_jsonl(root / "d.jsonl", date_records(64))
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+
+
+def config(tmp_path, tiny_model_dir, **plan) -> Phase1aConfig:
+    return Phase1aConfig.model_validate({
+        "work_dir": str(tmp_path), "data": {"source": "unused"}, "model": {"name_or_path": str(tiny_model_dir)},
+        "method": {"batch_size": 8, "lora": {"r": 4, "alpha": 8}}, "hardware": {"calibration_steps": 3},
+        "plan": plan,
+    })
+
+
+def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model_dir, train_path):
+    settings = config(tmp_path, tiny_model_dir, sweep=["micro_batch", "gradient_checkpointing", "dataloader_workers"],
+                      calibration_share=1.0)
+
+    def alternatives(best: Candidate, knob: str) -> list[Candidate]:
+        return {"micro_batch": [best.model_copy(update={"micro_batch_size": 4})],
+                "gradient_checkpointing": [best.model_copy(update={"gradient_checkpointing": True})],
+                "dataloader_workers": [best.model_copy(update={"dataloader_workers": 1})]}[knob]
+
+    start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
+    result = calibrate(settings, tiny_model_dir, train_path, 256, start, alternatives, train_tokens=10**9,
+                       work_dir=tmp_path / "run")
+    *sweep, confirmation = result.trials
+    measured = [t for t in sweep if t.status == "measured"]
+    assert sweep[0].candidate == start and len(measured) >= 2
+    assert all(8 % t.candidate.micro_batch_size == 0 for t in result.trials)  # the global batch never changes
+    chosen = next(t for t in measured if t.candidate == result.chosen)
+    assert chosen.tokens_per_second * (1 + _MIN_GAIN) ** len(measured) >= max(t.tokens_per_second for t in measured)
+    # The winner is measured again, and that fresh measurement, free of selection bias, sets the estimate.
+    assert confirmation.candidate == result.chosen and "again" in confirmation.note
+    assert result.seconds_per_token == pytest.approx(1.0 / confirmation.tokens_per_second)
+    assert result.startup_seconds > 0 and result.checkpoint_seconds > 0 and result.warmup_excess_seconds >= 0
+    assert not list((tmp_path / "run").iterdir())  # the timed checkpoint is cleaned up
+
+
+def test_a_spent_budget_skips_the_remaining_candidates(tmp_path, tiny_model_dir, train_path):
+    settings = config(tmp_path, tiny_model_dir, calibration_share=0.0)
+    start = Candidate(micro_batch_size=4, gradient_checkpointing=False)
+    result = calibrate(settings, tiny_model_dir, train_path, 256, start,
+                       lambda best, knob: [best.model_copy(update={"compile": True})] if knob == "compile" else [],
+                       train_tokens=1000, work_dir=tmp_path)
+    assert result.chosen == start and result.budget_seconds == 0.0
+    assert [(t.candidate.compile, t.status) for t in result.trials] == [(False, "measured"), (True, "skipped")]
+    assert "budget" in result.trials[1].note
+
+
+def test_alternatives_offer_only_what_the_memory_model_admits():
+    shape, available = TrainingShape(weight_bytes=2), 50 * GIB
+    propose = _alternatives(FACTS_8B, 20_000_000, shape, 16, 2048, available)
+    start = Candidate(micro_batch_size=2, gradient_checkpointing=False)
+    smaller = propose(start, "micro_batch")
+    assert [c.micro_batch_size for c in smaller] == [1]
+    toggled = propose(start, "gradient_checkpointing")
+    assert len(toggled) == 1 and toggled[0].gradient_checkpointing
+    # Checkpointing frees activations, so a larger micro-batch fits: the toggle takes the largest one.
+    assert toggled[0].micro_batch_size > 2
+    for candidate in smaller + toggled:
+        memory = micro_batch_memory(FACTS_8B, 20_000_000, shape, candidate.micro_batch_size, 2048,
+                                    candidate.gradient_checkpointing, available)
+        assert memory.total_gib <= 50
+    assert propose(start, "dataloader_workers")[0].dataloader_workers >= 1
+    assert propose(start, "compile")[0].compile

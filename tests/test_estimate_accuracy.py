@@ -1,0 +1,53 @@
+"""The plan's calibrated estimate of training wall time against the measured wall time of the run it planned.
+
+A deterministic workload: a fixed dataset, seed and model, one thread (so a neighbour on this shared 2-core
+machine moves both numbers alike). The plan calibrates on the CPU that then trains; the issue's bar is +-10 %.
+"""
+import pytest
+import torch
+
+from phase1a.config import Phase1aConfig
+from tasks.plan import make_plan
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.train import TrainSettings, train
+from conftest import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_calibrated_estimate_is_within_ten_percent_of_the_run(tmp_path, one_thread):
+    # Large enough that a step (~0.1 s) is mostly arithmetic rather than Python overhead.
+    model_dir = make_tiny_model_dir(tmp_path / "model", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(400, seed=3)), make_tokenizer(), 256,
+                            TokenizeOptions(), tmp_path / "cache", "fp")
+    config = Phase1aConfig.model_validate({
+        "name": "accuracy", "work_dir": str(tmp_path / "runs"), "data": {"source": "unused"},
+        "model": {"name_or_path": str(model_dir)},
+        "method": {"batch_size": 8, "epochs": 1, "learning_rate": 1e-3, "lora": {"r": 8, "alpha": 16}},
+        "hardware": {"target": "cpu", "calibration_steps": 10},
+        # Workers and compile are left out: forking and compiling would dominate a run this short.
+        "plan": {"sweep": ["micro_batch", "gradient_checkpointing"], "calibration_share": 1.0},
+        "checkpoint": {"interval": "20steps"},
+    })
+    plan = make_plan(config, model_dir, data)
+    assert plan.calibrated and plan.calibration is not None and plan.estimate.checkpoints == (plan.steps - 1) // 20
+
+    result = train(TrainSettings(
+        model_dir=str(model_dir), train_path=data.train_path, output_dir=str(tmp_path / "run"),
+        method=config.method, micro_batch_size=plan.micro_batch_size,
+        gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile,
+        dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
+        checkpoint_interval=config.checkpoint.interval, show_progress=False,
+    ))
+    assert result.train_tokens == plan.train_tokens and result.steps == plan.steps
+    assert result.checkpoints_written == plan.estimate.checkpoints
+    ratio = plan.estimated_train_seconds / result.wall_seconds
+    assert abs(ratio - 1) <= 0.10, (
+        f"estimated {plan.estimated_train_seconds:.2f} s, measured {result.wall_seconds:.2f} s (ratio {ratio:.3f}); "
+        f"calibration: {[t.model_dump() for t in plan.calibration.trials]}")

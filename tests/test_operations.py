@@ -1,0 +1,344 @@
+"""Operations end to end, against one real Prefect server that `make server` starts for this module: the
+Makefile's pools, deployments and automations read back from the API, crash recovery (kill -9 of a flow-run
+process; a worker killed with its run), two runs of one deployment at once, and no leaked credentials.
+
+Every worker and flow-run process gets planted AWS credentials in its environment (and no other AWS
+configuration), so the S3 run below can only succeed with them, and no log, event, artifact or file may
+show them.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import boto3
+import pytest
+
+from phase1a.config import ConfigError, validate_config
+from prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants, dump, flow_run_logs, free_port,
+                           kill9, states, stop_group, wait_for)
+
+PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
+PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
+PLANTED_TOKEN = "planted-token-ops-Vb7Kp2Xn4M"
+SECRET_BLOCK = "phase1a-aws-secret-access-key"
+TIMEZONE = "Europe/Berlin"
+ZOMBIE_AFTER = 60  # seconds without a heartbeat; flow runs send one every 30 s (the minimum) in these tests
+RUN_TIMEOUT = 300
+
+
+def _report(config: dict, flow_run_name: str) -> dict:
+    [path] = Path(config["work_dir"], config["name"]).glob(f"*-{flow_run_name}/report.json")
+    return json.loads(path.read_text())
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    received: list[str] = []
+
+    def do_POST(self):
+        _Hook.received.append(self.rfile.read(int(self.headers.get("Content-Length", 0))).decode())
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def hook():
+    """A local webhook that the failure-notification automation posts to."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/", _Hook.received
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with log.open("wb") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+        except urllib.error.HTTPError:
+            pass  # an HTTP error status is still an answer
+        except OSError:
+            return False
+        return True
+
+    wait_for(up, 60, "the moto server", logs=log.read_text() if log.exists() else "")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory, hook):
+    """`make server`, `make pools` (twice), `make deploy`, `make automations`, against a fresh PREFECT_HOME."""
+    home = tmp_path_factory.mktemp("ops") / "prefect-home"
+    home.mkdir()
+    empty = home.parent / "aws-empty"
+    empty.write_text("")
+    stack = PrefectStack(home)
+    for name in [name for name in stack.env if name.startswith("AWS_")]:  # nothing from the host's AWS set-up
+        del stack.env[name]
+    stack.env.update({"AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+                      "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
+                      "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SECRET_ACCESS_KEY": PLANTED_SECRET})
+    try:
+        stack.make("server")
+        assert "already running" in stack.make("server")  # a second `make server` starts nothing
+        stack.make("pools")
+        assert "phase1a-h100: exists (process, concurrency limit 1)" in stack.make("pools")
+        stack.make("deploy", f"PHASE1A_TZ={TIMEZONE}")
+        from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+        with stack.client():
+            CustomWebhookNotificationBlock(name="phase1a-test", url=hook[0],
+                                           json_data={"text": "{{subject}}: {{body}}"}).save("phase1a-test")
+        stack.make("automations", f"ZOMBIE_AFTER={ZOMBIE_AFTER}", "NOTIFY_BLOCK=custom-webhook/phase1a-test")
+        yield stack
+    finally:
+        stack.stop()
+        subprocess.run(["make", "-s", f"PREFECT_PORT={stack.port}", "server-stop"], cwd=ROOT, env=stack.env,
+                       timeout=60)
+
+
+@contextmanager
+def worker(stack: PrefectStack, name: str, env: dict[str, str] | None = None):
+    """`make worker` on the CPU pool, heartbeats every 30 s; stopped (SIGTERM, then SIGKILL) on exit."""
+    proc = stack.start(name, ["-s", f"PREFECT_PORT={stack.port}", "worker", "POOL=phase1a-cpu", "HEARTBEAT=30"],
+                       program="make", env=env)
+    log = stack.home / f"{name}.log"
+    try:
+        wait_for(lambda: "started!" in log.read_text() or proc.poll() is not None, 180, f"{name} to start")
+        assert proc.poll() is None, stack.logs()
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def _submit(stack: PrefectStack, config: dict):
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name("phase1a/cpu")
+        return client.create_flow_run_from_deployment(deployment.id, parameters={"config": config})
+
+
+def _state(stack: PrefectStack, flow_run):
+    with stack.client() as client:
+        return client.read_flow_run(flow_run.id).state
+
+
+def _wait_final(stack: PrefectStack, flow_run, timeout: float = RUN_TIMEOUT):
+    return wait_for(lambda: (state := _state(stack, flow_run)).is_final() and state, timeout,
+                    f"flow run {flow_run.name} to finish", interval=2, logs=stack.logs())
+
+
+def _checkpoint_steps(config: dict) -> list[int]:
+    root = Path(config["work_dir"], config["name"])
+    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("train-*/checkpoints/step-*/COMPLETE"))
+
+
+def test_credentials_are_never_parameters(config_tree):
+    for section, key in (("data", "aws_secret_access_key"), ("data", "aws_access_key_id"), ("model", "aws_profile")):
+        tree = json.loads(json.dumps(config_tree))
+        tree[section][key] = PLANTED_SECRET
+        with pytest.raises(ConfigError, match=rf"{section}.{key}: Extra inputs are not permitted") as refused:
+            validate_config(tree)
+        assert PLANTED_SECRET not in str(refused.value)
+
+
+def test_pools_schedule_and_templates_read_back_from_the_api(ops):
+    output = "\n".join(ops.outputs)
+    assert "phase1a-h100: created (process, concurrency limit 1)" in output
+    assert "crash flow runs that stopped sending heartbeats: created" in output
+    with ops.client() as client:
+        pools = {name: client.read_work_pool(name) for name in ("phase1a-cpu", "phase1a-h100", "phase1a-h200")}
+        deployments = {name: client.read_deployment_by_name(f"phase1a/{name}") for name in ("cpu", "h100", "h200")}
+    assert {name: (pool.type, pool.concurrency_limit) for name, pool in pools.items()} == {
+        "phase1a-cpu": ("process", None), "phase1a-h100": ("process", 1), "phase1a-h200": ("process", 1)}
+
+    for name, deployment in deployments.items():
+        assert deployment.work_pool_name == f"phase1a-{name}" and deployment.entrypoint == "flows.phase1a:phase1a"
+        assert deployment.parameters["config"]["hardware"]["target"] == name
+        limit = deployment.global_concurrency_limit
+        assert (limit.limit if limit else None) == (None if name == "cpu" else 1), name
+    assert deployments["cpu"].schedules == [] and deployments["h200"].schedules == []
+    [nightly] = deployments["h100"].schedules
+    assert nightly.active and nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == TIMEZONE
+    assert deployments["h100"].parameters["config"]["cache_dir"] == "/var/tmp/phase1a/cache"
+
+    # The server's scheduler turns the cron into runs at 02:00 Berlin time (01:00 or 00:00 UTC).
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    def scheduled():
+        with ops.client() as client:
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployments["h100"].id])))
+
+    runs = wait_for(scheduled, 90, "the scheduler to create the nightly runs", interval=2, logs=ops.logs())
+    starts = sorted(run.expected_start_time.astimezone(ZoneInfo(TIMEZONE)) for run in runs)
+    assert all(run.state.name == "Scheduled" for run in runs)
+    assert all((start.hour, start.minute) == (2, 0) for start in starts), starts
+    assert all(later - earlier == timedelta(days=1) for earlier, later in zip(starts, starts[1:])), starts
+
+    # The Kubernetes GPU template is accepted as a work pool's base job template, and renders GPU requests.
+    template = ROOT / "deployments" / "k8s-gpu-job-template.json"
+    ops.cli("work-pool", "create", "phase1a-k8s-h100", "--type", "kubernetes", "--base-job-template", str(template))
+    from prefect.utilities.templating import apply_values
+
+    with ops.client() as client:
+        base = client.read_work_pool("phase1a-k8s-h100").base_job_template
+    values = {key: spec["default"] for key, spec in base["variables"]["properties"].items() if "default" in spec}
+    rendered = apply_values(base["job_configuration"], {**values, "image": "registry.example/phase1a:cuda",
+                                                        "gpu_count": 8})
+    pod = rendered["job_manifest"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"nvidia.com/gpu": 8}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert base["variables"]["required"] == ["image"]
+
+
+def test_crash_recovery_resumes_from_the_last_checkpoint(ops, config_tree, hook):
+    config = {**config_tree, "method": {**config_tree["method"], "epochs": 5},
+              "checkpoint": {"interval": "2steps", "keep_last": 2}}
+
+    with worker(ops, "worker-a") as worker_a:
+        # 1. kill -9 the flow-run process once it has a checkpoint: the worker sees it die and reports Crashed.
+        first = _submit(ops, config)
+        wait_for(lambda: _checkpoint_steps(config), RUN_TIMEOUT, "a first checkpoint", interval=0.2, logs=ops.logs())
+        engines = [pid for pid in descendants(worker_a.pid) if "prefect.engine" in cmdline(pid)]
+        assert engines, [cmdline(pid) for pid in descendants(worker_a.pid)]
+        kill9(engines + [child for pid in engines for child in descendants(pid)])
+        first_state = wait_for(lambda: (s := _state(ops, first)).is_final() and s, 60, "run 1 reported")
+        resumed_from = max(_checkpoint_steps(config))
+
+        # 2. the next run resumes; kill -9 the worker together with it, the way a lost machine would. Nothing
+        # reports the run now: it stays Running until the zombie automation sees its heartbeats stop.
+        second = _submit(ops, config)
+        wait_for(lambda: max(_checkpoint_steps(config)) > resumed_from, RUN_TIMEOUT, "a checkpoint of run 2",
+                 interval=0.2, logs=ops.logs())
+        kill9([worker_a.pid, *descendants(worker_a.pid)])
+        worker_a.wait(10)
+        time.sleep(2)
+    assert _state(ops, second).name == "Running"
+    last_checkpoint = max(_checkpoint_steps(config))
+
+    # 3. a new worker, the deployment again: it resumes from run 2's last checkpoint, stage and tokenize Cached.
+    with worker(ops, "worker-b"):
+        third = _submit(ops, config)
+        third_state = _wait_final(ops, third)
+    second_state = wait_for(lambda: (s := _state(ops, second)).is_final() and s, 150, "the zombie automation",
+                            interval=2, logs=ops.logs())
+
+    assert first_state.name == "Crashed" and "-9" in first_state.message, first_state
+    assert second_state.name == "Crashed", second_state
+    assert second_state.message.startswith(f"No heartbeat for {ZOMBIE_AFTER} s"), second_state.message
+    name, tasks = states(ops, third.id)
+    assert third_state.name == "Completed", (third_state, tasks, ops.logs())
+    assert tasks["stage"] == ["Cached"] and tasks["tokenize"] == ["Cached"], tasks
+    report = _report(config, third.name)
+    train = report["stages"]["train"]["result"]
+    assert report["status"] == "passed" and report["stages"]["tokenize"]["state"] == "Cached"
+    assert train["resumed_from_step"] == last_checkpoint > resumed_from, (train, resumed_from)
+
+    # The metrics log goes on where each run resumed: run 2 after run 1's checkpoint, run 3 after run 2's.
+    [metrics] = Path(config["work_dir"], config["name"]).glob("train-*/metrics.jsonl")
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    jumps = [step for previous, step in zip(steps, steps[1:]) if step != previous + 1]
+    assert set(jumps) <= {resumed_from + 1, last_checkpoint + 1}, steps  # a run restarts only after a checkpoint
+    assert steps[last_checkpoint - train["steps"]:] == list(range(last_checkpoint + 1, train["steps"] + 1)), steps
+    assert set(steps) == set(range(1, train["steps"] + 1)), steps  # no finished step lost to the kills
+
+    # The failure notification fired for both crashes.
+    url, received = hook
+    wait_for(lambda: all(any(run.name in body for body in received) for run in (first, second)), 60,
+             "failure notifications", interval=1)
+    assert any("Crashed" in body and first.name in body for body in received), received
+
+
+def test_two_runs_at_once_share_one_training_and_leak_no_credentials(ops, config_tree, moto):
+    s3 = boto3.client("s3", endpoint_url=moto, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="nightly")
+    s3.upload_file(config_tree["data"]["source"], "nightly", "data/part-000.jsonl")
+    config = {**config_tree, "method": {**config_tree["method"], "epochs": 8},  # both reach train together: they overlap
+              "checkpoint": {"interval": "20steps", "keep_last": 2},
+              "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": moto}}
+
+    # The secret key comes from a Secret block that the work pool's job template names, resolved by the worker
+    # for each run; the key id and a session token are planted in the worker's own environment.
+    from prefect.blocks.system import Secret
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    with ops.client() as client:
+        Secret(value=PLANTED_SECRET).save(SECRET_BLOCK, overwrite=True)
+        template = client.read_work_pool("phase1a-cpu").base_job_template
+        patched = json.loads(json.dumps(template))
+        patched["variables"]["properties"]["env"]["default"] = {
+            "AWS_SECRET_ACCESS_KEY": "{{ prefect.blocks.secret.%s }}" % SECRET_BLOCK}
+        client.update_work_pool("phase1a-cpu", WorkPoolUpdate(base_job_template=patched))
+    env = {**ops.env, "AWS_SESSION_TOKEN": PLANTED_TOKEN}
+    del env["AWS_SECRET_ACCESS_KEY"]
+    try:
+        with worker(ops, "worker-c", env) as worker_c:
+            [worker_pid] = [pid for pid in descendants(worker_c.pid) if "worker start" in cmdline(pid)]
+            assert PLANTED_TOKEN.encode() in Path(f"/proc/{worker_pid}/environ").read_bytes()  # planted for real
+            runs = [_submit(ops, config), _submit(ops, config)]
+            engine = wait_for(lambda: [p for p in descendants(worker_pid) if "prefect.engine" in cmdline(p)], 120,
+                              "a flow-run process")[0]
+            assert PLANTED_SECRET.encode() in Path(f"/proc/{engine}/environ").read_bytes()  # the block resolved
+            finals = [_wait_final(ops, run) for run in runs]
+    finally:
+        with ops.client() as client:
+            client.update_work_pool("phase1a-cpu", WorkPoolUpdate(base_job_template=template))
+    assert [state.name for state in finals] == ["Completed", "Completed"], (finals, ops.logs())
+
+    reports = [_report(config, run.name) for run in runs]
+    trains = [report["stages"]["train"]["result"] for report in reports]
+    assert sorted(train["reused_completed_run"] for train in trains) == [False, True], trains
+    assert reports[0]["stages"]["stage"]["result"]["objects"][0]["key"] == "data/part-000.jsonl"
+    trained, waited = (0, 1) if not trains[0]["reused_completed_run"] else (1, 0)
+    waiter_logs = "\n".join(flow_run_logs(ops, runs[waited].id))
+    assert f"is in use by flow run {runs[trained].name}" in waiter_logs, waiter_logs  # they overlapped, and waited
+
+    # One training, untangled: every step once and in order, one final adapter, one history record.
+    [train_dir] = Path(config["work_dir"], config["name"]).glob("train-*/")
+    steps = [json.loads(line)["step"] for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, trains[trained]["steps"] + 1))
+    assert (train_dir / "final" / "COMPLETE").is_file() and not (train_dir / "final.partial").exists()
+    assert len(Path(config["cache_dir"], "history.jsonl").read_text().splitlines()) == 1
+
+    # No credential anywhere: API logs, events, artifacts, runs and deployments, process output, files.
+    texts = {"worker and server output": ops.logs() + "\n".join(ops.outputs)}
+    with ops.client() as client:
+        texts["artifacts"] = dump([a.model_dump() for a in client.read_artifacts()])
+        texts["flow runs"] = dump([client.read_flow_run(run.id).model_dump() for run in runs])
+        texts["deployments"] = dump([d.model_dump() for d in client.read_deployments()])
+        texts["work pools"] = dump([p.model_dump() for p in client.read_work_pools()])
+    texts["events"] = dump(all_events(ops))
+    for run in runs:
+        texts[f"logs of {run.name}"] = "\n".join(flow_run_logs(ops, run.id))
+    for path in [*Path(config["work_dir"]).rglob("*"), *ops.home.glob("*.log")]:
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".log", ".txt", ".lock", ""):
+            texts[str(path)] = path.read_text(errors="replace")
+    assert any(path.endswith("report.json") for path in texts) and any(path.endswith("plan.json") for path in texts)
+    leaked = [where for where, text in texts.items()
+              if any(planted in text for planted in (PLANTED_SECRET, PLANTED_KEY_ID, PLANTED_TOKEN))]
+    assert leaked == []

@@ -1,0 +1,124 @@
+"""Every speed-up the plan may pick leaves the loss (and the gradients) unchanged on the same batch.
+
+Tolerances are stated per test: fp32 on CPU; a different kernel order changes the last bits only.
+Packing is tested in test_packing.py, accumulation (micro-batch size) in test_train.py.
+"""
+import copy
+
+import pytest
+import torch
+
+from phase1a.config import MethodConfig
+from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
+from tasks.train import train_step
+from conftest import date_records, make_tokenizer, write_jsonl
+
+METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def train_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("speedups")
+    data = write_jsonl(root / "d.jsonl", date_records(48))
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+
+
+def packed_batch(train_path: str, count: int = 6) -> dict[str, torch.Tensor]:
+    rows = TokenRows.from_arrow(train_path)
+    return pack(rows, torch.arange(count).numpy())
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss, _, _ = summed_loss(model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads
+
+
+def assert_same(reference, candidate, tolerance: float) -> None:
+    (loss_a, grads_a), (loss_b, grads_b) = reference, candidate
+    assert loss_b == pytest.approx(loss_a, rel=tolerance)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=tolerance, atol=tolerance, msg=name)
+
+
+def test_gradient_checkpointing_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
+    model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
+    model.train()
+    batch = packed_batch(train_path)
+    eager = loss_and_grads(model, batch)
+    set_gradient_checkpointing(model, True)
+    assert_same(eager, loss_and_grads(model, batch), tolerance=1e-6)
+
+
+def test_torch_compile_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
+    """Compiled in place with dynamic shapes, as training does; packed rows keep their block-diagonal mask."""
+    model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
+    model.train()
+    batch = packed_batch(train_path)
+    eager = loss_and_grads(model, batch)
+    compiled = copy.deepcopy(model)
+    compiled.compile(dynamic=True)
+    assert_same(eager, loss_and_grads(compiled, batch), tolerance=1e-5)
+    shorter = packed_batch(train_path, count=3)  # another length: no recompilation, same numbers
+    assert_same(loss_and_grads(model, shorter), loss_and_grads(compiled, shorter), tolerance=1e-5)
+    assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints keep their keys
+
+
+def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, train_path):
+    batch = packed_batch(train_path)
+    weights = {}
+    for optimizer_name in ("adamw", "adamw_fused"):
+        torch.manual_seed(0)
+        method = METHOD.model_copy(update={"optimizer": optimizer_name})
+        model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
+        optimizer = make_optimizer(model, method)
+        for _ in range(3):
+            loss_and_grads(model, batch)
+            optimizer.step()
+        weights[optimizer_name] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for name, value in weights["adamw"].items():
+        torch.testing.assert_close(weights["adamw_fused"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dataloader_workers_deliver_the_same_steps(train_path):
+    """Workers only move packing to other processes: the step contents are identical, so is the training."""
+    order, total = example_stream(len(TokenRows.from_arrow(train_path)), 2.0, seed=0)
+    batches = StepBatches(train_path, 48, order, 8, total, token_budget=100)
+    inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
+    workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
+    assert len(inline) == len(workers) == len(batches) - 2
+    rows = inline[0]["micro_batches"]
+    assert len(rows) > 1 and all(row["input_ids"].numel() <= 100 for row in rows)  # the budget splits the step
+    for a, b in zip(inline, workers):
+        assert a["supervised"] == b["supervised"] and len(a["micro_batches"]) == len(b["micro_batches"]) >= 1
+        for micro_a, micro_b in zip(a["micro_batches"], b["micro_batches"]):
+            for key in micro_a:
+                assert torch.equal(micro_a[key], micro_b[key])
+
+
+def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, train_path):
+    """The loader's step, normalised over its supervised tokens, is the mean loss of its examples' tokens."""
+    model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
+    order, total = example_stream(len(TokenRows.from_arrow(train_path)), 1.0, seed=0)
+    step = StepBatches(train_path, None, order, 8, total, token_budget=120)[0]
+    loss, tokens = train_step(model, step["micro_batches"], step["supervised"])
+    with torch.no_grad():
+        whole = pack(TokenRows.from_arrow(train_path), order[:8])
+        summed, _, supervised = summed_loss(model, whole)
+    assert supervised == step["supervised"] and tokens == whole["input_ids"].numel()
+    assert loss == pytest.approx(summed.item() / supervised, rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 exists on NVIDIA GPUs only")
+def test_tf32_matmuls_stay_within_bf16_noise(tiny_model_dir, train_path):
+    model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False).float()
+    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact = loss_and_grads(model, batch)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert_same(exact, loss_and_grads(model, batch), tolerance=1e-2)  # TF32 keeps 10 mantissa bits, as bf16 does 7
