@@ -38,13 +38,15 @@ HEARTBEAT ?= 60
 ZOMBIE_AFTER ?= 600
 NOTIFY_BLOCK ?=
 SERVER_PID := $(PREFECT_HOME)/server.pid
+# True while the pid file names a live `prefect server start` (not a stale pid reused by another process).
+SERVER_ALIVE = [ -f $(SERVER_PID) ] && ps -p $$(cat $(SERVER_PID)) -o args= 2>/dev/null | grep -q "prefect server start"
 PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_API_URL=$(PREFECT_API_URL) PREFECT_SERVER_ANALYTICS_ENABLED=false
 
 # The server runs in its own session (setsid) so that server-stop can end it and its children as a group.
 # A fresh SQLite database migrates on first start, which takes a while on 2 cores: wait up to 180 s.
 server: setup
 	@mkdir -p $(PREFECT_HOME)
-	@if [ -f $(SERVER_PID) ] && kill -0 $$(cat $(SERVER_PID)) 2>/dev/null; then \
+	@if $(SERVER_ALIVE); then \
 	  echo "prefect server already running (pid $$(cat $(SERVER_PID))) at $(SERVER_URL)"; \
 	else \
 	  PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_API_URL=$(SERVER_URL) \
@@ -55,12 +57,12 @@ server: setup
 	@for i in $$(seq 180); do \
 	  if $(VENV_BIN)/python -c "import urllib.request as u; u.urlopen('$(SERVER_URL)/health', timeout=2)" 2>/dev/null; then \
 	    echo "prefect server ready at $(SERVER_URL)"; exit 0; fi; \
-	  kill -0 $$(cat $(SERVER_PID)) 2>/dev/null || { echo "prefect server exited:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1; }; \
+	  $(SERVER_ALIVE) || { echo "prefect server exited:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1; }; \
 	  sleep 1; \
 	done; echo "prefect server not ready after 180 s:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1
 
 server-stop:
-	@if [ -f $(SERVER_PID) ] && kill -0 $$(cat $(SERVER_PID)) 2>/dev/null; then \
+	@if $(SERVER_ALIVE); then \
 	  pid=$$(cat $(SERVER_PID)); kill -TERM -- -$$pid; \
 	  for i in $$(seq 20); do kill -0 $$pid 2>/dev/null || break; sleep 1; done; \
 	  kill -0 $$pid 2>/dev/null && kill -KILL -- -$$pid; \

@@ -1,16 +1,16 @@
 """Operations end to end, against one real Prefect server that `make server` starts for this module: the
-Makefile's pools, deployments and automations read back from the API, crash recovery (kill -9 of a flow-run
-process; a worker killed with its run), two runs of one deployment at once, and no leaked credentials.
+Makefile's pools, deployments and automations read back from the API; then one nightly-like scenario on S3
+data: kill -9 of a flow-run process, a worker killed with its run, the deployment run twice at once to
+recover, and no planted credential anywhere.
 
-Every worker and flow-run process gets planted AWS credentials in its environment (and no other AWS
-configuration), so the S3 run below can only succeed with them, and no log, event, artifact or file may
-show them.
+Credentials are planted the two supported ways and no other AWS configuration exists: the key id and a
+session token in the workers' environment, the secret key in a Secret block that the work pool's job
+template names (the worker resolves it per run). The S3 stage can only succeed with all three.
 """
 from __future__ import annotations
 
 import http.server
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -100,7 +100,7 @@ def ops(tmp_path_factory, hook):
         del stack.env[name]
     stack.env.update({"AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
-                      "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SECRET_ACCESS_KEY": PLANTED_SECRET})
+                      "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SESSION_TOKEN": PLANTED_TOKEN})
     try:
         stack.make("server")
         assert "already running" in stack.make("server")  # a second `make server` starts nothing
@@ -113,6 +113,7 @@ def ops(tmp_path_factory, hook):
             CustomWebhookNotificationBlock(name="phase1a-test", url=hook[0],
                                            json_data={"text": "{{subject}}: {{body}}"}).save("phase1a-test")
         stack.make("automations", f"ZOMBIE_AFTER={ZOMBIE_AFTER}", "NOTIFY_BLOCK=custom-webhook/phase1a-test")
+        _secret_key_from_a_block(stack)
         yield stack
     finally:
         stack.stop()
@@ -120,11 +121,24 @@ def ops(tmp_path_factory, hook):
                        timeout=60)
 
 
+def _secret_key_from_a_block(stack: PrefectStack) -> None:
+    """README, "Credentials": a Secret block named in the pool's base job template, resolved by the worker."""
+    from prefect.blocks.system import Secret
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    with stack.client() as client:
+        Secret(value=PLANTED_SECRET).save(SECRET_BLOCK)
+        template = client.read_work_pool("phase1a-cpu").base_job_template
+        template["variables"]["properties"]["env"]["default"] = {
+            "AWS_SECRET_ACCESS_KEY": "{{ prefect.blocks.secret.%s }}" % SECRET_BLOCK}
+        client.update_work_pool("phase1a-cpu", WorkPoolUpdate(base_job_template=template))
+
+
 @contextmanager
-def worker(stack: PrefectStack, name: str, env: dict[str, str] | None = None):
+def worker(stack: PrefectStack, name: str):
     """`make worker` on the CPU pool, heartbeats every 30 s; stopped (SIGTERM, then SIGKILL) on exit."""
     proc = stack.start(name, ["-s", f"PREFECT_PORT={stack.port}", "worker", "POOL=phase1a-cpu", "HEARTBEAT=30"],
-                       program="make", env=env)
+                       program="make")
     log = stack.home / f"{name}.log"
     try:
         wait_for(lambda: "started!" in log.read_text() or proc.poll() is not None, 180, f"{name} to start")
@@ -215,16 +229,28 @@ def test_pools_schedule_and_templates_read_back_from_the_api(ops):
     assert base["variables"]["required"] == ["image"]
 
 
-def test_crash_recovery_resumes_from_the_last_checkpoint(ops, config_tree, hook):
+def _engines(worker_proc) -> list[int]:
+    """The flow-run processes (`python -m prefect.engine`) under a worker."""
+    return [pid for pid in descendants(worker_proc.pid) if "prefect.engine" in cmdline(pid)]
+
+
+def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree, moto, hook):
+    s3 = boto3.client("s3", endpoint_url=moto, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="nightly")
+    s3.upload_file(config_tree["data"]["source"], "nightly", "data/part-000.jsonl")
     config = {**config_tree, "method": {**config_tree["method"], "epochs": 5},
-              "checkpoint": {"interval": "2steps", "keep_last": 2}}
+              "checkpoint": {"interval": "2steps", "keep_last": 2},
+              "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": moto},
+              "validation": {**config_tree["validation"], "promote_to": str(Path(config_tree["work_dir"]) / "promoted")}}
 
     with worker(ops, "worker-a") as worker_a:
         # 1. kill -9 the flow-run process once it has a checkpoint: the worker sees it die and reports Crashed.
         first = _submit(ops, config)
+        engines = wait_for(lambda: _engines(worker_a), 120, "a flow-run process", logs=ops.logs())
+        assert PLANTED_SECRET.encode() in Path(f"/proc/{engines[0]}/environ").read_bytes()  # the block resolved
         wait_for(lambda: _checkpoint_steps(config), RUN_TIMEOUT, "a first checkpoint", interval=0.2, logs=ops.logs())
-        engines = [pid for pid in descendants(worker_a.pid) if "prefect.engine" in cmdline(pid)]
-        assert engines, [cmdline(pid) for pid in descendants(worker_a.pid)]
+        engines = _engines(worker_a)
         kill9(engines + [child for pid in engines for child in descendants(pid)])
         first_state = wait_for(lambda: (s := _state(ops, first)).is_final() and s, 60, "run 1 reported")
         resumed_from = max(_checkpoint_steps(config))
@@ -240,31 +266,46 @@ def test_crash_recovery_resumes_from_the_last_checkpoint(ops, config_tree, hook)
     assert _state(ops, second).name == "Running"
     last_checkpoint = max(_checkpoint_steps(config))
 
-    # 3. a new worker, the deployment again: it resumes from run 2's last checkpoint, stage and tokenize Cached.
+    # 3. a new worker, and the deployment run twice at once (a manual rerun beside the scheduled one): one
+    # resumes from run 2's last checkpoint, the other waits for it and reuses the model; stage and tokenize
+    # are Cached for both.
     with worker(ops, "worker-b"):
-        third = _submit(ops, config)
-        third_state = _wait_final(ops, third)
+        again = [_submit(ops, config), _submit(ops, config)]
+        finals = [_wait_final(ops, run) for run in again]
     second_state = wait_for(lambda: (s := _state(ops, second)).is_final() and s, 150, "the zombie automation",
                             interval=2, logs=ops.logs())
 
     assert first_state.name == "Crashed" and "-9" in first_state.message, first_state
     assert second_state.name == "Crashed", second_state
     assert second_state.message.startswith(f"No heartbeat for {ZOMBIE_AFTER} s"), second_state.message
-    name, tasks = states(ops, third.id)
-    assert third_state.name == "Completed", (third_state, tasks, ops.logs())
-    assert tasks["stage"] == ["Cached"] and tasks["tokenize"] == ["Cached"], tasks
-    report = _report(config, third.name)
-    train = report["stages"]["train"]["result"]
-    assert report["status"] == "passed" and report["stages"]["tokenize"]["state"] == "Cached"
-    assert train["resumed_from_step"] == last_checkpoint > resumed_from, (train, resumed_from)
+    assert [state.name for state in finals] == ["Completed", "Completed"], (finals, ops.logs())
+    for run in again:
+        name, tasks = states(ops, run.id)
+        assert tasks["stage"] == ["Cached"] and tasks["tokenize"] == ["Cached"], tasks
+    reports = [_report(config, run.name) for run in again]
+    assert [report["status"] for report in reports] == ["passed", "passed"]
+    assert reports[0]["stages"]["stage"]["result"]["objects"][0]["key"] == "data/part-000.jsonl"
+    trains = [report["stages"]["train"]["result"] for report in reports]
+    assert sorted(train["reused_completed_run"] for train in trains) == [False, True], trains
+    trained, waited = (0, 1) if not trains[0]["reused_completed_run"] else (1, 0)
+    assert trains[trained]["resumed_from_step"] == last_checkpoint > resumed_from, (trains, resumed_from)
+    waiter_logs = "\n".join(flow_run_logs(ops, again[waited].id))
+    assert f"is in use by flow run {again[trained].name}" in waiter_logs, waiter_logs  # they overlapped
 
-    # The metrics log goes on where each run resumed: run 2 after run 1's checkpoint, run 3 after run 2's.
-    [metrics] = Path(config["work_dir"], config["name"]).glob("train-*/metrics.jsonl")
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    jumps = [step for previous, step in zip(steps, steps[1:]) if step != previous + 1]
-    assert set(jumps) <= {resumed_from + 1, last_checkpoint + 1}, steps  # a run restarts only after a checkpoint
-    assert steps[last_checkpoint - train["steps"]:] == list(range(last_checkpoint + 1, train["steps"] + 1)), steps
-    assert set(steps) == set(range(1, train["steps"] + 1)), steps  # no finished step lost to the kills
+    # One training, untangled by three crashes and a race: each step logged once and in order (a resumed run
+    # trims what followed its checkpoint), one final adapter, one history record.
+    [train_dir] = Path(config["work_dir"], config["name"]).glob("train-*/")
+    steps = [json.loads(line)["step"] for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, trains[trained]["steps"] + 1)), steps
+    assert (train_dir / "final" / "COMPLETE").is_file() and not (train_dir / "final.partial").exists()
+    assert len(Path(config["cache_dir"], "history.jsonl").read_text().splitlines()) == 1
+
+    # Both passed the gate with the same adapter: one promoted it, the other found the pointer already on it.
+    promotions = [report["stages"]["promote"]["result"] for report in reports]
+    assert sorted(promotion["promoted"] for promotion in promotions) == [False, True], promotions
+    pointer = json.loads(Path(config["validation"]["promote_to"], "promoted.json").read_text())
+    assert {promotion["pointer"]["version"] for promotion in promotions} == {pointer["version"]}
+    assert all(Path(pointer["path"], name).is_file() for name in pointer["files"]), pointer
 
     # The failure notification fired for both crashes.
     url, received = hook
@@ -272,60 +313,8 @@ def test_crash_recovery_resumes_from_the_last_checkpoint(ops, config_tree, hook)
              "failure notifications", interval=1)
     assert any("Crashed" in body and first.name in body for body in received), received
 
-
-def test_two_runs_at_once_share_one_training_and_leak_no_credentials(ops, config_tree, moto):
-    s3 = boto3.client("s3", endpoint_url=moto, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    s3.create_bucket(Bucket="nightly")
-    s3.upload_file(config_tree["data"]["source"], "nightly", "data/part-000.jsonl")
-    config = {**config_tree, "method": {**config_tree["method"], "epochs": 8},  # both reach train together: they overlap
-              "checkpoint": {"interval": "20steps", "keep_last": 2},
-              "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": moto}}
-
-    # The secret key comes from a Secret block that the work pool's job template names, resolved by the worker
-    # for each run; the key id and a session token are planted in the worker's own environment.
-    from prefect.blocks.system import Secret
-    from prefect.client.schemas.actions import WorkPoolUpdate
-
-    with ops.client() as client:
-        Secret(value=PLANTED_SECRET).save(SECRET_BLOCK, overwrite=True)
-        template = client.read_work_pool("phase1a-cpu").base_job_template
-        patched = json.loads(json.dumps(template))
-        patched["variables"]["properties"]["env"]["default"] = {
-            "AWS_SECRET_ACCESS_KEY": "{{ prefect.blocks.secret.%s }}" % SECRET_BLOCK}
-        client.update_work_pool("phase1a-cpu", WorkPoolUpdate(base_job_template=patched))
-    env = {**ops.env, "AWS_SESSION_TOKEN": PLANTED_TOKEN}
-    del env["AWS_SECRET_ACCESS_KEY"]
-    try:
-        with worker(ops, "worker-c", env) as worker_c:
-            [worker_pid] = [pid for pid in descendants(worker_c.pid) if "worker start" in cmdline(pid)]
-            assert PLANTED_TOKEN.encode() in Path(f"/proc/{worker_pid}/environ").read_bytes()  # planted for real
-            runs = [_submit(ops, config), _submit(ops, config)]
-            engine = wait_for(lambda: [p for p in descendants(worker_pid) if "prefect.engine" in cmdline(p)], 120,
-                              "a flow-run process")[0]
-            assert PLANTED_SECRET.encode() in Path(f"/proc/{engine}/environ").read_bytes()  # the block resolved
-            finals = [_wait_final(ops, run) for run in runs]
-    finally:
-        with ops.client() as client:
-            client.update_work_pool("phase1a-cpu", WorkPoolUpdate(base_job_template=template))
-    assert [state.name for state in finals] == ["Completed", "Completed"], (finals, ops.logs())
-
-    reports = [_report(config, run.name) for run in runs]
-    trains = [report["stages"]["train"]["result"] for report in reports]
-    assert sorted(train["reused_completed_run"] for train in trains) == [False, True], trains
-    assert reports[0]["stages"]["stage"]["result"]["objects"][0]["key"] == "data/part-000.jsonl"
-    trained, waited = (0, 1) if not trains[0]["reused_completed_run"] else (1, 0)
-    waiter_logs = "\n".join(flow_run_logs(ops, runs[waited].id))
-    assert f"is in use by flow run {runs[trained].name}" in waiter_logs, waiter_logs  # they overlapped, and waited
-
-    # One training, untangled: every step once and in order, one final adapter, one history record.
-    [train_dir] = Path(config["work_dir"], config["name"]).glob("train-*/")
-    steps = [json.loads(line)["step"] for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, trains[trained]["steps"] + 1))
-    assert (train_dir / "final" / "COMPLETE").is_file() and not (train_dir / "final.partial").exists()
-    assert len(Path(config["cache_dir"], "history.jsonl").read_text().splitlines()) == 1
-
-    # No credential anywhere: API logs, events, artifacts, runs and deployments, process output, files.
+    # No credential anywhere: API logs, events, artifacts, runs, deployments and pools, process output, files.
+    runs = [first, second, *again]
     texts = {"worker and server output": ops.logs() + "\n".join(ops.outputs)}
     with ops.client() as client:
         texts["artifacts"] = dump([a.model_dump() for a in client.read_artifacts()])
