@@ -16,20 +16,19 @@ against version A can never overwrite a version B promoted meanwhile.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import uuid
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
 
 from phase1a.fingerprint import sha256_file
+from phase1a.locks import exclusive
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
 
 POINTER = "promoted.json"
@@ -134,16 +133,6 @@ def _read_local_pointer(root: Path) -> PromotedPointer | None:
     return _parse_pointer(raw, str(path))
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _write_atomically(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -182,7 +171,7 @@ def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record:
         partial.rename(final)  # the whole version appears at once, or not at all
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    with _locked(root / ".promoted.lock"):
+    with exclusive(root / ".promoted.lock", f"the promoted pointer under {root}"):
         now = _read_local_pointer(root)
         if (now.version if now else None) != (current.version if current else None):
             raise PromotionConflict(f"{root}: the promoted pointer moved to {now.version if now else 'nothing'} "

@@ -7,7 +7,6 @@ only whole-dataset arrays held in RAM.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -23,6 +22,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from phase1a.fingerprint import code_version, hash_json
+from phase1a.locks import exclusive
 from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
 from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_record, to_messages
 from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
@@ -83,23 +83,12 @@ def read_arrow(path: str | Path) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
 
 
-@contextmanager
-def _exclusive(lock_path: Path):
-    """Two runs on one fingerprint: the first computes, the second waits here and then reuses its output."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def tokenize_dataset(data_path: Path, tokenizer, model_max_length: int, options: TokenizeOptions, cache_dir: Path,
                      fingerprint: str) -> TokenizedData:
     """Tokenize `data_path` into `cache_dir/tokenized/<fingerprint>/`, reusing a complete earlier result."""
     out_dir = dataset_dir(cache_dir, fingerprint)
-    with _exclusive(out_dir.with_name(out_dir.name + ".lock")):
+    # Two runs on one fingerprint: the first computes, the second waits here and then reuses its output.
+    with exclusive(out_dir.with_name(out_dir.name + ".lock"), f"tokenized data {out_dir}"):
         if (out_dir / "manifest.json").is_file():
             return TokenizedData.model_validate_json((out_dir / "manifest.json").read_text())
         partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
