@@ -17,7 +17,7 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     device = training_device()
     dtype = training_dtype(device)
     quantization = _nf4_config(dtype, device) if method.base_precision == "4bit" else None
-    model = load_model(model_dir, dtype, trust_remote_code, quantization)
+    model = load_model(model_dir, dtype, trust_remote_code, quantization, attention_implementation(method, device, dtype))
     if quantization is None:
         model = model.to(device)
     model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
@@ -46,6 +46,23 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
         # because every packed row has its own length.
         model.compile(dynamic=True)
     return model
+
+
+def attention_implementation(method: MethodConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """Packed rows need attention that stops at sequence boundaries. Both choices take them from the restarting
+    position_ids: SDPA as a block-diagonal mask (on CUDA that rules out its flash kernel), FlashAttention 2 as
+    cumulative sequence lengths for its varlen kernel, which computes no masked-out blocks at all."""
+    if method.attention != "auto":
+        return method.attention  # an explicit flash_attention_2 without flash-attn fails in transformers, by name
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _installed("flash_attn"):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _apply_liger(model, required: bool) -> bool:

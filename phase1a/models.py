@@ -83,12 +83,13 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False, quantization_config=None):
+def load_model(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False, quantization_config=None,
+               attention: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     placement = {"device_map": {"": 0}} if quantization_config is not None else {}  # quantises while loading to GPU
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+        model_dir, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code,
         quantization_config=quantization_config, **placement,
     )
 

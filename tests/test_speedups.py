@@ -4,6 +4,7 @@ Tolerances are stated per test: fp32 on CPU; a different kernel order changes th
 Packing is tested in test_packing.py, accumulation (micro-batch size) in test_train.py.
 """
 import copy
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -145,3 +146,31 @@ def test_tf32_matmuls_stay_within_bf16_noise(tiny_model_dir, train_path):
     exact = loss_and_grads(model, batch)
     torch.backends.cuda.matmul.allow_tf32 = True
     assert_same(exact, loss_and_grads(model, batch), tolerance=1e-2)  # TF32 keeps 10 mantissa bits, as bf16 does 7
+
+
+def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_path, monkeypatch):
+    from phase1a.modeling import attention_implementation
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    without = MethodConfig()
+    if importlib.util.find_spec("flash_attn") is None:
+        assert attention_implementation(without, cuda, torch.bfloat16) == "sdpa"
+    (tmp_path / "flash_attn").mkdir()  # an installed flash-attn, as far as an import lookup can tell
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert attention_implementation(without, cuda, torch.bfloat16) == "flash_attention_2"
+    assert attention_implementation(without, cuda, torch.float32) == "sdpa"  # its kernels are 16-bit only
+    assert attention_implementation(without, cpu, torch.float32) == "sdpa"
+    assert attention_implementation(MethodConfig(attention="sdpa"), cuda, torch.bfloat16) == "sdpa"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+                    reason="FlashAttention 2 needs CUDA and flash-attn")
+def test_flash_attention_varlen_leaves_the_packed_loss_unchanged(tiny_model_dir, train_path):
+    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
+    results = []
+    for attention in ("sdpa", "flash_attention_2"):
+        model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False)
+        model.train()
+        results.append(loss_and_grads(model, batch))
+    assert_same(*results, tolerance=2e-2)  # bf16: both kernels round differently
