@@ -174,3 +174,15 @@ def test_flash_attention_varlen_leaves_the_packed_loss_unchanged(tiny_model_dir,
         model.train()
         results.append(loss_and_grads(model, batch))
     assert_same(*results, tolerance=2e-2)  # bf16: both kernels round differently
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+                    reason="Liger kernels need CUDA and liger-kernel")
+def test_liger_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, train_path):
+    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
+    results = []
+    for liger in ("off", "on"):
+        model = build_model(tiny_model_dir, METHOD.model_copy(update={"liger": liger}), False)
+        model.train()
+        results.append(loss_and_grads(model, batch))
+    assert_same(*results, tolerance=2e-2)  # bf16: fused kernels round differently
