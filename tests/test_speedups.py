@@ -164,25 +164,20 @@ def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_pat
     assert attention_implementation(MethodConfig(attention="sdpa"), cuda, torch.bfloat16) == "sdpa"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-                    reason="FlashAttention 2 needs CUDA and flash-attn")
-def test_flash_attention_varlen_leaves_the_packed_loss_unchanged(tiny_model_dir, train_path):
-    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
-    results = []
-    for attention in ("sdpa", "flash_attention_2"):
-        model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False)
-        model.train()
-        results.append(loss_and_grads(model, batch))
-    assert_same(*results, tolerance=2e-2)  # bf16: both kernels round differently
+def _needs(package: str):
+    return pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec(package) is None,
+                              reason=f"needs CUDA and {package}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
-                    reason="Liger kernels need CUDA and liger-kernel")
-def test_liger_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, train_path):
+@pytest.mark.parametrize("knob, off, on", [
+    pytest.param("attention", "sdpa", "flash_attention_2", marks=_needs("flash_attn")),  # varlen over packed rows
+    pytest.param("liger", "off", "on", marks=_needs("liger_kernel")),
+])
+def test_optional_cuda_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, train_path, knob, off, on):
     batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
     results = []
-    for liger in ("off", "on"):
-        model = build_model(tiny_model_dir, METHOD.model_copy(update={"liger": liger}), False)
+    for setting in (off, on):
+        model = build_model(tiny_model_dir, METHOD.model_copy(update={knob: setting}), False)
         model.train()
         results.append(loss_and_grads(model, batch))
-    assert_same(*results, tolerance=2e-2)  # bf16: fused kernels round differently
+    assert_same(*results, tolerance=2e-2)  # bf16: the kernels round differently
