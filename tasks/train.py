@@ -220,8 +220,14 @@ def train(settings: TrainSettings, on_model=None) -> TrainResult:
             try:
                 loss, tokens, grad_norm = optimizer_step(model, optimizer, step_batch, world.size)
             except torch.OutOfMemoryError:
-                if world.size > 1 or micro == 1:
-                    raise  # one rank cannot back off alone; a row of one example has nowhere to go
+                if micro == 1:
+                    raise  # a row of one example has nowhere to go
+                if world.size > 1:
+                    # One rank cannot back off alone: its peers wait in a collective. It leaves a note and fails;
+                    # `run` relaunches every rank with half the budget, resuming from the last checkpoint.
+                    (output_dir / f"out_of_memory.rank{world.rank}.json").write_text(
+                        json.dumps({"step": step + 1, "micro_batch_size": micro}))
+                    raise
                 optimizer.zero_grad(set_to_none=True)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -315,9 +321,38 @@ def run(settings: TrainSettings) -> TrainResult:
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings_path = output_dir / "settings.json"
-    settings_path.write_text(settings.model_dump_json(indent=2))
-    distributed.launch(settings.num_processes, settings_path, cwd=Path(__file__).resolve().parents[1])
-    return TrainResult.model_validate_json((output_dir / "final" / "result.json").read_text())
+    _out_of_memory_notes(output_dir)  # a crashed launcher's leftovers do not count for this launch
+    backoffs = 0
+    while True:
+        settings_path.write_text(settings.model_dump_json(indent=2))
+        try:
+            distributed.launch(settings.num_processes, settings_path, cwd=Path(__file__).resolve().parents[1])
+            break
+        except RuntimeError:
+            notes = _out_of_memory_notes(output_dir)
+            if not notes or settings.micro_batch_size == 1:
+                raise
+            micro = settings.micro_batch_size // 2
+            settings, backoffs = settings.model_copy(update={"micro_batch_size": micro}), backoffs + 1
+            with open(output_dir / "events.jsonl", "a") as events:  # the ranks are gone: the launcher records it
+                events.write(json.dumps({"event": "out_of_memory", "time": time.time(), "step": min(notes),
+                                         "micro_batch_size": micro, "relaunched": True}) + "\n")
+    result_path = output_dir / "final" / "result.json"
+    result = TrainResult.model_validate_json(result_path.read_text())
+    if backoffs:
+        result = result.model_copy(update={"out_of_memory_backoffs": result.out_of_memory_backoffs + backoffs})
+        result_path.with_suffix(".tmp").write_text(result.model_dump_json(indent=2))
+        result_path.with_suffix(".tmp").replace(result_path)
+    return result
+
+
+def _out_of_memory_notes(output_dir: Path) -> list[int]:
+    """The steps at which ranks ran out of memory in the launch that just failed; the notes are consumed."""
+    steps = []
+    for note in output_dir.glob("out_of_memory.rank*.json"):
+        steps.append(json.loads(note.read_text())["step"])
+        note.unlink()
+    return steps
 
 
 @task(name="train")

@@ -1,7 +1,10 @@
 """Two ranks under torchrun (gloo on CPU) train the same global batch as one process, to float noise: with DDP
 (a whole model a rank) and FSDP (a shard a rank). Checkpoints hold whole tensors by name, so a sharded run's
 checkpoint resumes in one process and ends where the sharded run ended."""
+import json
+import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,28 @@ def test_two_ranks_match_one_process(one_process, strategy):
         result = run(settings(resumed.name, 1))
         assert result.resumed_from_step == 2
         assert_same_adapter(one, result)
+
+
+def test_a_rank_out_of_memory_relaunches_every_rank_with_half_the_budget(one_process, tmp_path, monkeypatch):
+    """Rank 1 runs on a simulated 150-token device: rows of four examples (~180 tokens) fail there. Every rank
+    is relaunched with rows of two, and the run ends where the one-process run with rows of two ended."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent('''
+        import os
+        if os.environ.get("RANK") == "1":  # only the second training rank, not torchrun's own process
+            import torch
+
+            def small_device(module, args):
+                if isinstance(module, torch.nn.Embedding) and args[0].numel() > 150:
+                    raise torch.OutOfMemoryError("CUDA out of memory (a 150-token device, simulated)")
+
+            torch.nn.modules.module.register_module_forward_pre_hook(small_device)
+    '''))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    settings, one = one_process
+    result = run(settings("two-out-of-memory", 2).model_copy(update={"micro_batch_size": 4}))
+    assert result.out_of_memory_backoffs == 1 and result.micro_batch_size == 2
+    events = [json.loads(line) for line in open(Path(result.output_dir) / "events.jsonl")]
+    assert [(e["event"], e["step"], e["micro_batch_size"]) for e in events] == [("out_of_memory", 1, 2)]
+    assert not list(Path(result.output_dir).glob("out_of_memory.rank*.json"))
+    assert result.train_tokens == one.train_tokens
+    assert_same_adapter(one, result)
