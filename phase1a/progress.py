@@ -69,7 +69,7 @@ class ProgressReporter:
 
     def event(self, kind: str, **fields) -> None:
         """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
-        self._write(self.events, {"event": kind, "time": time.time(), **fields})
+        self._write(self.events, _event(kind, **fields))
         if self.events is not None:
             self.bar.write(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
@@ -84,6 +84,16 @@ class ProgressReporter:
         if sink is not None:
             sink.write(json.dumps(record) + "\n")
             sink.flush()  # a killed run keeps every step it finished
+
+
+def append_event(output_dir: Path, kind: str, **fields) -> None:
+    """An event from outside a training process (the launcher of its ranks), in the same file and format."""
+    with open(Path(output_dir) / "events.jsonl", "a") as events:
+        events.write(json.dumps(_event(kind, **fields)) + "\n")
+
+
+def _event(kind: str, **fields) -> dict:
+    return {"event": kind, "time": time.time(), **fields}
 
 
 def _peak_memory_gib() -> float:

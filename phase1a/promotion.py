@@ -28,7 +28,7 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
 
 from phase1a.fingerprint import sha256_file
-from phase1a.locks import exclusive
+from phase1a.locks import exclusive, write_atomically
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
 
 POINTER = "promoted.json"
@@ -133,18 +133,6 @@ def _read_local_pointer(root: Path) -> PromotedPointer | None:
     return _parse_pointer(raw, str(path))
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(partial, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record: PromotionRecord,
                    expected_version, copy_file: Callable[[Path, Path], Any]) -> PromotionOutcome:
     root.mkdir(parents=True, exist_ok=True)
@@ -176,7 +164,7 @@ def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record:
         if (now.version if now else None) != (current.version if current else None):
             raise PromotionConflict(f"{root}: the promoted pointer moved to {now.version if now else 'nothing'} "
                                     f"while {version} was copied; {final} is stored but not promoted")
-        _write_atomically(root / POINTER, pointer.model_dump_json(indent=2) + "\n")
+        write_atomically(root / POINTER, pointer.model_dump_json(indent=2) + "\n")
     return PromotionOutcome(pointer=pointer, promoted=True)
 
 

@@ -34,7 +34,8 @@ from phase1a.fingerprint import hash_json
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, summed_loss, token_budget
 from phase1a.preemption import Preempted, StopSignals
-from phase1a.progress import ProgressReporter
+from phase1a.locks import write_atomically
+from phase1a.progress import ProgressReporter, append_event
 from phase1a.units import parse_interval
 from tasks.caching import task
 
@@ -225,8 +226,7 @@ def train(settings: TrainSettings, on_model=None) -> TrainResult:
                 if world.size > 1:
                     # One rank cannot back off alone: its peers wait in a collective. It leaves a note and fails;
                     # `run` relaunches every rank with half the budget, resuming from the last checkpoint.
-                    (output_dir / f"out_of_memory.rank{world.rank}.json").write_text(
-                        json.dumps({"step": step + 1, "micro_batch_size": micro}))
+                    (output_dir / f"out_of_memory.rank{world.rank}.json").write_text(json.dumps({"step": step + 1}))
                     raise
                 optimizer.zero_grad(set_to_none=True)
                 if torch.cuda.is_available():
@@ -334,15 +334,13 @@ def run(settings: TrainSettings) -> TrainResult:
                 raise
             micro = settings.micro_batch_size // 2
             settings, backoffs = settings.model_copy(update={"micro_batch_size": micro}), backoffs + 1
-            with open(output_dir / "events.jsonl", "a") as events:  # the ranks are gone: the launcher records it
-                events.write(json.dumps({"event": "out_of_memory", "time": time.time(), "step": min(notes),
-                                         "micro_batch_size": micro, "relaunched": True}) + "\n")
+            # The ranks are gone: the launcher records it.
+            append_event(output_dir, "out_of_memory", step=min(notes), micro_batch_size=micro, relaunched=True)
     result_path = output_dir / "final" / "result.json"
     result = TrainResult.model_validate_json(result_path.read_text())
     if backoffs:
         result = result.model_copy(update={"out_of_memory_backoffs": result.out_of_memory_backoffs + backoffs})
-        result_path.with_suffix(".tmp").write_text(result.model_dump_json(indent=2))
-        result_path.with_suffix(".tmp").replace(result_path)
+        write_atomically(result_path, result.model_dump_json(indent=2))
     return result
 
 

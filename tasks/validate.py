@@ -25,6 +25,7 @@ from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, metric_setti
 from phase1a.fingerprint import code_version, hash_json, sha256_file, sha256_tree
 from phase1a.gate import Baseline, BaselineError, GateCheck, gate, read_baseline_file, write_baseline_file
 from phase1a.hardware import training_device, training_dtype
+from phase1a.locks import write_atomically
 from phase1a.models import load_model, load_tokenizer
 from phase1a.models import model_fingerprint as fingerprint_model
 from phase1a.packing import TokenRows
@@ -93,9 +94,7 @@ def cached_evaluate(path: Path, compute: Callable[[], Metrics]) -> tuple[Metrics
             pass
     metrics = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(metrics.model_dump_json(indent=2) + "\n")
-    partial.replace(path)
+    write_atomically(path, metrics.model_dump_json(indent=2) + "\n")
     return metrics, False
 
 
