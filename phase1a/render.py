@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from tasks.stage import DataError
+from phase1a.errors import DataError
 
 IGNORE_INDEX = -100
 _MARK = "\x00phase1a-content-{}\x00"

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from boto3.s3.transfer import TransferConfig
 from pydantic import BaseModel, ValidationError
 
+from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json, sha256_file
 from phase1a.s3 import (
     DEFAULT_TRANSFER,
@@ -36,10 +37,6 @@ from phase1a.s3 import (
 from tasks.caching import FingerprintCache, task
 
 _CHUNK = 8 * 1024 * 1024
-
-
-class DataError(ValueError):
-    """Bad or missing input data; the message names the file (and line and field where there is one)."""
 
 
 class StagedData(BaseModel):

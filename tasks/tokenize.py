@@ -27,15 +27,17 @@ from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, sav
 from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_record, to_messages
 from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
 from tasks.caching import FingerprintCache, task
-from tasks.stage import DataError
+from phase1a.errors import DataError
 
 _CHUNK = 4096  # records per batched tokenizer call
 _SHOWN_SKIPS = 5
 
 
 class TokenizeOptions(BaseModel):
-    format: Literal["auto", "chat", "alpaca", "prompt_completion", "text"] = "auto"
+    format: str = "auto"
     field_map: dict[str, str] = {}
+    role_map: dict[str, str] = {}
+    chat_template: str | None = None
     train_on_inputs: bool = False
     bad_records: Literal["fail", "skip"] = "fail"
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
