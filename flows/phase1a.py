@@ -10,7 +10,7 @@ from phase1a.config import Phase1aConfig, resolve_paths
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
-from tasks.stage import source_fingerprint, stage, stage_model
+from tasks.stage import StagedData, source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint
 from tasks.train import record_run, train_settings, train_task
 from tasks.validate import (format_table, promote_task, publish_validation, validate_fingerprint,
@@ -19,6 +19,15 @@ from tasks.validate import (format_table, promote_task, publish_validation, vali
 
 class GateFailed(RuntimeError):
     pass
+
+
+def _stage(report: RunReport, name: str, source: str, revision: str | None, config: Phase1aConfig) -> StagedData:
+    """Stage one dataset source (the training data, or the separate held-out set)."""
+    endpoint = config.data.s3_endpoint_url
+    field = "data.validation_source" if name == "stage_validation" else "data.source"
+    return report.run(name, stage, source=source, staging_dir=str(config.data.staging_dir), endpoint_url=endpoint,
+                      revision=revision, config=config.data.config,
+                      fingerprint=source_fingerprint(source, endpoint, revision, field=field))
 
 
 @flow(name="phase1a")
@@ -32,15 +41,16 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
         model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint,
                                    copy_local=config.model.stage_local)
         model_dir = resolve_model(str(model_source), config.model.cache_dir)
-        staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
-                            endpoint_url=endpoint, fingerprint=source_fingerprint(config.data.source, endpoint))
+        staged = _stage(report, "stage", config.data.source, config.data.revision, config)
+        held_out = (_stage(report, "stage_validation", config.data.validation_source, config.data.revision, config)
+                    if config.data.validation_source else None)
 
         options = TokenizeOptions(**config.data.model_dump(include=set(TokenizeOptions.model_fields)),
                                   max_seq_length=config.model.max_seq_length)
-        fingerprint = tokenize_fingerprint(staged.sha256, tokenizer_fingerprint(model_dir),
-                                           model_max_positions(model_dir), options)
-        data = report.run("tokenize", tokenize, data_path=staged.path, model_dir=str(model_dir), options=options,
-                          cache_dir=str(config.cache_dir), fingerprint=fingerprint,
+        fingerprint = tokenize_fingerprint([item.fingerprint for item in (staged, held_out) if item],
+                                           tokenizer_fingerprint(model_dir), model_max_positions(model_dir), options)
+        data = report.run("tokenize", tokenize, data=staged, validation=held_out, model_dir=str(model_dir),
+                          options=options, cache_dir=str(config.cache_dir), fingerprint=fingerprint,
                           trust_remote_code=config.model.trust_remote_code)
         publish_length_report(data, report.run_dir)
 

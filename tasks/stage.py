@@ -1,11 +1,14 @@
 """Stage: copy the dataset (and, on request, a model directory) to fast local disk, verified, skipped when
 already identical.
 
-Sources: a local path, a file:// URL, s3://bucket/key (one object) or s3://bucket/prefix/ (every object under
-the prefix, concatenated in key order into one local file, so downstream always sees one dataset file).
-Everything lands at `staging_dir/<fingerprint[:16]>/<name>`, where the fingerprint is `source_fingerprint`:
-the sha256 of a local file's bytes, or for S3 the hash of its keys, sizes and ETags. So the stage cache can
-tell from its inputs alone whether the staged copy still exists, and two sources never share a location.
+Dataset sources: a local file, directory or glob, a file:// URL, s3://bucket/key (one object),
+s3://bucket/prefix/ (every object under the prefix, as a directory of shards in key order), or a Hub dataset
+id (its files for `data.config`, downloaded into HF_HOME's cache at one commit). Everything lands at
+`staging_dir/<fingerprint[:16]>/<name>`, where the fingerprint is `source_fingerprint`: the sha256 of a local
+file's bytes (of every file's, for a directory or glob), for S3 the hash of its keys, sizes and ETags, for the
+Hub the resolved commit. So the stage cache can tell from its inputs alone whether the staged copy still
+exists, and two sources never share a location. A Hub dataset's staged location is a link to its snapshot in
+the Hugging Face cache, which other tools share.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from urllib.parse import urlparse
 from boto3.s3.transfer import TransferConfig
 from pydantic import BaseModel, ValidationError
 
+from phase1a import hub
+from phase1a.datasource import DataLocation, download_hub_dataset, is_data_file
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json, sha256_file
 from phase1a.s3 import (
@@ -39,10 +44,12 @@ from tasks.caching import FingerprintCache, task
 _CHUNK = 8 * 1024 * 1024
 
 
-class StagedData(BaseModel):
+class StagedData(DataLocation):
+    """A staged dataset: `path` a file or directory on local disk, `files` a directory's shards when the source
+    named them (a glob, an S3 prefix)."""
+
     source: str
-    path: str
-    sha256: str  # of the staged bytes: tokenize keys its cache on this
+    fingerprint: str  # of the staged content (sha256 of a file, of every file's, or the Hub commit): tokenize keys on it
     size_bytes: int
     copied: bool
     objects: list[S3Object] = []  # S3 sources: the objects staged, with size and ETag
@@ -66,22 +73,48 @@ def _data_errors() -> Iterator[None]:
         raise DataError(str(error)) from None
 
 
-def local_source_path(source: str) -> Path:
-    """A local path or file:// URL as a Path; other schemes are refused with a clear message."""
+def local_source_path(source: str, field: str = "data.source") -> Path:
+    """A local path or file:// URL as a Path (a file or a directory); other schemes are refused."""
     parsed = urlparse(source)
     if parsed.scheme == "file":
         path = Path(parsed.path)
     elif parsed.scheme in ("", None) or len(parsed.scheme) == 1:  # len 1: a Windows drive letter
         path = Path(source)
     else:
-        raise DataError(f"data.source: scheme {parsed.scheme!r} of {source!r} is not supported "
-                        "(use a local path, file://, or s3://)")
+        raise DataError(f"{field}: scheme {parsed.scheme!r} of {source!r} is not supported "
+                        "(use a local path, file://, s3:// or a Hub dataset id org/name)")
     path = path.expanduser()
     if not path.exists():
-        raise DataError(f"data.source: no such file: {path}")
-    if not path.is_file():
-        raise DataError(f"data.source: not a regular file: {path}")
+        raise DataError(f"{field}: no such file: {path}")
+    if not (path.is_file() or path.is_dir()):
+        raise DataError(f"{field}: not a regular file or directory: {path}")
     return path
+
+
+def is_glob(source: str) -> bool:
+    return "://" not in source and any(char in source for char in "*?[")
+
+
+def glob_files(source: str, field: str = "data.source") -> tuple[Path, list[str]]:
+    """A glob's base directory (its part before the first wildcard) and its matching data files, relative to
+    that base, sorted: the shards, in order."""
+    pattern = Path(source).expanduser()
+    fixed = [part for part in pattern.parts[: next(i for i, part in enumerate(pattern.parts) if is_glob(part))]]
+    base = Path(*fixed)
+    relative = str(pattern.relative_to(base))
+    files = sorted(p.relative_to(base).as_posix() for p in base.glob(relative) if p.is_file() and is_data_file(p))
+    if not files:
+        raise DataError(f"{field}: the glob {source} matches no data file")
+    return base, files
+
+
+def _local_files(path: Path) -> list[str]:
+    """Every file of a local dataset directory, relative (README and metadata too: they say what it holds)."""
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
+
+def _files_fingerprint(base: Path, files: list[str]) -> str:
+    return hash_json([[name, sha256_file(base / name)] for name in files])
 
 
 def _s3_fingerprint(url: S3Url, objects: list[S3Object]) -> str:
@@ -99,25 +132,34 @@ def _parse(source: str) -> S3Url:
         return parse_s3_url(source)
 
 
-def source_fingerprint(source: str, endpoint_url: str | None = None) -> str:
-    """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes, or for
-    S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or listing."""
+def source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
+                       field: str = "data.source") -> str:
+    """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes (of
+    every file's, for a directory or glob), for S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or
+    listing, for a Hub dataset its id and the commit `revision` resolves to."""
     if is_s3_url(source):
         url = _parse(source)
         return _s3_fingerprint(url, _list(url, endpoint_url)[1])
-    return sha256_file(local_source_path(source))
+    if hub.looks_like_hub_id(source):
+        commit = hub.resolve_commit(source, repo_type="dataset", revision=revision, field=field)
+        return hash_json(["hub-dataset", source, commit])
+    if is_glob(source):
+        return _files_fingerprint(*glob_files(source, field))
+    path = local_source_path(source, field)
+    return _files_fingerprint(path, _local_files(path)) if path.is_dir() else sha256_file(path)
 
 
 def staged_name(source: str) -> str:
-    """The staged file's name, from the source string alone (the cache's presence check must not list S3).
-    A prefix's shards become `<last prefix component>.jsonl`: the data is JSONL, whatever the shards are called."""
+    """The staged file's or directory's name, from the source string alone (the cache's presence check must
+    not list S3 or ask the Hub)."""
     if is_s3_url(source):
         url = _parse(source)
-        name = f"{url.key.rstrip('/').rsplit('/', 1)[-1] or url.bucket}.jsonl" if url.is_prefix \
-            else url.key.rsplit("/", 1)[-1]
-    else:
-        parsed = urlparse(source)
-        name = Path(parsed.path if parsed.scheme == "file" else source).name
+        return (url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket) if url.is_prefix else url.key.rsplit("/", 1)[-1]
+    if hub.looks_like_hub_id(source):
+        return source.replace("/", "--")
+    parsed = urlparse(source)
+    path = Path(parsed.path if parsed.scheme == "file" else source)
+    name = glob_files(source)[0].name if is_glob(source) else path.name
     if name in ("", ".", ".."):
         raise DataError(f"data.source: {source!r} does not name a file")
     return name
@@ -180,158 +222,99 @@ def _partial(path: Path, tag: str = "partial") -> Path:
     return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
 
 
-def _concatenate(parts: list[tuple[Path, str]], target: Path) -> tuple[str, int]:
-    """Append the shards (path, s3:// name) into `target`, deleting each once appended (peak disk: total +
-    largest shard).
-
-    A plain shard without a final newline gets one, so its last record and the next shard's first stay two
-    lines. Gzip shards are appended as they are: concatenated gzip members are one valid gzip stream, and a
-    byte between them would break it. A JSON array cannot be joined with anything, so it is refused."""
-    digest, size = hashlib.sha256(), 0
-    with open(target, "wb") as out:
-        for index, (part, what) in enumerate(parts):
-            first, last, gzipped = True, b"", False
-            with open(part, "rb") as handle:
-                while chunk := handle.read(_CHUNK):
-                    if first:
-                        gzipped = chunk[:2] == b"\x1f\x8b"
-                        if not gzipped and chunk.lstrip()[:1] == b"[":
-                            raise DataError(f"{what}: a JSON array cannot be concatenated with other shards "
-                                            "(use JSONL shards, or name the one file)")
-                        first = False
-                    out.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-                    last = chunk[-1:]
-            if last not in (b"", b"\n") and not gzipped and index < len(parts) - 1:
-                out.write(b"\n")
-                digest.update(b"\n")
-                size += 1
-            part.unlink()
-    return digest.hexdigest(), size
+def _copy_verified(source: Path, destination: Path) -> str:
+    """Copy one file, hashing it while it is read and again once written; renamed into place only when both
+    agree. Returns its sha256."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    partial, digest = _partial(destination), hashlib.sha256()
+    try:
+        with open(source, "rb") as reader, open(partial, "wb") as writer:
+            while chunk := reader.read(_CHUNK):
+                digest.update(chunk)
+                writer.write(chunk)
+        copied = sha256_file(partial)
+        if copied != digest.hexdigest():
+            raise DataError(f"{source}: staged copy failed verification (sha256 {copied} != {digest.hexdigest()})")
+        os.replace(partial, destination)
+    finally:
+        partial.unlink(missing_ok=True)
+    return digest.hexdigest()
 
 
-def _stage_local(source: str, staging_dir: Path) -> StagedData:
-    path = local_source_path(source)
+def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"{path}: the file is empty")
     sha = sha256_file(path)
     target = staged_location(staging_dir, sha, path.name)
-    if target.is_file() and target.stat().st_size == size and sha256_file(target) == sha:
-        return StagedData(source=source, path=str(target), sha256=sha, size_bytes=size, copied=False)
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _require_free_space(target.parent, size, str(path))
-    partial = _partial(target)
-    try:
-        shutil.copyfile(path, partial)
-        copied_sha = sha256_file(partial)
-        if copied_sha != sha:
-            raise DataError(f"{path}: staged copy failed verification (sha256 {copied_sha} != {sha})")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return StagedData(source=source, path=str(target), sha256=sha, size_bytes=size, copied=True)
+    copied = not (target.is_file() and target.stat().st_size == size and sha256_file(target) == sha)
+    if copied:
+        _require_free_space(staging_dir if staging_dir.exists() else staging_dir.parent, size, str(path))
+        if _copy_verified(path, target) != sha:  # the source changed while it was copied
+            raise DataError(f"{path}: the file changed while it was staged; stage again")
+    return StagedData(source=source, path=str(target), fingerprint=sha, size_bytes=size, copied=copied)
 
 
-def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer: TransferConfig) -> StagedData:
-    url = _parse(source)
-    client, objects = _list(url, endpoint_url)
-    if sum(item.size for item in objects) == 0:
-        raise DataError(f"{source}: the data is empty")
-    target = staged_location(staging_dir, _s3_fingerprint(url, objects), staged_name(source))
+def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Path, explicit: bool) -> StagedData:
+    """A directory (or a glob's matches) copied file by file under a directory keyed on its content. A file
+    already at its final name was verified before it was renamed there: an interrupted stage resumes."""
+    shas = {name: sha256_file(base / name) for name in files}
+    sizes = {name: (base / name).stat().st_size for name in files}
+    if sum(sizes.values()) == 0:
+        raise DataError(f"data.source: {source}: the data is empty")
+    fingerprint = hash_json([[name, shas[name]] for name in files])
+    target = staged_location(staging_dir, fingerprint, base.name)
+    pending = [name for name in files if not _intact(target / name, sizes[name], shas[name])]
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(sizes[name] for name in pending), source)
+    for name in pending:
+        if _copy_verified(base / name, target / name) != shas[name]:
+            raise DataError(f"{base / name}: the file changed while it was staged; stage again")
+    return StagedData(source=source, path=str(target), files=files if explicit else [], fingerprint=fingerprint,
+                      size_bytes=sum(sizes.values()), copied=bool(pending))
+
+
+def _stage_local(source: str, staging_dir: Path) -> StagedData:
+    if is_glob(source):
+        base, files = glob_files(source)
+        return _stage_local_tree(source, base, files, staging_dir, explicit=True)
+    path = local_source_path(source)
+    if path.is_dir():
+        return _stage_local_tree(source, path, _local_files(path), staging_dir, explicit=False)
+    return _stage_local_file(source, path, staging_dir)
+
+
+def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, staging_dir: Path,
+                     transfer: TransferConfig) -> StagedData:
+    target = staged_location(staging_dir, _s3_fingerprint(url, [item]), staged_name(source))
     manifest_path = _manifest_path(target)
     recorded = _read_manifest(manifest_path)
-    if recorded and recorded.objects == objects and _intact(target, recorded.size_bytes, recorded.sha256):
-        return StagedData(source=source, path=str(target), sha256=recorded.sha256, size_bytes=recorded.size_bytes,
-                          copied=False, objects=objects)
-
+    if recorded and recorded.objects == [item] and _intact(target, recorded.size_bytes, recorded.sha256):
+        return StagedData(source=source, path=str(target), fingerprint=recorded.sha256, size_bytes=item.size,
+                          copied=False, objects=[item])
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest_path.unlink(missing_ok=True)  # the old record must not vouch for a file about to be replaced
-    sizes = [item.size for item in objects]
-    _require_free_space(target.parent, sum(sizes) + (max(sizes) if len(objects) > 1 else 0), source)
-    parts = [_partial(target, f"shard{index:05d}") for index in range(len(objects))]
+    _require_free_space(target.parent, item.size, source)
     partial = _partial(target)
     try:
         with _data_errors():
-            md5s = download_objects(client, url.bucket, list(zip(objects, parts)), transfer)
-        shas = [verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
-                for item, part in zip(objects, parts)]
-        if len(parts) == 1:
-            sha, size = shas[0], sizes[0]
-            os.replace(parts[0], partial)
-        else:
-            sha, size = _concatenate([(part, f"s3://{url.bucket}/{item.key}") for item, part in zip(objects, parts)],
-                                     partial)
+            md5s = download_objects(client, url.bucket, [(item, partial)], transfer)
+        sha = verify_download(partial, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
         os.replace(partial, target)
     finally:
-        for leftover in [*parts, partial]:
-            leftover.unlink(missing_ok=True)
-    _write_manifest(manifest_path, StageManifest(source=source, objects=objects, sha256=sha, size_bytes=size))
-    return StagedData(source=source, path=str(target), sha256=sha, size_bytes=size, copied=True, objects=objects)
+        partial.unlink(missing_ok=True)
+    _write_manifest(manifest_path, StageManifest(source=source, objects=[item], sha256=sha, size_bytes=item.size))
+    return StagedData(source=source, path=str(target), fingerprint=sha, size_bytes=item.size, copied=True,
+                      objects=[item])
 
 
-def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,
-                  transfer: TransferConfig = DEFAULT_TRANSFER) -> StagedData:
-    """Copy `source` under `staging_dir`; every copy is verified before it gets its final name."""
-    if is_s3_url(source):
-        return _stage_s3(source, Path(staging_dir), endpoint_url, transfer)
-    return _stage_local(source, Path(staging_dir))
-
-
-def _relative_file(url: S3Url, key: str) -> PurePosixPath:
-    # A key like "model/../../etc/x" must not write outside the staging directory.
-    relative = PurePosixPath(key[len(url.key):])
-    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-        raise DataError(f"s3://{url.bucket}/{key}: key does not map to a file inside the model directory")
-    return relative
-
-
-def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
-    """A model directory on slow storage (a network mount) copied to local disk, each file hashed while it
-    is read and again once written, renamed only when both agree. The listing (names, sizes, mtimes) keys
-    the copy, so an unchanged model is never read from slow storage twice."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    listing = [(p.relative_to(directory).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    target = staged_location(staging_dir, hash_json(listing), directory.name)
-    marker = target / ".phase1a-staged"
-    if marker.is_file():
-        return target
-    target.mkdir(parents=True, exist_ok=True)
-    _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
-    for relative, _, _ in listing:
-        destination = target / relative
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        partial, digest = _partial(destination), hashlib.sha256()
-        try:
-            with open(directory / relative, "rb") as reader, open(partial, "wb") as writer:
-                while chunk := reader.read(_CHUNK):
-                    digest.update(chunk)
-                    writer.write(chunk)
-            if sha256_file(partial) != digest.hexdigest():
-                raise DataError(f"{directory / relative}: staged copy failed verification")
-            os.replace(partial, destination)
-        finally:
-            partial.unlink(missing_ok=True)
-    marker.write_text(json.dumps(listing) + "\n")
-    return target
-
-
-def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
-                transfer: TransferConfig = DEFAULT_TRANSFER, copy_local: bool = False) -> Path:
-    """An s3://bucket/prefix/ model directory downloaded to `staging_dir/<fingerprint[:16]>/<name>/` (verified,
-    renamed into place file by file, skipped when the manifest matches). A local directory is copied the same
-    way when `copy_local` (it lives on slow storage), else returned unchanged; a built-in model name passes
-    through to the model resolver."""
-    if not is_s3_url(source):
-        parsed = urlparse(source)
-        path = Path(parsed.path) if parsed.scheme == "file" else Path(source)
-        return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
-    url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
-    client, objects = _list(url, endpoint_url)
+def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Object], staging_dir: Path,
+                     transfer: TransferConfig) -> tuple[Path, dict[str, str], bool]:
+    """Every object under the prefix into `staging_dir/<fingerprint[:16]>/<name>/`, each verified and renamed
+    into place; skipped when the manifest matches the listing and every file is intact. Returns the
+    directory, each key's sha256, and whether anything was downloaded."""
     name = url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket
-    target = staged_location(Path(staging_dir), _s3_fingerprint(url, objects), name)
+    target = staged_location(staging_dir, _s3_fingerprint(url, objects), name)
     files = [(item, target / _relative_file(url, item.key)) for item in objects]
     manifest_path = _manifest_path(target)
     recorded = _read_manifest(manifest_path)
@@ -339,7 +322,7 @@ def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
         damaged = [path for item, path in files
                    if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""))]
         if not damaged:
-            return target
+            return target, recorded.file_sha256, False
         for path in damaged:  # else the size check below would keep a same-size corruption
             path.unlink(missing_ok=True)
     manifest_path.unlink(missing_ok=True)
@@ -364,7 +347,90 @@ def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
             part.unlink(missing_ok=True)
     shas.update({item.key: sha256_file(path) for item, path in files if item.key not in shas})
     _write_manifest(manifest_path, StageManifest(source=source, objects=objects, file_sha256=shas))
+    return target, shas, bool(pending)
+
+
+def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer: TransferConfig) -> StagedData:
+    url = _parse(source)
+    client, objects = _list(url, endpoint_url)
+    if sum(item.size for item in objects) == 0:
+        raise DataError(f"{source}: the data is empty")
+    if not url.is_prefix:
+        return _stage_s3_object(source, url, client, objects[0], staging_dir, transfer)
+    data = [item for item in objects if is_data_file(item.key)]
+    if not data:
+        raise DataError(f"{source}: no data file under the prefix (keys: {', '.join(o.key for o in objects[:5])})")
+    target, shas, copied = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
+    files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
+    return StagedData(source=source, path=str(target), files=files,
+                      fingerprint=hash_json([[name, shas[item.key]] for name, item in zip(files, data)]),
+                      size_bytes=sum(item.size for item in data), copied=copied, objects=objects)
+
+
+def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:
+    """The Hub dataset's files for `config`, in HF_HOME's cache at one commit; the staged location links there."""
+    snapshot = download_hub_dataset(source, revision, config)
+    fingerprint = hash_json(["hub-dataset", source, snapshot.commit])
+    target = staged_location(staging_dir, fingerprint, staged_name(source))
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        link = _partial(target)
+        link.symlink_to(snapshot.path, target_is_directory=True)
+        os.replace(link, target)
+    size = sum(p.stat().st_size for p in Path(snapshot.path).rglob("*") if p.is_file())
+    return StagedData(source=source, path=str(target), fingerprint=fingerprint, size_bytes=size, copied=False)
+
+
+def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,
+                  transfer: TransferConfig = DEFAULT_TRANSFER, revision: str | None = None,
+                  config: str | None = None) -> StagedData:
+    """Copy `source` under `staging_dir`; every copy is verified before it gets its final name."""
+    staging_dir = Path(staging_dir)
+    if is_s3_url(source):
+        return _stage_s3(source, staging_dir, endpoint_url, transfer)
+    if hub.looks_like_hub_id(source):
+        return _stage_hub(source, staging_dir, revision, config)
+    return _stage_local(source, staging_dir)
+
+
+def _relative_file(url: S3Url, key: str) -> PurePosixPath:
+    # A key like "model/../../etc/x" must not write outside the staging directory.
+    relative = PurePosixPath(key[len(url.key):])
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise DataError(f"s3://{url.bucket}/{key}: key does not map to a file inside the staged directory")
+    return relative
+
+
+def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
+    """A model directory on slow storage (a network mount) copied to local disk, each file verified. The
+    listing (names, sizes, mtimes) keys the copy, so an unchanged model is never read from slow storage twice."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    listing = [(p.relative_to(directory).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    target = staged_location(staging_dir, hash_json(listing), directory.name)
+    marker = target / ".phase1a-staged"
+    if marker.is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
+    for relative, _, _ in listing:
+        _copy_verified(directory / relative, target / relative)
+    marker.write_text(json.dumps(listing) + "\n")
     return target
+
+
+def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
+                transfer: TransferConfig = DEFAULT_TRANSFER, copy_local: bool = False) -> Path:
+    """An s3://bucket/prefix/ model directory downloaded to `staging_dir/<fingerprint[:16]>/<name>/` (verified,
+    renamed into place file by file, skipped when the manifest matches). A local directory is copied the same
+    way when `copy_local` (it lives on slow storage), else returned unchanged; a built-in model name or a Hub
+    id passes through to the model resolver."""
+    if not is_s3_url(source):
+        parsed = urlparse(source)
+        path = Path(parsed.path) if parsed.scheme == "file" else Path(source)
+        return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
+    url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
+    client, objects = _list(url, endpoint_url)
+    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), transfer)[0]
 
 
 def _staged_copy_present(inputs: dict) -> bool:
@@ -372,7 +438,7 @@ def _staged_copy_present(inputs: dict) -> bool:
         name = staged_name(inputs["source"])
     except DataError:  # let the task run and report the bad source itself
         return False
-    return staged_location(Path(inputs["staging_dir"]), inputs["fingerprint"], name).is_file()
+    return staged_location(Path(inputs["staging_dir"]), inputs["fingerprint"], name).exists()
 
 
 @task(
@@ -381,5 +447,6 @@ def _staged_copy_present(inputs: dict) -> bool:
     persist_result=True,
     result_serializer="json",
 )
-def stage(source: str, staging_dir: str, fingerprint: str, endpoint_url: str | None = None) -> StagedData:
-    return stage_dataset(source, Path(staging_dir), endpoint_url)
+def stage(source: str, staging_dir: str, fingerprint: str, endpoint_url: str | None = None,
+          revision: str | None = None, config: str | None = None) -> StagedData:
+    return stage_dataset(source, Path(staging_dir), endpoint_url, revision=revision, config=config)

@@ -1,9 +1,11 @@
-"""Tokenize: a dataset file to Arrow with loss masks, a held-out split and length analysis, once per content.
+"""Tokenize: a dataset (its shards, in any format `phase1a.datasource` reads) to Arrow with loss masks, a
+held-out split and length analysis, once per content.
 
 Two streaming passes keep memory flat: pass 1 tokenizes chunks of records into a temporary Arrow file
-(plus one small array per example: length, content hash, line); pass 2 decides max_seq_length from the
-lengths, then truncates, drops and splits batch by batch with Arrow compute. Per-example scalars are the
-only whole-dataset arrays held in RAM.
+(plus a few scalars per example: length, content hash, shard and line or row); pass 2 decides
+max_seq_length from the lengths, then truncates, drops and splits batch by batch with Arrow compute.
+Per-example scalars are the only whole-dataset arrays held in RAM. The held-out split is either a stable
+content-hash share of the source, or every record of `data.validation_source`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import shutil
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +27,8 @@ from pydantic import BaseModel
 from phase1a.fingerprint import code_version, hash_json
 from phase1a.locks import exclusive
 from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
-from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_record, to_messages
+from phase1a.datasource import DataLocation, Shard, describe, iter_records, resolve_shards
+from phase1a.records import RecordError, parse_record, to_messages
 from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
 from tasks.caching import FingerprintCache, task
 from phase1a.errors import DataError
@@ -46,6 +50,9 @@ class TokenizeOptions(BaseModel):
     validation_fraction: float = 0.1
     validation_count: int | None = None
     max_seq_length: int | None = None  # a user cap; None means right-size from the data
+    config: str | None = None  # which files of a dataset repository: data.config, data.split
+    split: str = "train"
+    validation_split: str | None = None
 
 
 class TokenizedData(BaseModel):
@@ -56,6 +63,7 @@ class TokenizedData(BaseModel):
     histogram_path: str
     train_examples: int
     validation_examples: int
+    shards: int  # data files read, the validation source's included
     template: Literal["chat_template", "fallback"]
     lengths: LengthStats
     max_seq_length: int
@@ -70,10 +78,12 @@ class TokenizedData(BaseModel):
     dropped_without_labels: int
 
 
-def tokenize_fingerprint(data_sha256: str, tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
-    return hash_json({"data": data_sha256, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
+def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
+    """`data`: the content fingerprint of the source (and of the validation source, when there is one)."""
+    return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
                       "options": options.model_dump(),
-                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py")})
+                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py",
+                                           "phase1a/datasource.py")})
 
 
 def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
@@ -85,9 +95,11 @@ def read_arrow(path: str | Path) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
 
 
-def tokenize_dataset(data_path: Path, tokenizer, model_max_length: int, options: TokenizeOptions, cache_dir: Path,
-                     fingerprint: str) -> TokenizedData:
-    """Tokenize `data_path` into `cache_dir/tokenized/<fingerprint>/`, reusing a complete earlier result."""
+def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int, options: TokenizeOptions,
+                     cache_dir: Path, fingerprint: str, validation: DataLocation | None = None) -> TokenizedData:
+    """Tokenize `data` (a staged location, or a plain path) into `cache_dir/tokenized/<fingerprint>/`, reusing
+    a complete earlier result. With `validation`, that source is the held-out set and `data` is all training."""
+    sources = _Sources.resolve(data, validation, options)
     out_dir = dataset_dir(cache_dir, fingerprint)
     # Two runs on one fingerprint: the first computes, the second waits here and then reuses its output.
     with exclusive(out_dir.with_name(out_dir.name + ".lock"), f"tokenized data {out_dir}"):
@@ -97,7 +109,7 @@ def tokenize_dataset(data_path: Path, tokenizer, model_max_length: int, options:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
-            result = _tokenize_into(partial, out_dir, Path(data_path), tokenizer, model_max_length, options)
+            result = _tokenize_into(partial, out_dir, sources, tokenizer, model_max_length, options)
             (partial / "manifest.json").write_text(result.model_dump_json(indent=2))
             partial.rename(out_dir)
         finally:
@@ -105,35 +117,55 @@ def tokenize_dataset(data_path: Path, tokenizer, model_max_length: int, options:
         return result
 
 
+@dataclass
+class _Sources:
+    """The shards to read, training source first; those from `first_validation` on are the held-out set."""
+
+    shards: list[Shard]
+    first_validation: int | None  # None: hold out a content-hash share of every shard
+
+    @classmethod
+    def resolve(cls, data: DataLocation | Path, validation: DataLocation | None, options: TokenizeOptions) -> "_Sources":
+        train = resolve_shards(data if isinstance(data, DataLocation) else DataLocation(path=str(data)),
+                               options.config, options.split)
+        if validation is None:
+            return cls(train, None)
+        held_out = resolve_shards(validation, options.config, options.validation_split or options.split,
+                                  field="data.validation_source")
+        return cls(train + held_out, len(train))
+
+    def name(self) -> str:
+        return str(self.shards[0].path) if len(self.shards) == 1 else f"{len(self.shards)} shards ({self.shards[0].path}, ...)"
+
+
 _SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
 
 
-def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_max_length: int,
+def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, model_max_length: int,
                    options: TokenizeOptions) -> TokenizedData:
     # ---- pass 1: records -> token ids, streamed to a temporary Arrow file --------------------------------
     renderer = Renderer(tokenizer, options.train_on_inputs)
     skipped: Counter[str] = Counter()
     shown: list[str] = []
-    lines, keys, lengths = [], [], []
+    places, keys, lengths = [], [], []
     with pa.OSFile(str(work / "all.arrow"), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
-        chunk: list[tuple[int, list[tuple[str, bool]]]] = []
+        chunk: list[tuple[int, int, list[tuple[str, bool]]]] = []
         chunk_keys: list[int] = []
 
         def flush() -> None:
-            tokens = tokenize_conversations([segments for _, segments in chunk], tokenizer)
+            tokens = tokenize_conversations([segments for _, _, segments in chunk], tokenizer)
             writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(tokens.offsets, tokens.input_ids),
                                                 pa.ListArray.from_arrays(tokens.offsets, tokens.labels)], schema=_SCHEMA))
-            lines.append(np.fromiter((line for line, _ in chunk), dtype=np.int64, count=len(chunk)))
+            places.append(np.array([(shard, index) for shard, index, _ in chunk], dtype=np.int64).reshape(-1, 2))
             keys.append(np.asarray(chunk_keys, dtype=np.uint64))
             lengths.append(np.diff(tokens.offsets))
             chunk.clear()
             chunk_keys.clear()
 
-        array = is_json_array(data_path)
-        for line, raw in iter_lines(data_path):
-            where = location(data_path, line, array)
+        for record in iter_records(sources.shards):
+            where = describe(sources.shards, record.shard, record.index)
             try:
-                messages = to_messages(parse_record(where, raw, options.field_map), options.format, where)
+                messages = to_messages(parse_record(where, record.raw, options.field_map), options.format, where)
             except RecordError as error:
                 if options.bad_records == "fail":
                     raise
@@ -141,7 +173,7 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
                 if len(shown) < _SHOWN_SKIPS:
                     shown.append(str(error))
                 continue
-            chunk.append((line, renderer.segments(messages)))
+            chunk.append((record.shard, record.index, renderer.segments(messages)))
             # One content hash serves the split (stable across runs and file order) and duplicate detection.
             chunk_keys.append(int.from_bytes(hashlib.blake2b(json.dumps(messages).encode(), digest_size=8).digest(), "big"))
             if len(chunk) == _CHUNK:
@@ -150,22 +182,24 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
             flush()
     if not lengths:
         detail = f" ({sum(skipped.values())} bad records skipped: {dict(skipped)})" if skipped else ""
-        raise DataError(f"{data_path}: no usable records{detail}")
-    lines_all, keys_all, lengths_all = np.concatenate(lines), np.concatenate(keys), np.concatenate(lengths)
+        raise DataError(f"{sources.name()}: no usable records{detail}")
+    places_all, keys_all, lengths_all = np.concatenate(places), np.concatenate(keys), np.concatenate(lengths)
 
     # ---- decisions over per-example scalars ---------------------------------------------------------------
     max_seq_length = right_size(lengths_all, options.length_percentile, model_max_length, options.max_seq_length)
     overlong = lengths_all > max_seq_length
     if options.overlong == "fail" and overlong.any():
         first = int(np.argmax(overlong))
-        raise DataError(f"{location(data_path, int(lines_all[first]), array)}: {int(lengths_all[first])} tokens exceed max_seq_length "
+        where = describe(sources.shards, *map(int, places_all[first]))
+        raise DataError(f"{where}: {int(lengths_all[first])} tokens exceed max_seq_length "
                         f"{max_seq_length} ({int(overlong.sum())} examples do; data.overlong is 'fail')")
     first_seen = np.zeros(keys_all.size, dtype=bool)
     first_seen[np.unique(keys_all, return_index=True)[1]] = True
     keep = ~overlong if options.overlong == "drop" else np.ones(keys_all.size, dtype=bool)
     if options.drop_duplicates:
         keep &= first_seen
-    validation = _validation_mask(keys_all, options)
+    validation = (_validation_mask(keys_all, options) if sources.first_validation is None
+                  else places_all[:, 0] >= sources.first_validation)
 
     # ---- pass 2: truncate, drop, split; batch by batch -------------------------------------------------
     # Plain reads, not a memory map: one batch at a time in RAM, so peak RSS does not grow with the data.
@@ -191,16 +225,20 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
             kept_lengths.append(np.minimum(lengths_all[rows], max_seq_length)[row_keep])
             supervised += int(label_counts[row_keep].sum())
     (work / "all.arrow").unlink()
+    if sources.first_validation is not None and not (counts["train"] and counts["validation"]):
+        empty = "data.source" if not counts["train"] else "data.validation_source"
+        raise DataError(f"{empty}: no usable examples after filtering ({counts['train']} train, "
+                        f"{counts['validation']} validation)")
     final_keep = np.concatenate(kept_lengths)
     if final_keep.size < 2:
-        raise DataError(f"{data_path}: {final_keep.size} usable examples after filtering; need a train and a validation split")
+        raise DataError(f"{sources.name()}: {final_keep.size} usable examples after filtering; need a train and a validation split")
     stats = length_stats(final_keep, supervised)
     histogram = save_histogram(final_keep, stats, max_seq_length, work / "lengths.png")
     duplicates = int((~first_seen).sum())
     return TokenizedData(
         fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
         validation_path=str(out_dir / "validation.arrow"), histogram_path=str(out_dir / histogram.name),
-        train_examples=counts["train"], validation_examples=counts["validation"],
+        train_examples=counts["train"], validation_examples=counts["validation"], shards=len(sources.shards),
         template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
         lengths=stats, max_seq_length=max_seq_length, model_max_length=model_max_length,
         waste=waste_table(lengths_all, options.max_seq_length or model_max_length, max_seq_length),
@@ -277,10 +315,10 @@ def _tokenized_present(inputs: dict) -> bool:
     persist_result=True,
     result_serializer="json",
 )
-def tokenize(data_path: str, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str,
-             trust_remote_code: bool = False) -> TokenizedData:
+def tokenize(data: DataLocation, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str,
+             validation: DataLocation | None = None, trust_remote_code: bool = False) -> TokenizedData:
     from phase1a.models import load_tokenizer, model_max_positions
 
     tokenizer = load_tokenizer(Path(model_dir), trust_remote_code)
-    return tokenize_dataset(Path(data_path), tokenizer, model_max_positions(Path(model_dir)), options,
-                            Path(cache_dir), fingerprint)
+    return tokenize_dataset(data, tokenizer, model_max_positions(Path(model_dir)), options, Path(cache_dir),
+                            fingerprint, validation)

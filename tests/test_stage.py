@@ -6,7 +6,7 @@ from tasks.stage import DataError, source_fingerprint, stage_dataset
 def test_copies_verifies_and_skips_identical(tmp_path, dataset):
     staging = tmp_path / "staging"
     first = stage_dataset(str(dataset), staging)
-    assert first.copied and first.sha256 == source_fingerprint(str(dataset))
+    assert first.copied and first.fingerprint == source_fingerprint(str(dataset))
     assert open(first.path, "rb").read() == dataset.read_bytes()
     second = stage_dataset(f"file://{dataset}", staging)
     assert not second.copied and second.path == first.path
@@ -17,7 +17,7 @@ def test_changed_data_gets_a_new_staged_copy(tmp_path, dataset):
     first = stage_dataset(str(dataset), staging)
     dataset.write_text(dataset.read_text() + '{"instruction": "x", "output": "y"}\n')
     second = stage_dataset(str(dataset), staging)
-    assert second.copied and second.sha256 != first.sha256 and second.path != first.path
+    assert second.copied and second.fingerprint != first.fingerprint and second.path != first.path
 
 
 def test_a_corrupted_staged_copy_is_replaced(tmp_path, dataset):

@@ -31,6 +31,7 @@ from tasks.stage import (
     verify_download,
 )
 from conftest import date_records
+from phase1a.datasource import iter_records, resolve_shards
 
 MiB = 1024 * 1024
 PLANTED_KEY_ID = "AKIDPLANTEDKEYID0001"
@@ -123,7 +124,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
     fingerprint = source_fingerprint(source, endpoint)
     first = stage_dataset(source, staging, endpoint)
     assert first.copied and Path(first.path).read_bytes() == data
-    assert first.sha256 == hashlib.sha256(data).hexdigest() and first.size_bytes == len(data)
+    assert first.fingerprint == hashlib.sha256(data).hexdigest() and first.size_bytes == len(data)
     assert [(o.key, o.size, o.etag) for o in first.objects] == [("data/dates.jsonl", len(data),
                                                                  hashlib.md5(data).hexdigest())]
     # The stage cache finds the copy from its inputs alone, without touching S3.
@@ -131,7 +132,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
     assert _staged_copy_present({"source": source, "staging_dir": str(staging), "fingerprint": fingerprint})
 
     again = stage_dataset(source, staging, endpoint)
-    assert not again.copied and again.path == first.path and again.sha256 == first.sha256
+    assert not again.copied and again.path == first.path and again.fingerprint == first.fingerprint
 
     Path(first.path).write_bytes(b"X" + data[1:])  # same size, different bytes: the manifest's sha256 catches it
     repaired = stage_dataset(source, staging, endpoint)
@@ -142,7 +143,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
     assert source_fingerprint(source, endpoint) != fingerprint
     second = stage_dataset(source, staging, endpoint)
     assert second.copied and second.path != first.path and Path(second.path).read_bytes() == changed
-    assert second.sha256 == hashlib.sha256(changed).hexdigest()
+    assert second.fingerprint == hashlib.sha256(changed).hexdigest()
 
 
 def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tmp_path, endpoint, bucket):
@@ -150,7 +151,7 @@ def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tm
     body = os.urandom(3 * MiB + 17)
     _put(endpoint, bucket, "big.bin", body)
     staged = stage_dataset(f"s3://{bucket}/big.bin", tmp_path / "staging", endpoint, transfer=small_parts)
-    assert Path(staged.path).read_bytes() == body and staged.sha256 == hashlib.sha256(body).hexdigest()
+    assert Path(staged.path).read_bytes() == body and staged.fingerprint == hashlib.sha256(body).hexdigest()
 
     # A multipart upload's ETag is not an MD5 ("<hash>-<parts>"): verified by size, then hashed.
     multipart = os.urandom(6 * MiB)
@@ -159,50 +160,72 @@ def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tm
                                   Config=TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
     staged = stage_dataset(f"s3://{bucket}/mp.bin", tmp_path / "staging", endpoint, transfer=small_parts)
     assert staged.objects[0].etag.endswith("-2")
-    assert Path(staged.path).read_bytes() == multipart and staged.sha256 == hashlib.sha256(multipart).hexdigest()
+    assert Path(staged.path).read_bytes() == multipart and staged.fingerprint == hashlib.sha256(multipart).hexdigest()
 
 
-def test_prefix_shards_concatenate_in_key_order_with_a_manifest(tmp_path, endpoint, bucket):
+def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_path, endpoint, bucket):
     shards = {"shards/part-002.jsonl": _jsonl(5, 2), "shards/part-000.jsonl": _jsonl(4, 0),
               "shards/part-001.jsonl": _jsonl(3, 1).rstrip(b"\n")}  # uploaded out of order; one lacks its "\n"
     for key, body in shards.items():
         _put(endpoint, bucket, key, body)
     _put(endpoint, bucket, "shards/", b"")  # a console folder marker: not data
+    _put(endpoint, bucket, "shards/_SUCCESS", b"")  # a job's marker: staged, never read as data
     _put(endpoint, bucket, "other/part-000.jsonl", _jsonl(2, 9))  # outside the prefix
     source, staging = f"s3://{bucket}/shards/", tmp_path / "staging"
 
     staged = stage_dataset(source, staging, endpoint)
-    # Key order, and the newline the middle shard lacked, so its last record stays its own line.
-    expected = b"\n".join(shards[f"shards/part-00{i}.jsonl"].rstrip(b"\n") for i in range(3)) + b"\n"
-    assert staged.copied and Path(staged.path).name == "shards.jsonl"
-    assert Path(staged.path).read_bytes() == expected and staged.sha256 == hashlib.sha256(expected).hexdigest()
-    assert len([json.loads(line) for line in expected.splitlines()]) == 12
+    assert staged.copied and Path(staged.path).name == "shards" and Path(staged.path).is_dir()
+    assert staged.files == ["part-000.jsonl", "part-001.jsonl", "part-002.jsonl"]  # key order
+    for name in staged.files:
+        assert (Path(staged.path) / name).read_bytes() == shards[f"shards/{name}"]
+    records = list(iter_records(resolve_shards(staged, None, "train")))
+    assert [(r.shard, r.index) for r in records][:5] == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1)] and len(records) == 12
 
     manifest = json.loads(Path(staged.path + ".manifest.json").read_text())
-    assert [o["key"] for o in manifest["objects"]] == sorted(shards)
-    assert [(o["size"], o["etag"]) for o in manifest["objects"]] == [
-        (len(shards[key]), hashlib.md5(shards[key]).hexdigest()) for key in sorted(shards)]
-    assert manifest["sha256"] == staged.sha256
-    assert sorted(p.name for p in Path(staged.path).parent.iterdir()) == ["shards.jsonl", "shards.jsonl.manifest.json"]
+    assert [o["key"] for o in manifest["objects"]] == sorted([*shards, "shards/_SUCCESS"])
+    assert set(manifest["file_sha256"]) == {*shards, "shards/_SUCCESS"}
 
     again = stage_dataset(source, staging, endpoint)
-    assert not again.copied and again.path == staged.path
-    assert Path(staged.path) == staged_location(staging, source_fingerprint(source, endpoint), "shards.jsonl")
+    assert not again.copied and again.path == staged.path and again.fingerprint == staged.fingerprint
+    assert Path(staged.path) == staged_location(staging, source_fingerprint(source, endpoint), "shards")
+    assert _staged_copy_present({"source": source, "staging_dir": str(staging),
+                                 "fingerprint": source_fingerprint(source, endpoint)})
 
 
-def test_gzip_shards_join_as_one_gzip_stream_and_json_arrays_are_refused(tmp_path, endpoint, bucket):
+def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
     plain = [_jsonl(3, 0), _jsonl(2, 1)]
     for index, body in enumerate(plain):
         _put(endpoint, bucket, f"gz/part-{index}.jsonl.gz", gzip.compress(body))
-    _put(endpoint, bucket, "gz/part-2.jsonl", b"")  # an empty shard adds nothing
+    _put(endpoint, bucket, "gz/part-2.json", json.dumps([json.loads(line) for line in _jsonl(4, 2).splitlines()]).encode())
     staged = stage_dataset(f"s3://{bucket}/gz/", tmp_path / "staging", endpoint)
-    assert gzip.decompress(Path(staged.path).read_bytes()) == b"".join(plain)
+    shards = resolve_shards(staged, None, "train")
+    assert [s.json_array for s in shards] == [False, False, True]
+    assert len(list(iter_records(shards))) == 9
 
-    _put(endpoint, bucket, "arr/a.json", b'[{"text": "a"}]')
-    _put(endpoint, bucket, "arr/b.json", b'[{"text": "b"}]')
-    with pytest.raises(DataError, match=rf"s3://{bucket}/arr/a.json: a JSON array cannot be concatenated"):
-        stage_dataset(f"s3://{bucket}/arr/", tmp_path / "staging", endpoint)
-    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*arr*"))
+    _put(endpoint, bucket, "none/README", b"no data here")
+    with pytest.raises(DataError, match=rf"s3://{bucket}/none/: no data file under the prefix"):
+        stage_dataset(f"s3://{bucket}/none/", tmp_path / "staging", endpoint)
+
+
+def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoint, bucket):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import make_tokenizer, write_jsonl
+
+    from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+
+    records = date_records(40, seed=3)
+    for index in range(2):  # two shards under a prefix
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(records[index * 20:(index + 1) * 20]), buffer)
+        _put(endpoint, bucket, f"pq/train-{index:05d}.parquet", buffer.getvalue().to_pybytes())
+    staged = stage_dataset(f"s3://{bucket}/pq/", tmp_path / "staging", endpoint)
+    tokenizer, options = make_tokenizer(), TokenizeOptions(validation_count=5)
+    from_s3 = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "c1", "parquet")
+    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 256, options, tmp_path / "c2", "jsonl")
+    for split in ("train_path", "validation_path"):
+        assert read_arrow(getattr(from_s3, split)).to_pylist() == read_arrow(getattr(jsonl, split)).to_pylist()
+    assert from_s3.shards == 2 and from_s3.train_examples == 35
 
 
 def test_an_object_replaced_after_listing_is_refused(tmp_path, endpoint, bucket):

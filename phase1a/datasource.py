@@ -1,0 +1,263 @@
+"""Where a dataset's records come from: local files in every common format, read shard by shard.
+
+A source resolves to an ordered list of shards, each a local file of one format:
+- a file: itself;
+- an explicit list (a glob's matches, an S3 prefix's objects): every file, in order;
+- a `save_to_disk` folder: its Arrow files, of `data.split` for a saved DatasetDict;
+- any other directory (a dataset repository with a README `configs:` block, a Hub dataset's snapshot, or a
+  folder of shards): the files that the `datasets` library resolves for `data.config` and `data.split`, by
+  the README or, without one, by its file-name conventions (`train-*.parquet`, `test.jsonl`, ...).
+
+Reading: JSON/JSONL through our own line reader, so a bad record is reported as `file:line` and a malformed
+line can be skipped and counted (a columnar reader would fail the whole file); Parquet, CSV/TSV and Arrow
+through `datasets` in streaming mode, a batch at a time, reported as `shard:row N`. Nothing holds a whole
+dataset in memory, and `datasets` is imported only for the formats that need it (it costs seconds to import).
+"""
+from __future__ import annotations
+
+import bz2
+import csv
+import gzip
+import io
+import json
+import lzma
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import BaseModel
+
+from phase1a.errors import DataError
+
+# The one home of data file formats: suffix -> reader. Text formats may carry a compression suffix too.
+DATA_FILE_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet",
+                     ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+_TEXT_FORMATS = ("json", "csv", "tsv")
+_BATCH = 4096  # rows per streamed batch of a columnar shard
+
+
+class DataLocation(BaseModel):
+    """A local dataset: `path` is a file or a directory; `files` lists a directory's shards (relative, in
+    order) when they were named explicitly, and is empty when the directory itself says what it holds."""
+
+    path: str
+    files: list[str] = []
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    format: str
+    json_array: bool = False  # a JSON file holding one array: its records are numbered [i], not by line
+
+
+def file_format(path: Path | str) -> str | None:
+    """The reader for a file name, or None when it is not a data file (a README, a lock, a checksum...)."""
+    name = Path(path).name.lower()
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            kind = DATA_FILE_FORMATS.get(Path(stem).suffix)
+            return kind if kind in _TEXT_FORMATS else None
+    return DATA_FILE_FORMATS.get(Path(name).suffix)
+
+
+def is_data_file(path: Path | str) -> bool:
+    return file_format(path) is not None
+
+
+def _shard(path: Path, field: str) -> Shard:
+    kind = file_format(path)
+    if kind is None:
+        known = ", ".join(DATA_FILE_FORMATS)
+        raise DataError(f"{field}: {path} is not a data file this reads ({known}, text formats optionally "
+                        f"{'/'.join(COMPRESSION_SUFFIXES)})")
+    return Shard(path, kind, kind == "json" and is_json_array(path))
+
+
+def resolve_shards(location: DataLocation, config: str | None, split: str, field: str = "data.source") -> list[Shard]:
+    """The shards of a staged source, in reading order."""
+    path = Path(location.path)
+    if path.is_file():
+        return [_shard(path, field)]
+    if not path.is_dir():
+        raise DataError(f"{field}: no such file or directory: {path}")
+    if location.files:
+        return [_shard(path / name, field) for name in location.files]
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return _saved_dataset_shards(path, split, field)
+    return _repository_shards(path, config, split, field)
+
+
+def _saved_dataset_shards(path: Path, split: str, field: str) -> list[Shard]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        saved = load_from_disk(str(path))  # memory-maps the Arrow files; reads no rows
+    except (FileNotFoundError, ValueError) as error:
+        raise DataError(f"{field}: {path} is not a readable save_to_disk folder: {error}") from None
+    if isinstance(saved, DatasetDict):
+        if split not in saved:
+            raise DataError(f"data.split: {split!r} is not a split of the saved dataset {path} "
+                            f"(splits: {', '.join(saved)})")
+        saved = saved[split]
+    return [Shard(Path(item["filename"]), "arrow") for item in saved.cache_files]
+
+
+def _repository_shards(path: Path, config: str | None, split: str, field: str) -> list[Shard]:
+    """`datasets` resolves a directory the way `load_dataset(path, config, split=...)` would."""
+    from datasets import load_dataset_builder
+
+    try:
+        builder = load_dataset_builder(str(path), name=config)
+    except ValueError as error:  # an unknown or missing config: datasets lists the available ones
+        raise DataError(f"data.config: {path}: {' '.join(str(error).split())}") from None
+    except FileNotFoundError as error:
+        raise DataError(f"{field}: {path}: {error}") from None
+    data_files = builder.config.data_files or {}
+    splits = {str(name): files for name, files in data_files.items()}
+    if split not in splits:
+        raise DataError(f"data.split: {split!r} is not a split of {path}"
+                        f"{f' (config {config!r})' if config else ''}; splits: {', '.join(splits) or 'none'}")
+    return [_shard(Path(name), field) for name in splits[split]]
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """One raw record: `raw` is a JSON line (str) or an already-parsed record; `index` its line (text) or
+    row (columnar) within its shard, for messages."""
+
+    shard: int
+    index: int
+    raw: Any
+
+
+def describe(shards: list[Shard], shard: int, index: int) -> str:
+    """`file:line` for JSON, `file:row N` for columnar shards and JSON arrays."""
+    item = shards[shard]
+    if item.format == "json":
+        return str(item.path) + (f":[{index}]" if item.json_array else f":{index}")
+    return f"{item.path}:row {index}"
+
+
+def iter_records(shards: list[Shard], offset: int = 0) -> Iterator[SourceRecord]:
+    """Every record of every shard, in order; `offset` numbers the shards after those of an earlier source."""
+    for number, item in enumerate(shards):
+        rows = iter_lines(item.path) if item.format == "json" else enumerate(_columnar_rows(item))
+        for index, raw in rows:
+            yield SourceRecord(offset + number, index, raw)
+
+
+_MAGIC = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ", lzma.open))
+
+
+def open_text(path: Path):
+    """A text file, decompressed by its magic bytes (not its name): gzip, bz2, xz or zstd."""
+    with open(path, "rb") as probe:
+        magic = probe.read(4)
+    if magic == b"\x28\xb5\x2f\xfd":
+        import zstandard
+
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True),
+                                encoding="utf-8")
+    for prefix, opener in _MAGIC:
+        if magic.startswith(prefix[:4]):
+            return opener(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def is_json_array(path: Path) -> bool:
+    with open_text(path) as handle:
+        for line in handle:
+            if line.strip():
+                return line.lstrip().startswith("[")
+    return False
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, str | Any]]:
+    """(line number, raw JSON line) per JSONL record, or (array index, parsed item) for a JSON array.
+
+    JSONL streams; a JSON array is parsed whole, so very large datasets should be JSONL."""
+    if is_json_array(path):
+        with open_text(path) as handle:
+            try:
+                items = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{error.lineno}: malformed JSON array: {error.msg} at column {error.colno}") from None
+        if not isinstance(items, list):
+            raise DataError(f"{path}: a JSON file must hold an array of records")
+        yield from enumerate(items)
+        return
+    with open_text(path) as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if line.strip():
+                yield lineno, line
+
+
+def _columnar_rows(shard: Shard) -> Iterator[dict]:
+    from datasets import load_dataset
+
+    kwargs: dict[str, Any] = {}
+    if shard.format in ("csv", "tsv"):
+        # Every column as a string: a CSV answer "42" is text to train on, not a number to reject.
+        from datasets import Features, Value
+
+        header = _csv_header(shard)
+        kwargs = {"sep": "\t" if shard.format == "tsv" else ",", "keep_default_na": False,
+                  "features": Features({name: Value("string") for name in header})}
+    builder = "csv" if shard.format == "tsv" else shard.format
+    try:
+        stream = load_dataset(builder, data_files=[str(shard.path)], split="train", streaming=True, **kwargs)
+        for table in stream.with_format("arrow").iter(batch_size=_BATCH):
+            yield from table.to_pylist()
+    except (ValueError, OSError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{shard.path}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}") from None
+
+
+def _csv_header(shard: Shard) -> list[str]:
+    with open_text(shard.path) as handle:
+        header = next(csv.reader(handle, delimiter="\t" if shard.format == "tsv" else ","), None)
+    if not header:
+        raise DataError(f"{shard.path}: a {shard.format.upper()} file needs a header row naming its columns")
+    return header
+
+
+def download_hub_dataset(repo_id: str, revision: str | None, config: str | None):
+    """A Hub dataset's files for one config, downloaded into HF_HOME's cache at one commit (a `hub.Snapshot`).
+
+    The README comes first: its `configs:` block says which files each config reads, so a repository with
+    many configs downloads one. Without such a block every data file is fetched, and `datasets` later splits
+    them by its file-name conventions. The second download is pinned to the README's commit, so a branch
+    that moves in between cannot mix two versions."""
+    from phase1a import hub
+
+    card = hub.snapshot(repo_id, repo_type="dataset", revision=revision, allow_patterns=["README.md"],
+                        field="data.source")
+    patterns = _config_patterns(Path(card.path) / "README.md", config) or [f"*{suffix}*" for suffix in DATA_FILE_FORMATS]
+    return hub.snapshot(repo_id, repo_type="dataset", revision=card.commit, allow_patterns=["README.md", *patterns],
+                        field="data.source")
+
+
+def _config_patterns(readme: Path, config: str | None) -> list[str]:
+    """The data-file patterns of `config` (or of the default config) in a dataset card; [] without configs."""
+    if not readme.is_file():
+        return []
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data)
+    if not configs:
+        return []
+    name = config or configs.get_default_config_name() or (next(iter(configs)) if len(configs) == 1 else None)
+    if name not in configs:
+        raise DataError(f"data.config: {config!r} is not a config of {readme.parent.name}; configs: {', '.join(configs)}"
+                        if config else f"data.config: the dataset has several configs, name one: {', '.join(configs)}")
+    files = configs[name].get("data_files", [])
+    entries = files if isinstance(files, list) else [files]
+    patterns: list[str] = []
+    for entry in entries:
+        paths = entry.get("path", []) if isinstance(entry, dict) else entry
+        patterns += paths if isinstance(paths, list) else [paths]
+    # The card's patterns are globs relative to the repository; the Hub's filter matches them with fnmatch.
+    return [pattern.replace("**/", "*") for pattern in patterns]
