@@ -29,9 +29,8 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
     status = "failed"
     try:
         endpoint = config.data.s3_endpoint_url
-        model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint,
-                                   copy_local=config.model.stage_local)
-        model_dir = resolve_model(str(model_source), config.model.cache_dir)
+        model_dir = resolve_model(config.model, stage=lambda source: stage_model(
+            source, config.data.staging_dir / "models", endpoint, copy_local=config.model.stage_local))
         staged = report.run("stage", stage, source=config.data.source, staging_dir=str(config.data.staging_dir),
                             endpoint_url=endpoint, fingerprint=source_fingerprint(config.data.source, endpoint))
 
