@@ -242,3 +242,17 @@ def test_flow_trains_a_hub_model(config_tree, hub_tiny):
     assert report["stages"]["train"]["result"]["tokens_per_second"] > 0
     assert report["stages"]["validate"]["result"]["model_fingerprint"] == model_fingerprint(
         repo_cache_dir(repo_id) / "snapshots" / commit)
+
+
+def test_the_flow_stager_runs_for_local_and_s3_sources_only(tiny_model_dir, hub_tiny):
+    staged = []
+
+    def stage(source: str) -> Path:
+        staged.append(source)
+        return tiny_model_dir
+
+    assert resolve_model(ModelConfig(name_or_path="s3://bucket/models/tiny/"), stage=stage) == tiny_model_dir
+    assert resolve_model(ModelConfig(name_or_path=str(tiny_model_dir)), stage=stage) == tiny_model_dir
+    repo_id, commit = hub_tiny
+    assert resolve_model(ModelConfig(name_or_path=repo_id), stage=stage).name == commit  # the HF cache, not staging
+    assert staged == ["s3://bucket/models/tiny/", str(tiny_model_dir)]
