@@ -150,29 +150,64 @@ def test_revision_on_a_local_model_is_a_config_error(tiny_model_dir):
 
 
 class _FakeHub(BaseHTTPRequestHandler):
-    """Answers `GET /api/models/<org>/<name>[/revision/<rev>]` as huggingface.co does for the failures we explain
-    (status and X-Error-Code); it stands in for the third-party Hub, never for our code."""
+    """The Hub's HTTP API as huggingface_hub 2.4 calls it for snapshot_download: repo info, the recursive tree,
+    and HEAD/GET of `/<repo>/resolve/<commit>/<file>` (ETag = blob id, X-Repo-Commit); plus the failures we
+    explain, with the status and X-Error-Code huggingface.co sends. It stands in for the third-party Hub, never
+    for our code. `repos` maps a repository id to its files; `fetched` records every file downloaded."""
 
-    def do_GET(self):  # noqa: N802 - http.server's name
-        repo = self.path.split("?")[0].removeprefix("/api/models/").split("/revision/")
-        name, revision = repo[0], (repo[1] if len(repo) > 1 else "main")
-        if name == "org/gated":
-            status, code = 403, "GatedRepo"
-        elif name == "org/missing":
-            status, code = 401, "RepoNotFound"  # the Hub answers 401 for an unknown repo to anonymous callers
-        elif revision != "main":
-            status, code = 404, "RevisionNotFound"
-        else:
-            status, code = 500, None
+    repos: dict[str, dict[str, bytes]] = {}
+    fetched: list[str] = []
+
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, code: str | None = None):
         self.send_response(status)
-        if code:
-            self.send_header("X-Error-Code", code)
-            self.send_header("X-Error-Message", code)
-        self.send_header("Content-Type", "application/json")
-        body = json.dumps({"error": code or "oops"}).encode()
+        for key, value in {**(headers or {}), **({"X-Error-Code": code} if code else {})}.items():
+            self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, value) -> None:
+        self._send(200, json.dumps(value).encode(), {"Content-Type": "application/json"})
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        path = self.path.split("?")[0]
+        if path.startswith("/api/models/"):
+            return self._api(path.removeprefix("/api/models/"))
+        repo_id, _, rest = path.lstrip("/").partition("/resolve/")
+        commit, _, name = rest.partition("/")
+        files = self.repos.get(repo_id, {})
+        if name not in files:
+            return self._send(404, code="EntryNotFound")
+        data = files[name]
+        blob = hashlib.sha256(data).hexdigest() if name.endswith(_LFS) else git_blob_id(data)
+        if self.command == "GET":
+            _FakeHub.fetched.append(name)
+        self._send(200, data, {"X-Repo-Commit": commit, "ETag": f'"{blob}"',
+                               **({"X-Linked-Etag": f'"{blob}"'} if name.endswith(_LFS) else {})})
+
+    do_HEAD = do_GET
+
+    def _api(self, rest: str) -> None:
+        if rest.startswith("org/gated"):
+            return self._send(403, code="GatedRepo")
+        repo_id = "/".join(rest.split("/")[:2])
+        if repo_id not in self.repos:
+            return self._send(401, code="RepoNotFound")  # what the Hub answers an anonymous caller
+        files = self.repos[repo_id]
+        commit = hashlib.sha1(repr(sorted(files)).encode()).hexdigest()
+        kind, _, revision = rest[len(repo_id) + 1:].partition("/")
+        if kind == "revision" and revision not in ("main", commit):
+            return self._send(404, code="RevisionNotFound")
+        if kind == "revision" or not kind:
+            return self._json({"id": repo_id, "sha": commit, "siblings": [{"rfilename": n} for n in files]})
+        entries = []
+        for name, data in files.items():
+            entry = {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
+            if name.endswith(_LFS):
+                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 130}
+            entries.append(entry)
+        self._json(entries)
 
     def log_message(self, *args):
         pass
@@ -180,22 +215,47 @@ class _FakeHub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def online(monkeypatch):
-    """huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import: set its constants."""
+    """huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import: set its constants (the endpoint and
+    the file URL template derived from it)."""
     from huggingface_hub import constants
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    _FakeHub.repos, _FakeHub.fetched = {}, []
     yield constants
     server.shutdown()
     server.server_close()
 
 
+def test_download_fetches_only_what_training_needs(online, tiny_model_dir):
+    repo_id = unique_repo("served")
+    files = files_of(tiny_model_dir) | {"pytorch_model.bin": b"pickle", "README.md": b"# tiny", "onnx/model.onnx": b"x",
+                                         "original/consolidated.safetensors": b"y"}
+    _FakeHub.repos[repo_id] = files
+    model_dir = resolve_model(ModelConfig(name_or_path=repo_id, allow_pickle_weights=True))
+    assert sorted(_FakeHub.fetched) == sorted(n for n in files_of(tiny_model_dir))  # no pickle, README or subfolder
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(files_of(tiny_model_dir))
+    assert load_tokenizer(model_dir) is not None
+    assert (repo_cache_dir(repo_id) / "refs" / "main").read_text() == model_dir.name
+
+    pickled = unique_repo("served-pickles")
+    _FakeHub.repos[pickled] = {"config.json": files["config.json"], "pytorch_model.bin": b"pickle"}
+    with pytest.raises(HubError, match="only pickled weights .*model.allow_pickle_weights"):
+        resolve_model(ModelConfig(name_or_path=pickled))
+    assert "pytorch_model.bin" not in _FakeHub.fetched
+    allowed = resolve_model(ModelConfig(name_or_path=pickled, allow_pickle_weights=True))
+    assert (allowed / "pytorch_model.bin").read_bytes() == b"pickle"
+
+
 def test_online_errors_name_the_field_and_the_fix(online):
+    _FakeHub.repos["org/exists"] = {"config.json": b"{}"}
     with pytest.raises(HubError, match=r"model.name_or_path: Hugging Face model 'org/gated' is gated: accept its "
                                        r"licence on http://127.0.0.1:\d+/org/gated .*huggingface-cli login.*HF_TOKEN"):
         resolve_model(ModelConfig(name_or_path="org/gated"))
