@@ -106,9 +106,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    from phase1a.config import ModelConfig
     from phase1a.models import resolve_model
 
-    model_dir = str(resolve_model("smollm2-135m-instruct", Path("~/.cache/phase1a/models").expanduser()))
+    model_dir = str(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     args.work.mkdir(parents=True, exist_ok=True)
     summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
                "cpus": multiprocessing.cpu_count(), "command": " ".join(sys.argv), "stage": {}}

@@ -203,6 +203,7 @@ def main() -> None:
     from phase1a.cost_model import flops_per_token, model_facts
     from phase1a.hardware import detect
     from phase1a.lengths import right_size
+    from phase1a.config import ModelConfig
     from phase1a.models import load_tokenizer, resolve_model
     from phase1a.packing import TokenRows
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -210,7 +211,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = args.tokenizer
     if tokenizer_dir is None and args.model != "tiny":
-        tokenizer_dir = resolve_model("smollm2-135m-instruct", Path("~/.cache/phase1a/models").expanduser())
+        tokenizer_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
     model_dir = make_model_dir(args.model, tokenizer_dir, args.work / f"model-{args.model}")
     data_path = args.work / f"chat_{args.examples}.jsonl"
     generate(data_path, args.examples, seed=1, max_answer_words=300)

@@ -38,9 +38,8 @@ def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
     status = "failed"
     try:
         endpoint = config.data.s3_endpoint_url
-        model_source = stage_model(config.model.name_or_path, config.data.staging_dir / "models", endpoint,
-                                   copy_local=config.model.stage_local)
-        model_dir = resolve_model(str(model_source), config.model.cache_dir)
+        model_dir = resolve_model(config.model, stage=lambda source: stage_model(
+            source, config.data.staging_dir / "models", endpoint, copy_local=config.model.stage_local))
         staged = _stage(report, "stage", config.data.source, config.data.revision, config)
         held_out = (_stage(report, "stage_validation", config.data.validation_source, config.data.revision, config)
                     if config.data.validation_source else None)

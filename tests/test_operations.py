@@ -5,12 +5,14 @@ recover, and no planted credential anywhere.
 
 Credentials are planted the two supported ways and no other AWS configuration exists: the key id and a
 session token in the workers' environment, the secret key in a Secret block that the work pool's job
-template names (the worker resolves it per run). The S3 stage can only succeed with all three.
+template names (the worker resolves it per run). The S3 stage can only succeed with all three. A Hugging Face
+token (HF_TOKEN) sits in the workers' environment too, as on a host that pulls gated models.
 """
 from __future__ import annotations
 
 import http.server
 import json
+import secrets
 import subprocess
 import sys
 import threading
@@ -32,6 +34,7 @@ from prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants,
 PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
 PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
 PLANTED_TOKEN = "planted-token-ops-Vb7Kp2Xn4M"
+PLANTED_HF_TOKEN = "hf_" + secrets.token_hex(17)  # a Hugging Face token, shaped like one, new each run
 SECRET_BLOCK = "phase1a-aws-secret-access-key"
 TIMEZONE = "Europe/Berlin"
 ZOMBIE_AFTER = 60  # seconds without a heartbeat; flow runs send one every 30 s (the minimum) in these tests
@@ -100,7 +103,8 @@ def ops(tmp_path_factory, hook):
         del stack.env[name]
     stack.env.update({"AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
-                      "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SESSION_TOKEN": PLANTED_TOKEN})
+                      "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SESSION_TOKEN": PLANTED_TOKEN,
+                      "HF_TOKEN": PLANTED_HF_TOKEN})
     try:
         stack.make("server")
         assert "already running" in stack.make("server")  # a second `make server` starts nothing
@@ -248,7 +252,9 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
         # 1. kill -9 the flow-run process once it has a checkpoint: the worker sees it die and reports Crashed.
         first = _submit(ops, config)
         engines = wait_for(lambda: _engines(worker_a), 120, "a flow-run process", logs=ops.logs())
-        assert PLANTED_SECRET.encode() in Path(f"/proc/{engines[0]}/environ").read_bytes()  # the block resolved
+        environ = Path(f"/proc/{engines[0]}/environ").read_bytes()
+        assert PLANTED_SECRET.encode() in environ  # the block resolved
+        assert PLANTED_HF_TOKEN.encode() in environ  # the worker passed the Hugging Face token on
         wait_for(lambda: _checkpoint_steps(config), RUN_TIMEOUT, "a first checkpoint", interval=0.2, logs=ops.logs())
         engines = _engines(worker_a)
         kill9(engines + [child for pid in engines for child in descendants(pid)])
@@ -329,5 +335,5 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
             texts[str(path)] = path.read_text(errors="replace")
     assert any(path.endswith("report.json") for path in texts) and any(path.endswith("plan.json") for path in texts)
     leaked = [where for where, text in texts.items()
-              if any(planted in text for planted in (PLANTED_SECRET, PLANTED_KEY_ID, PLANTED_TOKEN))]
+              if any(planted in text for planted in (PLANTED_SECRET, PLANTED_KEY_ID, PLANTED_TOKEN, PLANTED_HF_TOKEN))]
     assert leaked == []
