@@ -13,51 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_model_dir
+from hub_cache import cache_repo, git_blob_id, unique_repo
 from phase1a.config import ConfigError, ModelConfig, validate_config
 from phase1a.hub import HubError, repo_cache_dir, resolve_commit, snapshot
 from phase1a.models import load_model, load_tokenizer, model_fingerprint, resolve_model
-
-_LFS = (".safetensors", ".bin", ".pt", ".model")  # what a Hub repository's .gitattributes keeps in LFS
-_names = itertools.count()
-
-
-def unique_repo(stem: str) -> str:
-    """A fresh repository id per test: the HF cache (and huggingface_hub's in-memory tree cache) is per session."""
-    return f"org/{stem}-{os.getpid()}-{next(_names)}"
-
-
-def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def cache_repo(repo_id: str, files: dict[str, bytes], ref: str = "main", listed_only: tuple[str, ...] = ()) -> str:
-    """Put `files` in the HF cache as commit `<40 hex>` of `repo_id` with `ref` pointing at it, as
-    huggingface_hub's file_download/_snapshot_download do: `blobs/<sha256 for LFS files, git sha1 otherwise>`,
-    `snapshots/<commit>/<file>` relative symlinks to them, `refs/<ref>` holding the commit (no newline), and
-    `trees/<commit>.json`, the repository's whole listing (`listed_only`: files in the repo never downloaded)."""
-    folder = repo_cache_dir(repo_id)
-    commit = hashlib.sha1(repr(sorted((name, git_blob_id(data)) for name, data in files.items())).encode()).hexdigest()
-    snapshot_dir = folder / "snapshots" / commit
-    snapshot_dir.mkdir(parents=True)
-    (folder / "blobs").mkdir(exist_ok=True)
-    tree = {}
-    for name, data in files.items():
-        lfs = name.endswith(_LFS)
-        blob_id = hashlib.sha256(data).hexdigest() if lfs else git_blob_id(data)
-        blob = folder / "blobs" / blob_id
-        blob.write_bytes(data)
-        (snapshot_dir / name).symlink_to(os.path.relpath(blob, snapshot_dir))
-        tree[name] = {"size": len(data), "blob_id": git_blob_id(data)}
-        if lfs:
-            tree[name] |= {"lfs_sha256": blob_id, "lfs_size": len(data)}
-    for name in listed_only:
-        tree[name] = {"size": 10, "blob_id": git_blob_id(name.encode())}
-    (folder / "trees").mkdir(exist_ok=True)
-    (folder / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": tree}))
-    (folder / "refs").mkdir(exist_ok=True)
-    (folder / "refs" / ref).write_text(commit)
-    return commit
-
 
 def files_of(model_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()}
