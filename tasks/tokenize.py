@@ -8,7 +8,6 @@ only whole-dataset arrays held in RAM.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections import Counter
@@ -24,8 +23,9 @@ from pydantic import BaseModel
 from phase1a.fingerprint import code_version, hash_json
 from phase1a.locks import exclusive
 from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
-from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_record, to_messages
+from phase1a.records import RecordError, is_json_array, iter_lines, location, parse_json_record, to_conversation
 from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
+from phase1a.templates import template_fingerprint
 from tasks.caching import FingerprintCache, task
 from phase1a.errors import DataError
 
@@ -34,10 +34,10 @@ _SHOWN_SKIPS = 5
 
 
 class TokenizeOptions(BaseModel):
-    format: str = "auto"
+    format: str = "auto"  # a key of phase1a.records.RECORD_FORMATS, or auto
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
-    chat_template: str | None = None
+    chat_template: str | None = None  # a name in phase1a.templates.CHAT_TEMPLATES or a Jinja file's path
     train_on_inputs: bool = False
     bad_records: Literal["fail", "skip"] = "fail"
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
@@ -72,8 +72,9 @@ class TokenizedData(BaseModel):
 
 def tokenize_fingerprint(data_sha256: str, tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
     return hash_json({"data": data_sha256, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-                      "options": options.model_dump(),
-                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py")})
+                      "options": options.model_dump(), "chat_template": template_fingerprint(options.chat_template),
+                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py",
+                                           "phase1a/templates.py")})
 
 
 def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
@@ -133,7 +134,7 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
         for line, raw in iter_lines(data_path):
             where = location(data_path, line, array)
             try:
-                messages = to_messages(parse_record(where, raw, options.field_map), options.format, where)
+                conversation = to_conversation(parse_json_record(where, raw), where, options)
             except RecordError as error:
                 if options.bad_records == "fail":
                     raise
@@ -141,9 +142,9 @@ def _tokenize_into(work: Path, out_dir: Path, data_path: Path, tokenizer, model_
                 if len(shown) < _SHOWN_SKIPS:
                     shown.append(str(error))
                 continue
-            chunk.append((line, renderer.segments(messages)))
+            chunk.append((line, renderer.segments(conversation.messages, conversation.tools)))
             # One content hash serves the split (stable across runs and file order) and duplicate detection.
-            chunk_keys.append(int.from_bytes(hashlib.blake2b(json.dumps(messages).encode(), digest_size=8).digest(), "big"))
+            chunk_keys.append(int.from_bytes(hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest(), "big"))
             if len(chunk) == _CHUNK:
                 flush()
         if chunk:
@@ -280,7 +281,8 @@ def _tokenized_present(inputs: dict) -> bool:
 def tokenize(data_path: str, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str,
              trust_remote_code: bool = False) -> TokenizedData:
     from phase1a.models import load_tokenizer, model_max_positions
+    from phase1a.templates import apply_chat_template_setting
 
-    tokenizer = load_tokenizer(Path(model_dir), trust_remote_code)
+    tokenizer = apply_chat_template_setting(load_tokenizer(Path(model_dir), trust_remote_code), options.chat_template)
     return tokenize_dataset(Path(data_path), tokenizer, model_max_positions(Path(model_dir)), options,
                             Path(cache_dir), fingerprint)
