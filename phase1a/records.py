@@ -18,7 +18,7 @@ from phase1a.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 # Role names used by ShareGPT-style datasets (FastChat, Axolotl, LLaMA-Factory) and chat exports; data.role_map
-# adds more. ShareGPT's `function_call` is not here: it becomes an assistant turn with tool calls.
+# adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an assistant turn with tool calls.
 ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
               "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
               "ipython": "tool"}
@@ -113,8 +113,7 @@ def to_conversation(record: dict[str, Any], where: str, settings: RecordSettings
     """Normalise one record: field_map, the format (detected for `auto`), roles, the `system` column, tools."""
     record = apply_field_map(record, settings.field_map)
     shape = detect_format(record, where) if settings.format == "auto" else RECORD_FORMATS[settings.format]
-    roles = {**ROLE_NAMES, **settings.role_map}
-    messages = shape.to_messages(record, where, roles)
+    messages = shape.to_messages(record, where, settings.role_map)
     if not shape.conversational:
         return Conversation(messages)
     return Conversation(_with_system_column(record, messages, where), _tools(record, where))
@@ -136,8 +135,9 @@ def detect_format(record: dict[str, Any], where: str) -> RecordFormat:
     """The first registered format one of whose fields the record has (None counts as absent: a dataset
     with mixed shapes fills the other shapes' columns with nulls)."""
     for shape in RECORD_FORMATS.values():
-        if any(record.get(field) is not None for field in shape.fields):
-            return shape
+        for field in shape.fields:
+            if record.get(field) is not None:
+                return shape
     wanted = ", ".join("/".join(f"'{f}'" for f in shape.fields) for shape in RECORD_FORMATS.values())
     fields = ", ".join(sorted(record)) or "none"
     raise RecordError(f"{where}: no {wanted} field (fields: {fields}); map other names with data.field_map",
@@ -156,17 +156,18 @@ def _text(record: dict, field: str, where: str, optional: bool = False, path: st
     return value
 
 
-def _chat(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, Any]]:
-    messages = _turns(record.get("messages"), "messages", where, roles, role_key="role", content_key="content")
-    return _checked(messages, [f"messages[{i}]" for i in range(len(messages))], where)
+def _chat(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    messages = _turns(record.get("messages"), "messages", where, role_map, role_key="role", content_key="content")
+    return _checked(messages, where, lambda index: f"messages[{index}]")
 
 
-def _sharegpt(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, Any]]:
-    messages = _turns(record.get("conversations"), "conversations", where, roles, role_key="from", content_key="value")
-    return _checked(messages, [f"conversations[{i}]" for i in range(len(messages))], where)
+def _sharegpt(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    messages = _turns(record.get("conversations"), "conversations", where, role_map, role_key="from",
+                      content_key="value")
+    return _checked(messages, where, lambda index: f"conversations[{index}]")
 
 
-def _alpaca(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, Any]]:
+def _alpaca(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
     messages = []
     history = record.get("history")
     if history is not None:
@@ -188,20 +189,23 @@ def _alpaca(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, A
                        {"role": "assistant", "content": _text(record, "output", where)}]
 
 
-def _prompt_completion(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, Any]]:
+def _prompt_completion(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
     prompt, completion = record.get("prompt"), record.get("completion")
     if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational form
-        context = _turns(prompt, "prompt", where, roles, "role", "content")
-        answer = _turns(completion, "completion", where, roles, "role", "content")
-        paths = [f"prompt[{i}]" for i in range(len(context))] + [f"completion[{i}]" for i in range(len(answer))]
+        context = _turns(prompt, "prompt", where, role_map, "role", "content")
+        answer = _turns(completion, "completion", where, role_map, "role", "content")
+
+        def path_of(index: int) -> str:
+            return f"prompt[{index}]" if index < len(context) else f"completion[{index - len(context)}]"
+
         # Only the completion is trained (TRL's semantics): assistant turns of the prompt are context.
         context = [{**m, "train": False} if m["role"] == "assistant" else m for m in context]
-        return _checked(context + answer, paths, where)
+        return _checked(context + answer, where, path_of)
     return [{"role": "user", "content": _text(record, "prompt", where)},
             {"role": "assistant", "content": _text(record, "completion", where)}]
 
 
-def _plain_text(record: dict, where: str, roles: dict[str, str]) -> list[dict[str, Any]]:
+def _plain_text(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
     """All of it is trained: one assistant message the renderer writes without a template."""
     return [{"role": "assistant", "content": _text(record, "text", where)}]
 
@@ -211,7 +215,7 @@ class RecordFormat:
     name: str
     description: str
     fields: tuple[str, ...]  # any of these (not null) identifies the format in `auto`, in registry order
-    to_messages: Callable[[dict, str, dict[str, str]], list[dict[str, Any]]]
+    to_messages: Callable[[dict, str, dict[str, str]], list[dict[str, Any]]]  # (record, where, data.role_map)
     conversational: bool = True  # takes a `system` column and `tools`, ends in an assistant turn
 
 
@@ -229,14 +233,26 @@ RECORD_FORMATS: dict[str, RecordFormat] = {shape.name: shape for shape in (
 
 # ---- turns ---------------------------------------------------------------------------------------------------
 
-def _turns(turns: Any, field: str, where: str, roles: dict[str, str], role_key: str,
+def _turns(turns: Any, field: str, where: str, role_map: dict[str, str], role_key: str,
            content_key: str) -> list[dict[str, Any]]:
     if not isinstance(turns, list) or not turns:
         raise RecordError(f"{where}: field '{field}' must be a non-empty list", f"bad_field:{field}")
-    return [_turn(turn, f"{field}[{index}]", where, roles, role_key, content_key) for index, turn in enumerate(turns)]
+    messages = []
+    for index, turn in enumerate(turns):
+        # The common turn (a known role, non-empty text, nothing else) costs a few lookups: this is per record
+        # on the tokenize hot path. Everything else, errors included, takes the full check.
+        if isinstance(turn, dict) and len(turn) == 2:
+            name, content = turn.get(role_key), turn.get(content_key)
+            role = (role_map.get(name) or ROLE_NAMES.get(name)) if isinstance(name, str) else None
+            if role in ROLES and type(content) is str and content and not content.isspace():
+                messages.append({"role": role, "content": content})
+                continue
+        messages.append(_turn(turn, f"{field}[{index}]", where, role_map, role_key, content_key))
+    return messages
 
 
-def _turn(turn: Any, path: str, where: str, roles: dict[str, str], role_key: str, content_key: str) -> dict[str, Any]:
+def _turn(turn: Any, path: str, where: str, role_map: dict[str, str], role_key: str,
+          content_key: str) -> dict[str, Any]:
     if not isinstance(turn, dict):
         raise RecordError(f"{where}: {path}: expected an object with '{role_key}' and '{content_key}'", "bad_turn")
     name = turn.get(role_key)
@@ -245,9 +261,10 @@ def _turn(turn: Any, path: str, where: str, roles: dict[str, str], role_key: str
     content = turn.get(content_key)
     if name == "function_call" and role_key == "from":
         return {"role": "assistant", "content": "", "tool_calls": _sharegpt_calls(content, f"{path}.{content_key}", where)}
-    role = roles.get(name) if isinstance(name, str) else None
+    role = (role_map.get(name) or ROLE_NAMES.get(name)) if isinstance(name, str) else None
     if role not in ROLES:
-        raise RecordError(f"{where}: {path}.{role_key}: unknown role {name!r} (known: {', '.join(sorted(roles))}; "
+        known = ", ".join(sorted({**ROLE_NAMES, **role_map}))
+        raise RecordError(f"{where}: {path}.{role_key}: unknown role {name!r} (known: {known}; "
                           "add others with data.role_map)", "unknown_role")
     message: dict[str, Any] = {"role": role}
     # Datasets with mixed turn shapes fill absent keys with null; null means absent.
@@ -312,14 +329,14 @@ def _with_system_column(record: dict, messages: list[dict[str, Any]], where: str
     return [{"role": "system", "content": system}, *messages]
 
 
-def _checked(messages: list[dict[str, Any]], paths: list[str], where: str) -> list[dict[str, Any]]:
-    """The conversation ends in an assistant turn and answers every tool call; `paths` name the turns."""
+def _checked(messages: list[dict[str, Any]], where: str, path_of: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The conversation ends in an assistant turn and answers every tool call; `path_of` names a turn."""
     if messages[-1]["role"] != "assistant":
-        raise RecordError(f"{where}: {paths[-1]}: the last message must be the assistant's "
+        raise RecordError(f"{where}: {path_of(len(messages) - 1)}: the last message must be the assistant's "
                           f"(it is {messages[-1]['role']!r})", "last_turn_not_assistant")
     for index, message in enumerate(messages):
-        if message["role"] == "assistant" and "tool_calls" in message:
-            _check_answered(messages, index, where, paths[index])
+        if "tool_calls" in message:
+            _check_answered(messages, index, where, path_of(index))
     return messages
 
 
