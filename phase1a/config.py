@@ -59,6 +59,16 @@ class DataConfig(_Section):
             raise ValueError(f"unknown format {value!r}; one of: auto, {', '.join(RECORD_FORMATS)}")
         return value
 
+    @field_validator("role_map")
+    @classmethod
+    def _role_map(cls, value: dict[str, str]) -> dict[str, str]:
+        from phase1a.records import ROLES
+
+        wrong = {name: role for name, role in value.items() if role not in ROLES}
+        if wrong:
+            raise ValueError(f"{wrong}: map role names to one of {', '.join(ROLES)}")
+        return value
+
     @model_validator(mode="after")
     def _distinct_validation(self) -> "DataConfig":
         same_split = (self.validation_split or self.split) == self.split

@@ -126,8 +126,8 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
     longest = max(len(e.reference) for e in examples)
     max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated = generate_greedy(model, [e.prompt for e in examples], max_new, stop_token_ids(tokenizer, model),
-                                pad_id, settings.generation_batch_size)
+    generated = generate_greedy(model, [e.prompt for e in examples], max_new,
+                                stop_token_ids(tokenizer, model, examples), pad_id, settings.generation_batch_size)
 
     hits, confidences, answers = [], [], []
     for reference, output in zip(references, generated):

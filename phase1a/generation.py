@@ -53,11 +53,17 @@ def generation_examples(rows: TokenRows, indices: np.ndarray) -> list[Generation
     return examples
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """EOS of the tokenizer and of the model's generation config (chat models end a turn with their own)."""
+def stop_token_ids(tokenizer, model, examples: list[GenerationExample] = ()) -> list[int]:
+    """EOS of the tokenizer and of the model's generation config (chat models end a turn with their own), and
+    the last special token of each reference: the end-of-turn token of the template the data was rendered
+    with, which under a `data.chat_template` override may be one the model's configs do not name."""
     ids = {tokenizer.eos_token_id}
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
+    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for example in examples:
+        ends = [int(token) for token in example.reference if int(token) in special]
+        ids.update(ends[-1:])
     return sorted(i for i in ids if i is not None)
 
 

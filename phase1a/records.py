@@ -1,62 +1,45 @@
-"""Reading instruction datasets: JSONL or a JSON array, optionally gzipped, in any of the common schemas.
+"""Instruction records in any of the common shapes, as conversations (the files are read by phase1a.datasource).
 
-Every record becomes chat messages ending in an assistant turn (or, for plain `text`, one trained text).
-A bad record raises `DataError` naming file, line (or array index) and field; the caller decides whether
-that fails the run or is skipped and counted.
+Every record becomes a `Conversation`: chat messages ending in an assistant turn (or, for plain `text`, one
+trained text), plus the record's tool schemas if it has any. `RECORD_FORMATS` is the one list of shapes: the
+config's choices, auto-detection, the README and the tests all read it. A bad record raises `RecordError`
+naming where it is (file and line, or array index) and the field path; the caller decides whether that fails
+the run or is skipped and counted under the error's `reason`.
 """
 from __future__ import annotations
 
-import gzip
 import json
-from pathlib import Path
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 from phase1a.errors import DataError
 
-# (Being turned into a registry: one entry per record shape, read by the config, detection, docs and tests.)
-RECORD_FORMATS = {"chat": "messages", "alpaca": "instruction/input/output", "prompt_completion": "prompt/completion",
-                  "text": "text"}
-SCHEMAS = tuple(RECORD_FORMATS)
+ROLES = ("system", "user", "assistant", "tool")
+# Role names used by ShareGPT-style datasets (FastChat, Axolotl, LLaMA-Factory) and chat exports; data.role_map
+# adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an assistant turn with tool calls.
+ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+              "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
+              "ipython": "tool"}
+# Message keys kept besides role and content: what chat templates read for tool use.
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
-def _open_text(path: Path):
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+class RecordSettings(Protocol):
+    """What reading a record needs from the data settings (tasks pass their TokenizeOptions)."""
+
+    format: str
+    field_map: dict[str, str]
+    role_map: dict[str, str]
 
 
-def is_json_array(path: Path) -> bool:
-    with _open_text(path) as handle:
-        for line in handle:
-            if line.strip():
-                return line.lstrip().startswith("[")
-    return False
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # function schemas for the chat template (`tools=`)
 
-
-def location(path: Path, number: int, array: bool) -> str:
-    return f"{path}:[{number}]" if array else f"{path}:{number}"
-
-
-def iter_lines(path: Path) -> Iterator[tuple[int, str | dict]]:
-    """(line number, raw JSON line) per JSONL record, or (array index, parsed item) for a JSON array.
-
-    JSONL streams; a JSON array is parsed whole, so very large datasets should be JSONL."""
-    if is_json_array(path):
-        with _open_text(path) as handle:
-            try:
-                items = json.load(handle)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{error.lineno}: malformed JSON array: {error.msg} at column {error.colno}") from None
-        if not isinstance(items, list):
-            raise DataError(f"{path}: a JSON file must hold an array of records")
-        yield from enumerate(items)
-        return
-    with _open_text(path) as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if line.strip():
-                yield lineno, line
+    def identity(self) -> str:
+        """The example's content as JSON: the key of the validation split and of duplicate detection."""
+        return json.dumps(self.messages if self.tools is None else [self.messages, self.tools])
 
 
 class RecordError(DataError):
@@ -67,7 +50,8 @@ class RecordError(DataError):
         self.reason = reason
 
 
-def parse_record(where: str, raw: str | Any, field_map: dict[str, str]) -> dict[str, Any]:
+def parse_json_record(where: str, raw: str | Any) -> dict[str, Any]:
+    """A JSONL line, or an already parsed record (a JSON array's item, a Parquet/CSV/Arrow row), as a record."""
     record = raw
     if isinstance(raw, str):
         try:
@@ -76,65 +60,272 @@ def parse_record(where: str, raw: str | Any, field_map: dict[str, str]) -> dict[
             raise RecordError(f"{where}: malformed JSON: {error.msg} at column {error.colno}", "malformed_json") from None
     if not isinstance(record, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}", "not_an_object")
-    for source, target in field_map.items():
-        if source in record:
-            record[target] = record.pop(source)
     return record
 
 
-def detect_schema(record: dict[str, Any], where: str) -> str:
-    if "messages" in record:
-        return "chat"
-    if "instruction" in record or "output" in record:
-        return "alpaca"
-    if "prompt" in record or "completion" in record:
-        return "prompt_completion"
-    if "text" in record:
-        return "text"
+# ---- one entry point ---------------------------------------------------------------------------------------
+
+def to_conversation(record: dict[str, Any], where: str, settings: RecordSettings) -> Conversation:
+    """Normalise one record: field_map, the format (detected for `auto`), roles, the `system` column, tools."""
+    record = apply_field_map(record, settings.field_map)
+    shape = detect_format(record, where) if settings.format == "auto" else RECORD_FORMATS[settings.format]
+    messages = shape.to_messages(record, where, settings.role_map)
+    if not shape.conversational:
+        return Conversation(messages)
+    return Conversation(_with_system_column(record, messages, where), _tools(record, where))
+
+
+def apply_field_map(record: dict[str, Any], field_map: dict[str, str]) -> dict[str, Any]:
+    """Move each source (a dotted path reaches into nested objects: `meta.question`) to its top-level name."""
+    for source, target in field_map.items():
+        *parents, leaf = source.split(".")
+        holder = record
+        for key in parents:
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and leaf in holder:
+            record[target] = holder.pop(leaf)
+    return record
+
+
+def detect_format(record: dict[str, Any], where: str) -> RecordFormat:
+    """The first registered format one of whose fields the record has (None counts as absent: a dataset
+    with mixed shapes fills the other shapes' columns with nulls)."""
+    for shape in RECORD_FORMATS.values():
+        for field in shape.fields:
+            if record.get(field) is not None:
+                return shape
+    wanted = ", ".join("/".join(f"'{f}'" for f in shape.fields) for shape in RECORD_FORMATS.values())
     fields = ", ".join(sorted(record)) or "none"
-    raise RecordError(f"{where}: no 'messages', 'instruction'/'output', 'prompt'/'completion' or 'text' field "
-                      f"(fields: {fields}); map other names with data.field_map", "unknown_schema")
+    raise RecordError(f"{where}: no {wanted} field (fields: {fields}); map other names with data.field_map",
+                      "unknown_schema")
 
 
-def _text(record: dict, field: str, where: str, optional: bool = False) -> str:
+# ---- the formats ---------------------------------------------------------------------------------------------
+
+def _text(record: dict, field: str, where: str, optional: bool = False, path: str | None = None) -> str:
     value = record.get(field)
     if optional and value is None:
         return ""
     if not isinstance(value, str):
-        got = "missing" if field not in record else type(value).__name__
-        raise RecordError(f"{where}: field {field!r} must be a string ({got})", f"bad_field:{field}")
+        got = "missing" if value is None else type(value).__name__
+        raise RecordError(f"{where}: field {path or field!r} must be a string ({got})", f"bad_field:{field}")
     return value
 
 
-def to_messages(record: dict[str, Any], schema: str, where: str) -> list[dict[str, str]]:
-    """Normalise one record; `text` records become a single assistant message (all of it is trained)."""
-    if schema == "auto":
-        schema = detect_schema(record, where)
-    if schema == "text":
-        return [{"role": "assistant", "content": _text(record, "text", where)}]
-    if schema == "prompt_completion":
-        return [{"role": "user", "content": _text(record, "prompt", where)},
-                {"role": "assistant", "content": _text(record, "completion", where)}]
-    if schema == "alpaca":
-        prompt = _text(record, "instruction", where)
-        extra = _text(record, "input", where, optional=True)
-        if extra.strip():
-            prompt = f"{prompt}\n\n{extra}"
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(record, "output", where)}]
+def _chat(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    messages = _turns(record.get("messages"), "messages", where, role_map, role_key="role", content_key="content")
+    return _checked(messages, where, lambda index: f"messages[{index}]")
 
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"{where}: field 'messages' must be a non-empty list", "bad_field:messages")
+
+def _sharegpt(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    messages = _turns(record.get("conversations"), "conversations", where, role_map, role_key="from",
+                      content_key="value")
+    return _checked(messages, where, lambda index: f"conversations[{index}]")
+
+
+def _alpaca(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    messages = []
+    history = record.get("history")
+    if history is not None:
+        if not isinstance(history, list):
+            raise RecordError(f"{where}: history: expected a list of [user, assistant] pairs", "bad_field:history")
+        for index, pair in enumerate(history):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise RecordError(f"{where}: history[{index}]: expected a [user, assistant] pair", "bad_field:history")
+            for role, turn, text in zip(("user", "assistant"), (0, 1), pair):
+                if not isinstance(text, str):
+                    raise RecordError(f"{where}: history[{index}][{turn}]: must be a string "
+                                      f"({type(text).__name__})", "non_string_content")
+                messages.append({"role": role, "content": text})
+    prompt = _text(record, "instruction", where)
+    extra = _text(record, "input", where, optional=True)
+    if extra.strip():
+        prompt = f"{prompt}\n\n{extra}"
+    return messages + [{"role": "user", "content": prompt},
+                       {"role": "assistant", "content": _text(record, "output", where)}]
+
+
+def _prompt_completion(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational form
+        context = _turns(prompt, "prompt", where, role_map, "role", "content")
+        answer = _turns(completion, "completion", where, role_map, "role", "content")
+
+        def path_of(index: int) -> str:
+            return f"prompt[{index}]" if index < len(context) else f"completion[{index - len(context)}]"
+
+        # Only the completion is trained (TRL's semantics): assistant turns of the prompt are context.
+        context = [{**m, "train": False} if m["role"] == "assistant" else m for m in context]
+        return _checked(context + answer, where, path_of)
+    return [{"role": "user", "content": _text(record, "prompt", where)},
+            {"role": "assistant", "content": _text(record, "completion", where)}]
+
+
+def _plain_text(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
+    """All of it is trained: one assistant message the renderer writes without a template."""
+    return [{"role": "assistant", "content": _text(record, "text", where)}]
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    name: str
+    description: str
+    fields: tuple[str, ...]  # any of these (not null) identifies the format in `auto`, in registry order
+    to_messages: Callable[[dict, str, dict[str, str]], list[dict[str, Any]]]  # (record, where, data.role_map)
+    conversational: bool = True  # takes a `system` column and `tools`, ends in an assistant turn
+
+
+RECORD_FORMATS: dict[str, RecordFormat] = {shape.name: shape for shape in (
+    RecordFormat("chat", "OpenAI `messages` of role/content, with tool_calls and tool turns", ("messages",), _chat),
+    RecordFormat("sharegpt", "`conversations` of from/value (human, gpt, system, function_call, observation, ...)",
+                 ("conversations",), _sharegpt),
+    RecordFormat("alpaca", "`instruction`, optional `input`, `output`, optional `history` of [user, assistant] pairs",
+                 ("instruction", "output"), _alpaca),
+    RecordFormat("prompt_completion", "`prompt` and `completion`: two strings, or two lists of messages (TRL)",
+                 ("prompt", "completion"), _prompt_completion),
+    RecordFormat("text", "`text`: plain text, all of it trained", ("text",), _plain_text, conversational=False),
+)}
+
+
+# ---- turns ---------------------------------------------------------------------------------------------------
+
+def _turns(turns: Any, field: str, where: str, role_map: dict[str, str], role_key: str,
+           content_key: str) -> list[dict[str, Any]]:
+    if not isinstance(turns, list) or not turns:
+        raise RecordError(f"{where}: field '{field}' must be a non-empty list", f"bad_field:{field}")
+    messages = []
+    for index, turn in enumerate(turns):
+        # The common turn (a known role, non-empty text, nothing else) costs a few lookups: this is per record
+        # on the tokenize hot path. Everything else, errors included, takes the full check.
+        if isinstance(turn, dict) and len(turn) == 2:
+            name, content = turn.get(role_key), turn.get(content_key)
+            role = (role_map.get(name) or ROLE_NAMES.get(name)) if isinstance(name, str) else None
+            if role in ROLES and type(content) is str and content and not content.isspace():
+                messages.append({"role": role, "content": content})
+                continue
+        messages.append(_turn(turn, f"{field}[{index}]", where, role_map, role_key, content_key))
+    return messages
+
+
+def _turn(turn: Any, path: str, where: str, role_map: dict[str, str], role_key: str,
+          content_key: str) -> dict[str, Any]:
+    if not isinstance(turn, dict):
+        raise RecordError(f"{where}: {path}: expected an object with '{role_key}' and '{content_key}'", "bad_turn")
+    name = turn.get(role_key)
+    if name is None:
+        raise RecordError(f"{where}: {path}.{role_key}: missing", "missing_role")
+    content = turn.get(content_key)
+    if name == "function_call" and role_key == "from":
+        return {"role": "assistant", "content": "", "tool_calls": _sharegpt_calls(content, f"{path}.{content_key}", where)}
+    role = (role_map.get(name) or ROLE_NAMES.get(name)) if isinstance(name, str) else None
+    if role not in ROLES:
+        known = ", ".join(sorted({**ROLE_NAMES, **role_map}))
+        raise RecordError(f"{where}: {path}.{role_key}: unknown role {name!r} (known: {known}; "
+                          "add others with data.role_map)", "unknown_role")
+    message: dict[str, Any] = {"role": role}
+    # Datasets with mixed turn shapes fill absent keys with null; null means absent.
+    extras = {key: turn[key] for key in _TOOL_KEYS if turn.get(key) is not None}
+    if "tool_calls" in extras:
+        extras["tool_calls"] = _tool_calls(extras["tool_calls"], f"{path}.tool_calls", where)
+    calls = role == "assistant" and "tool_calls" in extras
+    if content is not None and not isinstance(content, str):
+        raise RecordError(f"{where}: {path}.{content_key}: must be a string ({type(content).__name__})",
+                          "non_string_content")
+    if not calls and not (content or "").strip():
+        raise RecordError(f"{where}: {path}.{content_key}: empty {role} turn", "empty_turn")
+    message["content"] = content or ""  # a tool-call turn may have no text
+    message.update(extras)
+    return message
+
+
+def _tool_calls(calls: Any, path: str, where: str) -> list[dict[str, Any]]:
+    """OpenAI tool calls; a JSON-string `arguments` is parsed, since templates write arguments with `tojson`."""
+    if not isinstance(calls, list) or not calls:
+        raise RecordError(f"{where}: {path}: expected a non-empty list of tool calls", "bad_tool_call")
     normalised = []
-    for index, message in enumerate(messages):
-        at = f"{where}: messages[{index}]"
-        if not isinstance(message, dict):
-            raise RecordError(f"{at}: expected an object with 'role' and 'content'", "bad_field:messages")
-        role = _text(message, "role", at)
-        if role not in ("system", "user", "assistant"):
-            raise RecordError(f"{at}: field 'role' must be system, user or assistant ({role!r})", "bad_field:role")
-        normalised.append({"role": role, "content": _text(message, "content", at)})
-    if normalised[-1]["role"] != "assistant":
-        raise RecordError(f"{where}: the last message must be the assistant's (it is {normalised[-1]['role']!r})",
-                          "last_turn_not_assistant")
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RecordError(f"{where}: {path}[{index}].function.name: missing", "bad_tool_call")
+        arguments = _arguments(function.get("arguments"), f"{path}[{index}].function.arguments", where)
+        normalised.append({**{k: v for k, v in call.items() if v is not None},
+                           "function": {"name": function["name"], "arguments": arguments}})
     return normalised
+
+
+def _arguments(arguments: Any, path: str, where: str) -> dict[str, Any]:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise RecordError(f"{where}: {path}: not valid JSON", "bad_tool_call") from None
+    if not isinstance(arguments, dict):
+        raise RecordError(f"{where}: {path}: expected an object of arguments", "bad_tool_call")
+    return arguments
+
+
+def _sharegpt_calls(value: Any, path: str, where: str) -> list[dict[str, Any]]:
+    """LLaMA-Factory's function_call turn: JSON text of {"name", "arguments"} or a list of them."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        calls = None
+    calls = [calls] if isinstance(calls, dict) else calls
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) for c in calls):
+        raise RecordError(f"{where}: {path}: expected JSON of a call {{\"name\", \"arguments\"}} or a list of them",
+                          "bad_tool_call")
+    return _tool_calls([{"type": "function", "function": call} for call in calls], path, where)
+
+
+def _with_system_column(record: dict, messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """A per-record `system` string is the system prompt, unless the conversation has its own."""
+    system = _text(record, "system", where, optional=True)
+    if not system.strip() or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _checked(messages: list[dict[str, Any]], where: str, path_of: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The conversation ends in an assistant turn and answers every tool call; `path_of` names a turn."""
+    if messages[-1]["role"] != "assistant":
+        raise RecordError(f"{where}: {path_of(len(messages) - 1)}: the last message must be the assistant's "
+                          f"(it is {messages[-1]['role']!r})", "last_turn_not_assistant")
+    for index, message in enumerate(messages):
+        if "tool_calls" in message:
+            _check_answered(messages, index, where, path_of(index))
+    return messages
+
+
+def _check_answered(messages: list[dict[str, Any]], index: int, where: str, path: str) -> None:
+    """Every call of messages[index] has a tool turn among those that follow it: by id when all calls have ids,
+    else by count."""
+    calls = messages[index]["tool_calls"]
+    answers = []
+    for message in messages[index + 1:]:
+        if message["role"] != "tool":
+            break
+        answers.append(message)
+    ids = [call.get("id") for call in calls]
+    if all(isinstance(i, str) for i in ids):
+        answered = {message.get("tool_call_id") for message in answers}
+        missing = [number for number, call_id in enumerate(ids) if call_id not in answered]
+    else:
+        missing = list(range(len(answers), len(calls)))
+    if missing:
+        raise RecordError(f"{where}: {path}.tool_calls[{missing[0]}]: no tool turn answers this call "
+                          f"({len(answers)} tool turns follow)", "unanswered_tool_call")
+
+
+def _tools(record: dict, where: str) -> list[dict[str, Any]] | None:
+    """The record's function schemas: a list, or JSON text of one (LLaMA-Factory stores them as a string)."""
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError:
+            raise RecordError(f"{where}: tools: not valid JSON", "bad_field:tools") from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RecordError(f"{where}: tools: expected a list of function schemas", "bad_field:tools")
+    return tools

@@ -1,15 +1,18 @@
 """Conversations to token ids and labels, a batch at a time, with no per-token Python.
 
 Masking: the conversation is rendered with the model's chat template and split at message boundaries;
-assistant turns carry labels, the rest is -100 (all of it is trained with `train_on_inputs`). Without a chat
-template the documented fallback is
+assistant turns (tool-call turns included) carry labels, the rest is -100 (all of it is trained with
+`train_on_inputs`). An assistant message marked `"train": False` is context, not trained (a TRL prompt's
+earlier replies). Without a chat template the documented fallback is
     "<bos>" "### System:\n{system}\n\n" "### User:\n{user}\n\n" "### Assistant:\n{assistant}<eos>\n\n"
 Plain `text` records are never templated: "<bos>{text}<eos>", all trained.
 
 Speed: rendering a Jinja template per record dominates tokenization time, so each conversation shape (its
 sequence of roles) is rendered once with placeholders into a recipe of literal and content pieces; records
 of that shape are then assembled by substitution. The first record of every shape is also rendered the slow
-way and compared; a template that transforms content falls back to per-record rendering.
+way and compared; a template that transforms content falls back to per-record rendering. Only conversations
+of plain role/content messages without tools take recipes (a role sequence is then the whole structure);
+tool calls, tool schemas and untrained replies are rendered per record.
 """
 from __future__ import annotations
 
@@ -24,19 +27,23 @@ IGNORE_INDEX = -100
 _MARK = "\x00phase1a-content-{}\x00"
 
 
-def render_segments(messages: list[dict[str, str]], tokenizer) -> list[tuple[str, bool]]:
+def _trained(message: dict) -> bool:
+    return message["role"] == "assistant" and message.get("train", True)
+
+
+def render_segments(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The conversation as (text, trained) pieces; assistant turns are the trained ones."""
     if len(messages) == 1 and messages[0]["role"] == "assistant":  # a plain `text` record
         return [(tokenizer.bos_token or "", False), (messages[0]["content"] + (tokenizer.eos_token or ""), True)]
     if not getattr(tokenizer, "chat_template", None):
-        return _fallback_segments(messages, tokenizer)
+        return _fallback_segments(messages, tokenizer, tools)
     segments: list[tuple[str, bool]] = []
     done = ""
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if not _trained(message):
             continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise DataError("the chat template does not render conversations incrementally; cannot mask by turn")
         segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
@@ -44,12 +51,15 @@ def render_segments(messages: list[dict[str, str]], tokenizer) -> list[tuple[str
     return segments
 
 
-def _fallback_segments(messages: list[dict[str, str]], tokenizer) -> list[tuple[str, bool]]:
+def _fallback_segments(messages: list[dict], tokenizer, tools: list[dict] | None) -> list[tuple[str, bool]]:
+    if tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        # The fallback has no agreed way to write calls; inventing one would teach the model a private format.
+        raise DataError("tool calls and tools need a chat template; the tokenizer has none: set data.chat_template")
     headers = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
     segments: list[tuple[str, bool]] = [(tokenizer.bos_token or "", False)]
     for message in messages:
         segments.append((headers[message["role"]], False))
-        if message["role"] == "assistant":
+        if _trained(message):
             segments.append((message["content"] + (tokenizer.eos_token or ""), True))
             segments.append(("\n\n", False))
         else:
@@ -72,7 +82,9 @@ class Renderer:
         self.train_on_inputs = train_on_inputs
         self._recipes: dict[tuple[str, ...], _Recipe] = {}
 
-    def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    def segments(self, messages: list[dict], tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+        if tools is not None or any(len(m) != 2 for m in messages):  # more than role and content: no recipe
+            return self._inputs_trained(render_segments(messages, self.tokenizer, tools))
         shape = tuple(m["role"] for m in messages)
         recipe = self._recipes.get(shape) or self._recipes.setdefault(shape, self._recipe(shape))
         if not recipe.usable:
@@ -85,6 +97,9 @@ class Renderer:
                 if segments != render_segments(messages, self.tokenizer):
                     recipe.usable = False  # the template changes content (trims, escapes): render each record
                     segments = render_segments(messages, self.tokenizer)
+        return self._inputs_trained(segments)
+
+    def _inputs_trained(self, segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
         if self.train_on_inputs:
             segments = [(text, True) for text, _ in segments]
         return [segment for segment in segments if segment[0]]

@@ -10,7 +10,6 @@ content-hash share of the source, or every record of `data.validation_source`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections import Counter
@@ -28,8 +27,9 @@ from phase1a.fingerprint import code_version, hash_json
 from phase1a.locks import exclusive
 from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
 from phase1a.datasource import DataLocation, Shard, describe, iter_records, resolve_shards
-from phase1a.records import RecordError, parse_record, to_messages
+from phase1a.records import RecordError, parse_json_record, to_conversation
 from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
+from phase1a.templates import template_fingerprint
 from tasks.caching import FingerprintCache, task
 from phase1a.errors import DataError
 
@@ -38,10 +38,10 @@ _SHOWN_SKIPS = 5
 
 
 class TokenizeOptions(BaseModel):
-    format: str = "auto"
+    format: str = "auto"  # a key of phase1a.records.RECORD_FORMATS, or auto
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
-    chat_template: str | None = None
+    chat_template: str | None = None  # a name in phase1a.templates.CHAT_TEMPLATES or a Jinja file's path
     train_on_inputs: bool = False
     bad_records: Literal["fail", "skip"] = "fail"
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
@@ -81,9 +81,9 @@ class TokenizedData(BaseModel):
 def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
     """`data`: the content fingerprint of the source (and of the validation source, when there is one)."""
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-                      "options": options.model_dump(),
+                      "options": options.model_dump(), "chat_template": template_fingerprint(options.chat_template),
                       "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py",
-                                           "phase1a/datasource.py")})
+                                           "phase1a/templates.py", "phase1a/datasource.py")})
 
 
 def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
@@ -165,7 +165,7 @@ def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, mode
         for record in iter_records(sources.shards):
             where = describe(sources.shards, record.shard, record.index)
             try:
-                messages = to_messages(parse_record(where, record.raw, options.field_map), options.format, where)
+                conversation = to_conversation(parse_json_record(where, record.raw), where, options)
             except RecordError as error:
                 if options.bad_records == "fail":
                     raise
@@ -173,9 +173,9 @@ def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, mode
                 if len(shown) < _SHOWN_SKIPS:
                     shown.append(str(error))
                 continue
-            chunk.append((record.shard, record.index, renderer.segments(messages)))
+            chunk.append((record.shard, record.index, renderer.segments(conversation.messages, conversation.tools)))
             # One content hash serves the split (stable across runs and file order) and duplicate detection.
-            chunk_keys.append(int.from_bytes(hashlib.blake2b(json.dumps(messages).encode(), digest_size=8).digest(), "big"))
+            chunk_keys.append(int.from_bytes(hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest(), "big"))
             if len(chunk) == _CHUNK:
                 flush()
         if chunk:
@@ -318,7 +318,8 @@ def _tokenized_present(inputs: dict) -> bool:
 def tokenize(data: DataLocation, model_dir: str, options: TokenizeOptions, cache_dir: str, fingerprint: str,
              validation: DataLocation | None = None, trust_remote_code: bool = False) -> TokenizedData:
     from phase1a.models import load_tokenizer, model_max_positions
+    from phase1a.templates import apply_chat_template_setting
 
-    tokenizer = load_tokenizer(Path(model_dir), trust_remote_code)
+    tokenizer = apply_chat_template_setting(load_tokenizer(Path(model_dir), trust_remote_code), options.chat_template)
     return tokenize_dataset(data, tokenizer, model_max_positions(Path(model_dir)), options, Path(cache_dir),
                             fingerprint, validation)

@@ -8,7 +8,7 @@ import os
 
 from phase1a.hub import repo_cache_dir
 
-_LFS = (".safetensors", ".bin", ".pt", ".model")  # what a Hub repository's .gitattributes keeps in LFS
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".model")  # what a Hub repository's .gitattributes keeps in LFS
 _names = itertools.count()
 
 
@@ -34,7 +34,7 @@ def cache_repo(repo_id: str, files: dict[str, bytes], ref: str = "main", listed_
     (folder / "blobs").mkdir(exist_ok=True)
     tree = {}
     for name, data in files.items():
-        lfs = name.endswith(_LFS)
+        lfs = name.endswith(LFS_SUFFIXES)
         blob_id = hashlib.sha256(data).hexdigest() if lfs else git_blob_id(data)
         blob = folder / "blobs" / blob_id
         blob.write_bytes(data)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_model_dir
-from hub_cache import cache_repo, git_blob_id, unique_repo
+from hub_cache import LFS_SUFFIXES, cache_repo, git_blob_id, unique_repo
 from phase1a.config import ConfigError, ModelConfig, validate_config
 from phase1a.hub import HubError, repo_cache_dir, resolve_commit, snapshot
 from phase1a.models import load_model, load_tokenizer, model_fingerprint, resolve_model
@@ -139,11 +137,11 @@ class _FakeHub(BaseHTTPRequestHandler):
         if name not in files:
             return self._send(404, code="EntryNotFound")
         data = files[name]
-        blob = hashlib.sha256(data).hexdigest() if name.endswith(_LFS) else git_blob_id(data)
+        blob = hashlib.sha256(data).hexdigest() if name.endswith(LFS_SUFFIXES) else git_blob_id(data)
         if self.command == "GET":
             _FakeHub.fetched.append(name)
         self._send(200, data, {"X-Repo-Commit": commit, "ETag": f'"{blob}"',
-                               **({"X-Linked-Etag": f'"{blob}"'} if name.endswith(_LFS) else {})})
+                               **({"X-Linked-Etag": f'"{blob}"'} if name.endswith(LFS_SUFFIXES) else {})})
 
     do_HEAD = do_GET
 
@@ -163,7 +161,7 @@ class _FakeHub(BaseHTTPRequestHandler):
         entries = []
         for name, data in files.items():
             entry = {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
-            if name.endswith(_LFS):
+            if name.endswith(LFS_SUFFIXES):
                 entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 130}
             entries.append(entry)
         self._json(entries)

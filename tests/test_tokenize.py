@@ -7,7 +7,7 @@ from conftest import date_records, make_tokenizer, write_jsonl
 from phase1a.packing import TokenRows
 from tasks.stage import DataError
 from phase1a.lengths import right_size
-from phase1a.records import to_messages
+from phase1a.records import to_conversation
 from phase1a.render import IGNORE_INDEX, render_segments
 from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
 
@@ -42,7 +42,7 @@ def test_chat_masks_only_the_assistant_reply(tmp_path, tokenizer):
 def test_alpaca_with_and_without_input(tmp_path, tokenizer):
     records = [{"instruction": "Write 2001-02-03 in US format.", "input": "", "output": "02/03/2001"},
                {"instruction": "Rewrite", "input": "2001-02-04", "output": "02/04/2001"}]
-    assert to_messages(records[1], "auto", "x")[0]["content"] == "Rewrite\n\n2001-02-04"
+    assert to_conversation(records[1], "x", TokenizeOptions()).messages[0]["content"] == "Rewrite\n\n2001-02-04"
     result = run(tmp_path, tokenizer, records, validation_fraction=0.5)
     table = read_arrow(result.train_path).to_pylist() + read_arrow(result.validation_path).to_pylist()
     replies = sorted(supervised_text(tokenizer, r["input_ids"], r["labels"]) for r in table)
@@ -107,8 +107,9 @@ def test_reuses_a_complete_output(tmp_path, tokenizer):
         ([json.dumps(date_records(1)[0]), '{"messages": [}'], r"data.jsonl:2: malformed JSON"),
         (['{"question": "q", "answer": "a"}'], r"data.jsonl:1: no 'messages', .* field \(fields: answer, question\)"),
         (['{"instruction": "q"}'], r"data.jsonl:1: field 'output' must be a string \(missing\)"),
-        (['{"messages": [{"role": "user", "content": "q"}]}'], r"data.jsonl:1: the last message must be the assistant's"),
-        (['{"messages": [{"role": "bot", "content": "q"}]}'], r"data.jsonl:1: messages\[0\]: field 'role'"),
+        (['{"messages": [{"role": "user", "content": "q"}]}'],
+         r"data.jsonl:1: messages\[0\]: the last message must be the assistant's"),
+        (['{"messages": [{"role": "narrator", "content": "q"}]}'], r"data.jsonl:1: messages\[0\].role: unknown role"),
         (['[1, 2]'], r"data.jsonl:\[0\]: expected a JSON object"),
         (['[{"prompt": "p", "completion": 3}]'], r"data.jsonl:\[0\]: field 'completion' must be a string \(int\)"),
     ],

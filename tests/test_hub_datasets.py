@@ -1,0 +1,95 @@
+"""Hub dataset ids, offline: a dataset repository laid out in HF_HOME's cache as huggingface_hub writes it
+(conftest sets HF_HUB_OFFLINE=1), resolved, staged and tokenized by the real code."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import date_records, make_tokenizer, write_jsonl
+from hub_cache import cache_repo, unique_repo
+
+from phase1a.errors import DataError
+from phase1a.hub import repo_cache_dir
+from tasks.stage import _staged_copy_present, source_fingerprint, stage_dataset
+from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+
+README = b"""---
+configs:
+- config_name: dates
+  default: true
+  data_files:
+  - split: train_sft
+    path: data/train_sft-*.parquet
+  - split: test_sft
+    path: data/test_sft-*.parquet
+- config_name: flat
+  data_files: flat/*.jsonl
+---
+# Dates
+"""
+
+
+def parquet(records: list[dict]) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def hub_dates():
+    records = date_records(30, seed=11)
+    repo_id = unique_repo("dates")
+    files = {"README.md": README, "data/train_sft-00000-of-00001.parquet": parquet(records[:24]),
+             "data/test_sft-00000-of-00001.parquet": parquet(records[24:]),
+             "flat/all.jsonl": b"".join(b'{"prompt": "p%d", "completion": "c%d"}\n' % (i, i) for i in range(6))}
+    return repo_id, records, files, cache_repo(repo_id, files, repo_type="dataset")
+
+
+def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_path, hub_dates):
+    repo_id, records, _, commit = hub_dates
+    tokenizer, options = make_tokenizer(), TokenizeOptions(split="train_sft", validation_count=4)
+    fingerprint = source_fingerprint(repo_id)
+    staged = stage_dataset(repo_id, tmp_path / "staging")
+    assert staged.fingerprint == fingerprint and Path(staged.path).resolve().name == commit
+    assert _staged_copy_present({"source": repo_id, "staging_dir": str(tmp_path / "staging"), "fingerprint": fingerprint})
+
+    from_hub = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "cache", "hub")
+    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records[:24]), tokenizer, 256, options,
+                             tmp_path / "cache", "jsonl")
+    for split in ("train_path", "validation_path"):
+        assert read_arrow(getattr(from_hub, split)).to_pylist() == read_arrow(getattr(jsonl, split)).to_pylist()
+
+    held_out = tokenize_dataset(staged, tokenizer, 256, TokenizeOptions(split="train_sft", validation_split="test_sft"),
+                                tmp_path / "cache", "held-out", validation=staged)
+    assert (held_out.train_examples, held_out.validation_examples) == (24, 6)
+
+    flat = tokenize_dataset(stage_dataset(repo_id, tmp_path / "staging", config="flat"), tokenizer, 256,
+                            TokenizeOptions(config="flat", validation_count=1), tmp_path / "cache", "flat")
+    assert flat.train_examples + flat.validation_examples == 6
+
+
+def test_a_moved_branch_is_new_data_and_a_pinned_revision_is_not(tmp_path, hub_dates):
+    repo_id, records, files, first = hub_dates
+    before = source_fingerprint(repo_id)
+    assert source_fingerprint(repo_id) == before  # an unchanged revision: the caches hit
+    second = cache_repo(repo_id, {**files, "data/train_sft-00000-of-00001.parquet": parquet(records[:20])},
+                        repo_type="dataset")
+    assert (repo_cache_dir(repo_id, "dataset") / "refs" / "main").read_text() == second
+    assert source_fingerprint(repo_id) != before
+    assert source_fingerprint(repo_id, revision=first) == before
+    pinned = stage_dataset(repo_id, tmp_path / "staging", revision=first)
+    assert pinned.fingerprint == before
+
+
+def test_unknown_config_split_and_uncached_repository(tmp_path, hub_dates):
+    repo_id = hub_dates[0]
+    with pytest.raises(DataError, match=r"data.config: 'nope' is not a config of .*configs: dates, flat"):
+        stage_dataset(repo_id, tmp_path / "staging", config="nope")
+    staged = stage_dataset(repo_id, tmp_path / "staging")
+    with pytest.raises(DataError, match=r"data.split: 'train' is not a split of .*splits: train_sft, test_sft"):
+        tokenize_dataset(staged, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache", "bad-split")
+    with pytest.raises(DataError, match=r"data.source"):
+        source_fingerprint("org/never-cached-dataset")
