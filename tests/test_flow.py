@@ -49,7 +49,7 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     write_jsonl(dataset, date_records(64, seed=1))
     _, fourth = run_flow(config_tree)
     assert states(fourth)["stage"] == "Completed" and states(fourth)["tokenize"] == "Completed"
-    assert fourth["stages"]["stage"]["result"]["sha256"] != first["stages"]["stage"]["result"]["sha256"]
+    assert fourth["stages"]["stage"]["result"]["fingerprint"] != first["stages"]["stage"]["result"]["fingerprint"]
 
 
 def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
