@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-from phase1a.config import Phase1aConfig, resolve_paths
+from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
 from phase1a.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
@@ -31,9 +31,19 @@ def _stage(report: RunReport, name: str, source: str, revision: str | None, conf
 
 
 @flow(name="phase1a")
-def phase1a(config: Phase1aConfig, plan_only: bool = False) -> str:
-    """Returns the path of the run's report.json. `plan_only` stops after the plan: no training."""
-    config = resolve_paths(config, base=Path.cwd())  # deployment parameters arrive with `~` and relative paths
+def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None, overrides: list[str] | None = None,
+            plan_only: bool = False) -> str:
+    """Returns the path of the run's report.json. A bad config fails the run before any stage.
+
+    Args:
+        config: The whole config. Give this or config_file.
+        config_file: A YAML config file, e.g. configs/h100.yaml, relative to the project root; its own relative
+            paths are relative to the file. Give this or config.
+        overrides: `key.sub=value` strings applied on top, as the CLI's --set, e.g. method.epochs=2.
+        plan_only: Stop after the plan: no training.
+    """
+    # Deployment parameters arrive with `~` and relative paths: they resolve against the working directory.
+    config = config_from(config, config_file, overrides, base=Path.cwd())
     report = RunReport.create(config.work_dir, config.name, flow_run.get_name() or "local", config)
     status = "failed"
     try:

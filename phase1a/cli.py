@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from phase1a.config import ConfigError, load_config
+from phase1a.config import ConfigError, config_from
 
 
 def _summary(report_path: Path) -> str:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = config_from(config_file=args.config, overrides=args.overrides)
     except ConfigError as error:
         print(f"phase1a: {error}", file=sys.stderr)
         return 2

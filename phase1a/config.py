@@ -1,6 +1,7 @@
 """The one config schema: the CLI, the flow and the deployments all validate through `Phase1aConfig`."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -271,7 +272,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. method.epochs=2")
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. method.epochs=2")
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
     return tree
 
@@ -295,8 +296,33 @@ def load_config(path: Path, overrides: list[str] | None = None) -> Phase1aConfig
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     tree = apply_overrides(tree, overrides or [])
-    config = validate_config(tree, origin=str(path))
+    config = validate_config(tree, origin=str(path) + (" with overrides" if overrides else ""))
     return resolve_paths(config, base=path.resolve().parent)
+
+
+def config_from(config: Phase1aConfig | dict[str, Any] | None = None, config_file: str | Path | None = None,
+                overrides: list[str] | None = None, base: Path | None = None) -> Phase1aConfig:
+    """The one way from what a caller gives (the flow's parameters, the CLI's --config and --set) to a config:
+    a whole config or a YAML file, with `key.sub=value` overrides on top, validated as one tree.
+
+    A relative `config_file` is relative to `base` (the flow run's working directory, the project root under a
+    deployment); the file's own relative paths are relative to the file, as in `load_config`. A whole
+    config's relative paths are relative to `base`.
+    """
+    base = Path.cwd() if base is None else Path(base)
+    if (config is None) == (config_file is None):
+        given = "both" if config is not None else "neither"
+        # A deployment that names a config_file keeps it in its stored parameters, so a run that passes a whole
+        # config must also clear config_file, or it would get both.
+        raise ConfigError(f"give exactly one of config (the whole config) and config_file (a YAML path), got "
+                          f"{given}; to replace a deployment's config_file with a whole config, also pass "
+                          f"config_file=null")
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        return load_config(path if path.is_absolute() else base / path, overrides)
+    tree = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(config)
+    origin = "config parameter" + (" with overrides" if overrides else "")
+    return resolve_paths(validate_config(apply_overrides(tree, overrides or []), origin=origin), base=base)
 
 
 def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:

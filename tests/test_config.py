@@ -3,7 +3,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phase1a.config import ConfigError, Phase1aConfig, apply_overrides, load_config
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+from phase1a.config import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
 from phase1a.units import Interval, parse_duration_seconds, parse_interval
 
 
@@ -49,6 +51,81 @@ def test_bad_override_and_missing_file(tmp_path):
         apply_overrides({}, ["method.epochs"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_config_file_relative_to_base_and_its_paths_relative_to_the_file(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "job.yaml").write_text(yaml.safe_dump(
+        {"data": {"source": "../data/x.jsonl"}, "work_dir": "out", "method": {"epochs": 1}}))
+    config = config_from(config_file="jobs/job.yaml", overrides=["method.epochs=2", "model.name_or_path=org/name"],
+                         base=tmp_path)
+    assert config.data.source == str(tmp_path / "data" / "x.jsonl")
+    assert config.work_dir == tmp_path / "jobs" / "out"
+    assert config.model.name_or_path == "org/name"  # a Hub id stays an id
+    untouched = config_from(config_file=tmp_path / "jobs" / "job.yaml")
+    changed = {k for k, v in config.model_dump().items() if v != untouched.model_dump()[k]}
+    assert changed == {"method", "model"} and untouched.method.model_copy(update={"epochs": 2.0}) == config.method
+
+
+@pytest.mark.parametrize("as_model", [False, True])
+def test_whole_config_with_overrides_resolves_against_base(tmp_path, as_model):
+    tree = {"data": {"source": "d.jsonl"}, "method": {"lora": {"r": 16}}}
+    given = Phase1aConfig.model_validate(tree) if as_model else tree
+    config = config_from(given, overrides=["method.lora.r=8", "window.max_duration=2h"], base=tmp_path)
+    assert (config.method.lora.r, config.window.max_duration) == (8, "2h")
+    assert config.data.source == str(tmp_path / "d.jsonl") and config.work_dir == tmp_path / "runs"
+    assert tree["method"]["lora"]["r"] == 16  # the caller's tree (a flow parameter) is not modified
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("method.epochs=0", "  method.epochs: Input should be greater than 0"),
+        ("method.epochz=2", "  method.epochz: Extra inputs are not permitted"),
+        ("method.lora.r=[1]", "  method.lora.r: Input should be a valid integer"),
+        ("method=2", "  method: Input should be a valid dictionary"),
+        ("method.epochs", "expected key=value"),
+        ("data.source.path=x", "data.source.path: source is not a section"),
+    ],
+)
+def test_a_bad_override_names_the_field(tmp_path, override, message):
+    tree = {"data": {"source": "d.jsonl"}}
+    for given in ({"config_file": write(tmp_path, tree)}, {"config": tree}):
+        with pytest.raises(ConfigError) as error:
+            config_from(**given, overrides=["method.seed=3", override], base=tmp_path)
+        assert message in str(error.value), str(error.value)
+
+
+def test_exactly_one_of_config_and_config_file(tmp_path):
+    tree = {"data": {"source": "d.jsonl"}}
+    with pytest.raises(ConfigError, match="exactly one of config .* and config_file .*, got both"):
+        config_from(tree, write(tmp_path, tree))
+    with pytest.raises(ConfigError, match="got neither"):
+        config_from(overrides=["method.epochs=2"])
+    with pytest.raises(ConfigError, match="config file not found: .*/configs/nope.yaml"):
+        config_from(config_file="configs/nope.yaml", base=tmp_path)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_shipped_config_validates(path):
+    config = load_config(path)
+    assert config.work_dir == CONFIGS.parent / "runs"
+
+
+def test_shipped_example_jobs():
+    lora = load_config(CONFIGS / "llama3-8b-lora-h100.yaml")
+    assert (lora.model.name_or_path, lora.data.source, lora.data.validation_source) == (
+        "meta-llama/Llama-3.1-8B-Instruct", "HuggingFaceH4/ultrachat_200k", "HuggingFaceH4/ultrachat_200k")
+    assert (lora.data.split, lora.data.validation_split, lora.hardware.target) == ("train_sft", "test_sft", "h100")
+    assert len(lora.method.lora.target_modules) == 7 and lora.method.base_precision == "16bit"
+    qlora = load_config(CONFIGS / "llama3-8b-qlora-h100.yaml")
+    assert qlora.method.base_precision == "4bit"
+    assert qlora.method.model_copy(update={"base_precision": "16bit"}) == lora.method  # only the base differs
+    parquet = load_config(CONFIGS / "parquet-s3.yaml")
+    assert parquet.data.source.startswith("s3://") and parquet.data.source.endswith("/")
+    for name in ("h100", "h200"):
+        deployed = load_config(CONFIGS / f"{name}.yaml")
+        assert deployed.hardware.target == name and deployed.cache_dir == Path("/var/tmp/phase1a/cache")
 
 
 def test_schema_is_shared_and_serialisable():

@@ -27,7 +27,7 @@ from zoneinfo import ZoneInfo
 import boto3
 import pytest
 
-from phase1a.config import ConfigError, validate_config
+from phase1a.config import ConfigError, load_config, validate_config
 from prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants, dump, flow_run_logs, free_port,
                            kill9, states, stop_group, wait_for)
 
@@ -194,13 +194,17 @@ def test_pools_schedule_and_templates_read_back_from_the_api(ops):
 
     for name, deployment in deployments.items():
         assert deployment.work_pool_name == f"phase1a-{name}" and deployment.entrypoint == "flows.phase1a:phase1a"
-        assert deployment.parameters["config"]["hardware"]["target"] == name
+        # phase1a/cpu carries the demo config inline; the GPU deployments read their job from a config file.
+        config = (validate_config(deployment.parameters["config"]) if name == "cpu"
+                  else load_config(ROOT / deployment.parameters["config_file"]))
+        assert config.hardware.target == name
         limit = deployment.global_concurrency_limit
         assert (limit.limit if limit else None) == (None if name == "cpu" else 1), name
     assert deployments["cpu"].schedules == [] and deployments["h200"].schedules == []
     [nightly] = deployments["h100"].schedules
     assert nightly.active and nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == TIMEZONE
-    assert deployments["h100"].parameters["config"]["cache_dir"] == "/var/tmp/phase1a/cache"
+    assert deployments["h100"].parameters == {"config_file": "configs/h100.yaml", "overrides": []}
+    assert load_config(ROOT / "configs/h100.yaml").cache_dir == Path("/var/tmp/phase1a/cache")
 
     # The server's scheduler turns the cron into runs at 02:00 Berlin time (01:00 or 00:00 UTC).
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
