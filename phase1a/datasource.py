@@ -216,7 +216,11 @@ def _columnar_rows(shard: Shard) -> Iterator[dict]:
 def _record_batches(shard: Shard) -> Iterator[pa.RecordBatch]:
     """A columnar shard a batch at a time, with plain reads (a memory map's pages would count as resident)."""
     if shard.format == "parquet":
-        yield from pq.ParquetFile(shard.path).iter_batches(batch_size=_BATCH)
+        # One row group at a time: iterating the whole file lets pyarrow hold on to earlier row groups' pages
+        # (its allocation grew to 100 MiB over 500k rows; per row group it stays at 7 MiB).
+        parquet = pq.ParquetFile(shard.path)
+        for group in range(parquet.num_row_groups):
+            yield from parquet.iter_batches(batch_size=_BATCH, row_groups=[group])
     elif shard.format == "arrow":  # the IPC file format, or the stream format `save_to_disk` writes
         try:
             reader = pa.ipc.open_file(pa.OSFile(str(shard.path)))
