@@ -95,7 +95,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             promotion = report.run("promote", promote_task, verdict=verdict, adapter_dir=trained.adapter_dir,
                                    model_dir=str(model_dir), settings=config.validation, version=report.run_dir.name,
                                    run=str(report.run_dir), work_dir=str(report.run_dir), endpoint_url=endpoint,
-                                   trust_remote_code=config.model.trust_remote_code)
+                                   trust_remote_code=config.model.trust_remote_code,
+                                   chat_template=config.data.chat_template)
             report.set("validation", validation_section(verdict, promotion))
             print(f"promoted: {promotion.pointer.version} at {promotion.pointer.path}"
                   + ("" if promotion.promoted else " (already the promoted model)"))

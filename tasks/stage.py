@@ -249,7 +249,8 @@ def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
     target = staged_location(staging_dir, sha, path.name)
     copied = not (target.is_file() and target.stat().st_size == size and sha256_file(target) == sha)
     if copied:
-        _require_free_space(staging_dir if staging_dir.exists() else staging_dir.parent, size, str(path))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _require_free_space(target.parent, size, str(path))
         if _copy_verified(path, target) != sha:  # the source changed while it was copied
             raise DataError(f"{path}: the file changed while it was staged; stage again")
     return StagedData(source=source, path=str(target), fingerprint=sha, size_bytes=size, copied=copied)

@@ -198,9 +198,10 @@ def validate(model_dir: Path, adapter_dir: Path, validation_path: Path, settings
     )
 
 
-def merge_adapter(model_dir: Path, adapter_dir: Path, target: Path, trust_remote_code: bool = False) -> Path:
-    """The base with the adapter folded into its weights (in fp32, saved in the base's dtype), plus its tokenizer:
-    a model that loads without peft."""
+def merge_adapter(model_dir: Path, adapter_dir: Path, target: Path, trust_remote_code: bool = False,
+                  chat_template: str | None = None) -> Path:
+    """The base with the adapter folded into its weights (in fp32, saved in the base's dtype), plus its tokenizer
+    with the chat template the data was rendered with (`data.chat_template`): a model that loads without peft."""
     from peft import PeftModel
     from transformers import AutoConfig
 
@@ -211,21 +212,41 @@ def merge_adapter(model_dir: Path, adapter_dir: Path, target: Path, trust_remote
         merged = merged.to(saved_dtype)
     shutil.rmtree(target, ignore_errors=True)
     merged.save_pretrained(target)
-    load_tokenizer(Path(model_dir), trust_remote_code).save_pretrained(target)
+    _trained_tokenizer(model_dir, chat_template, trust_remote_code).save_pretrained(target)
+    return target
+
+
+def _trained_tokenizer(model_dir: Path, chat_template: str | None, trust_remote_code: bool):
+    from phase1a.templates import apply_chat_template_setting
+
+    return apply_chat_template_setting(load_tokenizer(Path(model_dir), trust_remote_code), chat_template)
+
+
+def _adapter_with_template(adapter_dir: Path, model_dir: Path, chat_template: str, target: Path,
+                           trust_remote_code: bool) -> Path:
+    """A copy of the adapter with the tokenizer it was trained with: the overriding template must reach
+    whoever serves it, or prompts would be rendered in the base tokenizer's format."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(adapter_dir, target)
+    _trained_tokenizer(model_dir, chat_template, trust_remote_code).save_pretrained(target)
     return target
 
 
 def promote_candidate(verdict: ValidationResult, adapter_dir: Path, model_dir: Path, settings: ValidationConfig,
                       version: str, run: str, work_dir: Path, endpoint_url: str | None = None,
-                      trust_remote_code: bool = False) -> PromotionOutcome:
+                      trust_remote_code: bool = False, chat_template: str | None = None) -> PromotionOutcome:
     if not verdict.passed:  # the flow never calls this on a fail; a direct caller must not either
         raise PromotionError("refusing to promote a model that failed the gate: " + "; ".join(verdict.reasons))
     if not settings.promote_to:
         raise PromotionError("validation.promote_to is not set: nowhere to promote to")
     artifacts = {"adapter": Path(adapter_dir)}
-    merged_dir = Path(work_dir) / "merged.tmp"
+    merged_dir, templated_dir = Path(work_dir) / "merged.tmp", Path(work_dir) / "adapter.tmp"
+    if chat_template is not None:
+        artifacts["adapter"] = _adapter_with_template(Path(adapter_dir), Path(model_dir), chat_template, templated_dir,
+                                                      trust_remote_code)
     if settings.promote_merged and is_adapter(adapter_dir):
-        artifacts["merged"] = merge_adapter(Path(model_dir), Path(adapter_dir), merged_dir, trust_remote_code)
+        artifacts["merged"] = merge_adapter(Path(model_dir), Path(adapter_dir), merged_dir, trust_remote_code,
+                                            chat_template)
     record = PromotionRecord(run=run, adapter_sha256=verdict.adapter_sha256,
                              base_model_fingerprint=verdict.model_fingerprint,
                              sample_fingerprint=verdict.sample_fingerprint, metric_settings=verdict.metric_settings,
@@ -236,7 +257,8 @@ def promote_candidate(verdict: ValidationResult, adapter_dir: Path, model_dir: P
         return promote(artifacts, settings.promote_to, version, record, endpoint_url=endpoint_url,
                        expected_version=expected)
     finally:
-        shutil.rmtree(merged_dir, ignore_errors=True)  # a full copy of the model: promoted, or not wanted
+        for scratch in (merged_dir, templated_dir):  # copies: promoted, or not wanted
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def format_table(verdict: ValidationResult) -> str:
@@ -324,6 +346,6 @@ def validate_task(model_dir: str, adapter_dir: str, validation_path: str, settin
 @task(name="promote")
 def promote_task(verdict: ValidationResult, adapter_dir: str, model_dir: str, settings: ValidationConfig,
                  version: str, run: str, work_dir: str, endpoint_url: str | None = None,
-                 trust_remote_code: bool = False) -> PromotionOutcome:
+                 trust_remote_code: bool = False, chat_template: str | None = None) -> PromotionOutcome:
     return promote_candidate(verdict, Path(adapter_dir), Path(model_dir), settings, version, run, Path(work_dir),
-                             endpoint_url, trust_remote_code)
+                             endpoint_url, trust_remote_code, chat_template)

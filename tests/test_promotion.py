@@ -203,6 +203,19 @@ def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir
                           torch.device("cpu"), staging_dir=tmp_path / "staging", endpoint_url=endpoint)
 
 
+def test_a_chat_template_override_travels_with_the_merged_model(tiny_model_dir, adapters, tmp_path):
+    """Data rendered with `data.chat_template` trains a model that expects that format: serving must get it."""
+    from conftest import CHATML
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
+    merged = merge_adapter(tiny_model_dir, adapters[0], tmp_path / "merged", chat_template=str(template))
+    assert AutoTokenizer.from_pretrained(merged).chat_template == template.read_text()
+    plain = merge_adapter(tiny_model_dir, adapters[0], tmp_path / "plain")
+    assert AutoTokenizer.from_pretrained(plain).chat_template == CHATML  # the tiny model's own
+
+
 def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter_does(tiny_model_dir, adapters, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -4,7 +4,7 @@ from tasks.stage import DataError, source_fingerprint, stage_dataset
 
 
 def test_copies_verifies_and_skips_identical(tmp_path, dataset):
-    staging = tmp_path / "staging"
+    staging = tmp_path / "not" / "yet" / "staging"  # created on first use, parents too
     first = stage_dataset(str(dataset), staging)
     assert first.copied and first.fingerprint == source_fingerprint(str(dataset))
     assert open(first.path, "rb").read() == dataset.read_bytes()

@@ -2,10 +2,12 @@ import copy
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from phase1a.answers import extract_answer, normalise
 from phase1a.config import GateTolerances, MethodConfig, ValidationConfig
@@ -256,7 +258,14 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
 
     last_night = validate(tiny_model_dir, runs["good"].adapter_dir, good.validation_path, settings, cache)
     assert last_night.passed
-    promote_candidate(last_night, runs["good"].adapter_dir, tiny_model_dir, settings, "good", "good-run", tmp_path)
+    # Trained on data rendered with an overriding template (data.chat_template): the promoted model carries it.
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
+    promoted = promote_candidate(last_night, runs["good"].adapter_dir, tiny_model_dir, settings, "good", "good-run",
+                                 tmp_path, chat_template=str(template))
+    stored = Path(promoted.pointer.artifacts["adapter"])
+    assert AutoTokenizer.from_pretrained(stored).chat_template == template.read_text()
+    assert not (tmp_path / "adapter.tmp").exists()
 
     # Tonight's run trained on shuffled labels, held out on the same (correct) validation examples.
     nightly = settings.model_copy(update={"baseline": "promoted"})
