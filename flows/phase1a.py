@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import model_fingerprint, model_max_positions, resolve_model, tokenizer_fingerprint
-from phase1a.report import RunReport
+from flows.report import RunReport
 from tasks.plan import format_plan, plan_fingerprint, plan_task, publish_plan
 from tasks.stage import StagedData, source_fingerprint, stage, stage_model
 from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize, tokenize_fingerprint

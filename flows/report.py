@@ -1,4 +1,6 @@
-"""report.json: one section per stage with its Prefect state (Completed or Cached) and its manifest."""
+"""report.json: one section per stage with its Prefect state (Completed or Cached) and its manifest.
+
+It runs the flow's tasks (with their cache refresh), so it lives with the flow, above the task layer."""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+
+from tasks.caching import refreshed_if_output_missing
 
 
 class RunReport:
@@ -32,8 +36,6 @@ class RunReport:
     def run(self, stage: str, task: Any, **kwargs: Any) -> Any:
         """Run a Prefect task, record its final state and manifest, and return its result; a task's error
         is recorded, then re-raised."""
-        from tasks.caching import refreshed_if_output_missing
-
         started = time.perf_counter()
         state = refreshed_if_output_missing(task, kwargs)(**kwargs, return_state=True)
         section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3)}
