@@ -9,6 +9,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from phase1a.hub import looks_like_hub_id
+from phase1a.templates import CHAT_TEMPLATES
 from phase1a.units import parse_duration_seconds, parse_interval
 
 
@@ -337,9 +339,6 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         if value is None or "://" in value or looks_like_hub_id(value, base):
             return value
         return str(absolute(Path(value)))
-
-    from phase1a.hub import looks_like_hub_id
-    from phase1a.templates import CHAT_TEMPLATES
 
     data = config.data
     template = data.chat_template

@@ -26,7 +26,7 @@ import json
 import lzma
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, TextIO
+from typing import Any, BinaryIO, Iterator, NamedTuple, TextIO
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -130,10 +130,9 @@ def _repository_shards(path: Path, config: str | None, split: str, field: str) -
     return [_shard(Path(name), field) for name in splits[split]]
 
 
-@dataclass(frozen=True)
-class SourceRecord:
+class SourceRecord(NamedTuple):
     """One raw record: `raw` is a JSON line (str) or an already-parsed record; `index` its line (text) or
-    row (columnar) within its shard, for messages."""
+    row (columnar) within its shard, for messages. A tuple: one is made per record, on the hot path."""
 
     shard: int
     index: int
@@ -141,7 +140,7 @@ class SourceRecord:
 
 
 def describe(shards: list[Shard], shard: int, index: int) -> str:
-    """`file:line` for JSON, `file:row N` for columnar shards and JSON arrays."""
+    """`file:line` for JSONL, `file:[i]` for a JSON array's items, `file:row N` for columnar shards."""
     item = shards[shard]
     if item.format == "json":
         return str(item.path) + (f":[{index}]" if item.json_array else f":{index}")

@@ -23,7 +23,9 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 def looks_like_hub_id(value: str, base: Path | None = None) -> bool:
     """`org/name` that is not an existing path relative to `base` (transformers' rule: a local directory wins)."""
-    if not _HUB_ID.match(value) or value.endswith((".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow", ".gz")):
+    from phase1a.datasource import is_data_file  # the one list of data file suffixes
+
+    if not _HUB_ID.match(value) or is_data_file(value):
         return False
     return not (Path(base or Path.cwd()) / value).exists()
 

@@ -87,7 +87,7 @@ def resolve_model(model: ModelConfig, stage: Callable[[str], Path] | None = None
 
 
 def is_hub_model(name_or_path: str) -> bool:
-    return name_or_path not in BUILTIN_GGUF and "://" not in name_or_path and looks_like_hub_id(name_or_path)
+    return name_or_path not in BUILTIN_GGUF and looks_like_hub_id(name_or_path)
 
 
 def resolve_hub_model(repo_id: str, revision: str | None = None, allow_pickle_weights: bool = False) -> Snapshot:

@@ -99,8 +99,7 @@ def glob_files(source: str, field: str = "data.source") -> tuple[Path, list[str]
     """A glob's base directory (its part before the first wildcard) and its matching data files, relative to
     that base, sorted: the shards, in order."""
     pattern = Path(source).expanduser()
-    fixed = [part for part in pattern.parts[: next(i for i, part in enumerate(pattern.parts) if is_glob(part))]]
-    base = Path(*fixed)
+    base = Path(*pattern.parts[: next(i for i, part in enumerate(pattern.parts) if is_glob(part))])
     relative = str(pattern.relative_to(base))
     files = sorted(p.relative_to(base).as_posix() for p in base.glob(relative) if p.is_file() and is_data_file(p))
     if not files:
@@ -113,8 +112,14 @@ def _local_files(path: Path) -> list[str]:
     return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
 
 
+def _content_fingerprint(hashes: list[tuple[str, str]]) -> str:
+    """A directory's content key: each (relative name, sha256) in reading order. Local trees and S3 prefixes
+    share it, so the same files key the same wherever they were staged from."""
+    return hash_json([[name, sha] for name, sha in hashes])
+
+
 def _files_fingerprint(base: Path, files: list[str]) -> str:
-    return hash_json([[name, sha256_file(base / name)] for name in files])
+    return _content_fingerprint([(name, sha256_file(base / name)) for name in files])
 
 
 def _s3_fingerprint(url: S3Url, objects: list[S3Object]) -> str:
@@ -263,7 +268,7 @@ def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Pa
     sizes = {name: (base / name).stat().st_size for name in files}
     if sum(sizes.values()) == 0:
         raise DataError(f"data.source: {source}: the data is empty")
-    fingerprint = hash_json([[name, shas[name]] for name in files])
+    fingerprint = _content_fingerprint(list(shas.items()))
     target = staged_location(staging_dir, fingerprint, base.name)
     pending = [name for name in files if not _intact(target / name, sizes[name], shas[name])]
     target.mkdir(parents=True, exist_ok=True)
@@ -364,7 +369,7 @@ def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer
     target, shas, copied = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
     files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
     return StagedData(source=source, path=str(target), files=files,
-                      fingerprint=hash_json([[name, shas[item.key]] for name, item in zip(files, data)]),
+                      fingerprint=_content_fingerprint([(name, shas[item.key]) for name, item in zip(files, data)]),
                       size_bytes=sum(item.size for item in data), copied=copied, objects=objects)
 
 
