@@ -3,7 +3,7 @@ SHELL := /bin/bash
 UV ?= $(shell command -v uv 2>/dev/null || echo $(CURDIR)/.tools/bin/uv)
 export UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
 
-.PHONY: setup demo test demo-data server server-stop pools deploy worker automations
+.PHONY: setup demo test demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
 
 $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
@@ -20,6 +20,15 @@ demo: demo-data
 
 test: setup
 	$(UV) run --frozen pytest -q
+
+# GPU proof (README, "GPU check"). Here, with network: the wheels and tokenizer a bare GPU host lacks, into .gpu/.
+# There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.
+GPU_PYTHON ?= python3
+gpu-wheels: setup
+	$(UV) run --frozen --with pip python benchmarks/gpu_check.py --prepare
+
+gpu-check: $(if $(DRY_RUN),setup)
+	$(if $(DRY_RUN),$(UV) run --frozen python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 # Operations (README, "Operations"): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the

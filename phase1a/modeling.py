@@ -78,6 +78,16 @@ def _apply_liger(model, required: bool) -> bool:
     return True
 
 
+def release_device_memory() -> None:
+    """After a model is dropped: its reference cycles collected and the CUDA cache emptied, so the next model
+    in this process (the flow plans, then trains, in one process) finds the device memory free."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def set_gradient_checkpointing(model, enabled: bool) -> None:
     if not enabled:
         model.gradient_checkpointing_disable()

@@ -33,6 +33,7 @@ from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import RunRecord, latest_run
 from phase1a.lengths import right_size
+from phase1a.modeling import release_device_memory
 from phase1a.options import OptionRow, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.units import Interval, parse_duration_seconds, parse_interval
@@ -143,6 +144,7 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
             config, model_dir, data.train_path, max_seq_length, start,
             _alternatives(facts, trainable, shape, method.batch_size, max_seq_length, available) if sweeps else _none,
             train_tokens, config.work_dir / config.name)
+        release_device_memory()  # the calibration's model: training builds its own
         throughput = _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
                                  warmup_seconds=calibration.warmup_excess_seconds,
                                  startup_seconds=calibration.startup_seconds,

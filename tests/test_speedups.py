@@ -138,7 +138,8 @@ def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, 
     assert loss == pytest.approx(summed.item() / supervised, rel=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 exists on NVIDIA GPUs only")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: TF32 exists on NVIDIA GPUs only")
 def test_tf32_matmuls_stay_within_bf16_noise(tiny_model_dir, train_path):
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False).float()
     batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
@@ -165,8 +166,8 @@ def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_pat
 
 
 def _needs(package: str):
-    return pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec(package) is None,
-                              reason=f"needs CUDA and {package}")
+    missing = not torch.cuda.is_available() or importlib.util.find_spec(package) is None
+    return [pytest.mark.gpu, pytest.mark.skipif(missing, reason=f"needs CUDA and {package}")]
 
 
 @pytest.mark.parametrize("knob, off, on", [

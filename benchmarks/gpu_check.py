@@ -1,0 +1,406 @@
+"""GPU proof in one command: what the host lacks installed from carried wheels, the CUDA-only tests, the train
+benchmark on SmolLM2-135M and on a Llama-3-8B shape, the plan against the clock, and a summary.
+
+    make gpu-wheels              # once, on a machine with network: .gpu/wheels and .gpu/tokenizer (< 64 MiB)
+    make gpu-check               # on the GPU host: python3 benchmarks/gpu_check.py
+    make gpu-check DRY_RUN=1     # on a CPU: every part on the test suite's tiny Llama; what needs CUDA skipped
+
+The host needs torch, transformers, peft, accelerate, pyarrow, pytest and PyYAML (a stock CUDA PyTorch image has
+them); no network, no Prefect, no `datasets`. Each part runs in its own process, writes its result under
+`--results` as it finishes and a status file `parts/<part>.json`; a re-run skips finished parts. A part is only
+started when the time left in `--budget` (540 s: one 10-minute command with a margin) covers its expected
+time; a part still running when the budget ends is stopped and redone by the next run. So a host lent for short
+commands runs the same command two or three times. Exit status: 0 all parts finished, 3 parts left (run the
+same command again), 1 a part failed (its status file holds the end of its log).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json  # noqa: E402
+
+GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, installed packages, results kept between commands
+WHEELS, TOKENIZER, SITE = GPU_DIR / "wheels", GPU_DIR / "tokenizer", GPU_DIR / "site"
+CARRY_LIMIT = 64 * 1024**2  # what a GPU lease takes along: the working tree and the carried folder together
+HOST_PYTHON = "3.12"  # the GPU hosts' interpreter: the wheels are downloaded for it
+# What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them.
+FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+# The optional GPU packages (README, "GPU hosts"): liger-kernel's Triton kernels, bitsandbytes' NF4 and 8-bit Adam.
+OPTIONAL = {"liger-kernel": "0.8.5", "bitsandbytes": "0.50.2"}
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")
+GPU_TESTS = ("tests/test_speedups.py", "tests/test_gpu_paths.py")
+FAMILIES = {"smollm2": "SmolLM2-135M shape", "llama3-8b": "Llama-3-8B shape"}
+GOALS = {"mfu": 0.50, "speedup_vs_after": 2.0, "speedup_vs_hf_flattening": 1.25}  # the 8B shape on one H100
+
+
+@dataclass
+class Run:
+    """One invocation: where results go, how much time it has, and whether it is the CPU dry run."""
+
+    results: Path
+    work: Path
+    dry_run: bool
+    budget: float
+    retry_failed: bool
+    began: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.began)
+
+    def env(self) -> dict[str, str]:
+        paths = [str(SITE)] if SITE.is_dir() else []
+        paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    what: str
+    seconds: int  # expected on an H100 (README's table); the budget must cover it before the part starts
+    command: Callable[[Run], list[str]]
+    result: str  # the file the part writes, relative to the results folder
+    cuda_only: str | None = None  # why the dry run skips it
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def _train_part(family: str, config: str, seconds: int, cuda_only: str | None = None) -> Part:
+    def command(run: Run) -> list[str]:
+        model = "test" if run.dry_run else family
+        sizes = (["--measured", "16", "--examples", "200", "--max-answer-words", "40", "--calibration-budget", "10s"]
+                 if run.dry_run else ["--measured", "256" if family == "llama3-8b" else "1024", "--examples", "20000",
+                                      "--calibration-budget", "120s" if family == "llama3-8b" else "60s"])
+        tokenizer = [] if run.dry_run else ["--tokenizer", str(TOKENIZER)]
+        profile = ["--profile"] if config == "ours" else []
+        return _python("benchmarks/train_throughput.py", "--model", model, *tokenizer, *sizes, "--configs", config,
+                       *profile, "--work", str(run.work / "train"),
+                       "--results-dir", str(run.results / f"train-{family}"))
+    what = f"train benchmark, {FAMILIES[family]} (the test model in a dry run): {config}"
+    return Part(f"train-{family}-{config}", what, seconds, command, f"train-{family}/{config}.json", cuda_only)
+
+
+def _tests(run: Run) -> list[str]:
+    return _python("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs",
+                   f"--junitxml={run.results / 'tests.xml'}", *GPU_TESTS)
+
+
+def _plan(run: Run) -> list[str]:
+    sizes = (["--model", "test", "--minutes", "0.4", "--examples", "2000", "--max-answer-words", "40",
+              "--calibration-budget", "10s", "--checkpoint-interval", "10s"] if run.dry_run
+             else ["--model", "smollm2", "--tokenizer", str(TOKENIZER), "--minutes", "3"])
+    return _python("benchmarks/plan_accuracy.py", *sizes, "--work", str(run.work / "plan"),
+                   "--out", str(run.results / "plan-smollm2.json"))
+
+
+EIGHT_B = "needs CUDA: a Llama-3-8B shape is 16 GB of bf16 weights"
+PARTS = [
+    Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
+    *[_train_part("smollm2", config, 60 if config != "ours" else 150) for config in BENCH_CONFIGS],
+    *[_train_part("llama3-8b", config, {"before": 200, "after": 120, "hf_flattening": 90, "ours": 270}[config], EIGHT_B)
+      for config in BENCH_CONFIGS],
+    Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
+         "plan-smollm2.json"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on a CPU: the test suite's tiny Llama; CUDA-only parts skipped")
+    parser.add_argument("--prepare", action="store_true", help="download the wheels and the tokenizer into .gpu/")
+    parser.add_argument("--python-version", default=HOST_PYTHON, help="--prepare: the GPU host's Python")
+    parser.add_argument("--results", type=Path, help="default: benchmarks/results/gpu-check-<device>-<date>, "
+                                                     "or .gpu/dry-run for --dry-run")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-gpu-check"))
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds this command may take")
+    parser.add_argument("--parts", nargs="+", help="only these parts (names as in the summary)")
+    parser.add_argument("--retry-failed", action="store_true", help="run failed parts again")
+    args = parser.parse_args()
+    if args.prepare:
+        return prepare(args.python_version)
+
+    began = time.monotonic()
+    installed = install_missing()
+    if SITE.is_dir():
+        sys.path.insert(0, str(SITE))  # the environment's report sees what the parts will import
+    environment = describe_environment(installed)
+    cuda = environment["cuda_available"]
+    if not cuda and not args.dry_run:
+        print("no CUDA device here: run on a GPU host, or `make gpu-check DRY_RUN=1` for the CPU dry run")
+        return 2
+    results = args.results or (GPU_DIR / "dry-run" if args.dry_run else
+                               ROOT / "benchmarks" / "results" / f"gpu-check-{environment['slug']}")
+    (results / "parts").mkdir(parents=True, exist_ok=True)
+    run = Run(results=results.resolve(), work=args.work, dry_run=args.dry_run,
+              budget=args.budget - (time.monotonic() - began), retry_failed=args.retry_failed)
+    write_json(run.results / "environment.json", environment)
+    left = [part.name for part in PARTS if (not args.parts or part.name in args.parts) and not run_part(part, run)]
+    summary = collect(run.results)
+    write_json(run.results / "summary.json", summary)
+    (run.results / "summary.md").write_text(render_summary(summary))
+    failed = [p.name for p in PARTS if _status(run.results, p.name).get("status") == "failed"]
+    print(f"results: {run.results}/summary.md")
+    if left:
+        print(f"time budget spent; left: {', '.join(left)}. Run the same command again to continue.")
+        return 3
+    return 1 if failed else 0
+
+
+def run_part(part: Part, run: Run) -> bool:
+    """Run one part unless it finished before; False when it is left for the next invocation."""
+    status_file = run.results / "parts" / f"{part.name}.json"
+    previous = _status(run.results, part.name)
+    if previous and (previous["status"] != "failed" or not run.retry_failed):
+        print(f"[{part.name}] {previous['status']} earlier, kept")
+        return True
+    if run.dry_run and part.cuda_only:
+        write_json(status_file, {"part": part.name, "status": "skipped", "reason": part.cuda_only})
+        print(f"[{part.name}] skipped: {part.cuda_only}")
+        return True
+    if run.left() < (10 if run.dry_run else part.seconds):
+        return False
+    log = run.results / "parts" / f"{part.name}.log"
+    print(f"[{part.name}] {part.what} (expected {part.seconds} s on an H100, {run.left():.0f} s left)", flush=True)
+    began = time.monotonic()
+    with open(log, "w") as handle:
+        process = subprocess.Popen(part.command(run), cwd=ROOT, env=run.env(), stdout=handle,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=max(1.0, run.left()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # its DataLoader workers and spawned measurements too
+            process.wait()
+            print(f"[{part.name}] stopped at the end of the budget; the next run redoes it")
+            return False
+    seconds = round(time.monotonic() - began, 1)
+    produced = (run.results / part.result).is_file()
+    status = {"part": part.name, "status": "ok" if code == 0 and produced else "failed", "seconds": seconds,
+              "result": part.result}
+    if status["status"] == "failed":
+        status["returncode"] = code
+        status["log_tail"] = log.read_text(errors="replace")[-4000:]
+    write_json(status_file, status)
+    print(f"[{part.name}] {status['status']} in {seconds} s", flush=True)
+    return True
+
+
+def _status(results: Path, name: str) -> dict:
+    path = results / "parts" / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ---------------------------------------------------------------------------------------------- install, prepare
+
+def _wheel_module(wheel: Path) -> str:
+    return wheel.name.split("-")[0].lower()  # distribution names in wheel files are normalised to underscores
+
+
+def install_missing() -> list[str]:
+    """Install into .gpu/site the carried wheels whose package this interpreter cannot import."""
+    missing = [w for w in sorted(WHEELS.glob("*.whl")) if importlib.util.find_spec(_wheel_module(w)) is None]
+    if not missing:
+        return []
+    if importlib.util.find_spec("pip") is None:  # a uv venv (the CPU dry run): it has what the project needs
+        print(f"no pip in {sys.executable}: carried wheels not installed ({', '.join(w.name for w in missing)})")
+        return []
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, missing)], check=True)
+    print(f"installed into {SITE.relative_to(ROOT)}: {', '.join(w.name for w in missing)}")
+    return [w.name for w in missing]
+
+
+def prepare(python_version: str) -> int:
+    """Download what the GPU host lacks (no network there), and SmolLM2's tokenizer; check the 64 MiB limit."""
+    shutil.rmtree(WHEELS, ignore_errors=True)  # one version of each package: two would stop the install there
+    WHEELS.mkdir(parents=True)
+    lock = {p["name"]: p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
+    wanted = {name: lock[name] for name in FROM_LOCK} | OPTIONAL
+    platforms = [arg for platform_tag in PLATFORMS for arg in ("--platform", platform_tag)]
+    for name, version in wanted.items():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(WHEELS),
+                        f"{name}=={version}"], check=True)
+    sys.path.insert(0, str(ROOT))
+    from phase1a.config import ModelConfig
+    from phase1a.models import load_tokenizer, resolve_model
+
+    load_tokenizer(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))).save_pretrained(TOKENIZER)
+    carried = sum(p.stat().st_size for p in (WHEELS, TOKENIZER) for p in p.rglob("*") if p.is_file())
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0")
+               if name and (ROOT / name).is_file())
+    total = carried + tree
+    print(f"{WHEELS.relative_to(ROOT)} and {TOKENIZER.relative_to(ROOT)}: {carried / 1024**2:.1f} MiB; "
+          f"with the tracked tree {total / 1024**2:.1f} MiB of the {CARRY_LIMIT / 1024**2:.0f} MiB a lease carries")
+    return 0 if total <= CARRY_LIMIT else 1
+
+
+# ------------------------------------------------------------------------------------------- environment, summary
+
+def describe_environment(installed: list[str]) -> dict:
+    """Device, driver, CUDA and package versions, date, command and commit: what every result is read against."""
+    import torch
+
+    versions = {}
+    for module in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger_kernel",
+                   "bitsandbytes", "flash_attn", "triton"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - absent, or broken on this host: both are facts for the summary
+            versions[module] = None
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "device": device, "cuda_available": cuda, "driver": _driver() if cuda else None,
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 1024**3, 1) if cuda else None,
+        "python": platform.python_version(), "machine": platform.node(), "versions": versions,
+        "installed_from_wheels": installed, "commit": commit.stdout.strip() or None,
+        "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",
+    }
+
+
+def _driver() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+    return query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout.strip() else None
+
+
+def _slug(device: str) -> str:
+    words = device.lower().replace("nvidia", "").replace("(", " ").replace(")", " ").split()
+    return "-".join(words)[:40] or "device"
+
+
+def collect(results: Path) -> dict:
+    """Every part's status and result in one document."""
+    summary = {"environment": json.loads((results / "environment.json").read_text()),
+               "parts": {part.name: _status(results, part.name) for part in PARTS}}
+    summary["tests"] = _junit(results / "tests.xml")
+    for family in FAMILIES:
+        files = [results / f"train-{family}" / f"{config}.json" for config in BENCH_CONFIGS]
+        rows = [json.loads(path.read_text()) for path in files if path.is_file()]
+        summary[f"train-{family}"] = {"results": rows, **speedups(rows)}
+    plan = results / "plan-smollm2.json"
+    summary["plan-smollm2"] = json.loads(plan.read_text()) if plan.is_file() else None
+    return summary
+
+
+def _junit(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    import xml.etree.ElementTree as ElementTree
+
+    cases = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        outcome, detail = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                outcome, detail = tag, (element.get("message") or "")[:300]
+        cases.append({"test": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0), "detail": detail})
+    return cases
+
+
+def render_summary(summary: dict) -> str:
+    env = summary["environment"]
+    lines = [f"# GPU check: {env['device']}, {env['date'][:10]}", "",
+             f"- command: `{env['command']}` (commit {env['commit']})",
+             f"- device: {env['device']}" + (f", {env['gpu_memory_gib']} GiB, driver {env['driver']}, CUDA "
+                                             f"{env['cuda']}, cuDNN {env['cudnn']}" if env["cuda_available"] else "")
+             + f"; Python {env['python']}; installed from carried wheels: "
+             + (", ".join(env["installed_from_wheels"]) or "nothing"),
+             "- packages: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
+             "- not installed: " + (", ".join(k for k, v in env["versions"].items() if not v) or "none"), "",
+             "## Parts", "", "| part | status | seconds | note |", "|---|---|---|---|"]
+    for name, status in summary["parts"].items():
+        note = status.get("reason") or (f"exit {status['returncode']}" if "returncode" in status else "")
+        lines.append(f"| {name} | {status.get('status', 'not run yet')} | {status.get('seconds', '')} | {note} |")
+    if summary["tests"]:
+        lines += ["", "## Tests (`pytest -m gpu`)", "", "| test | outcome | seconds | detail |", "|---|---|---|---|"]
+        lines += [f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['detail']} |" for t in summary["tests"]]
+    for family in FAMILIES:
+        lines += _train_section(summary[f"train-{family}"])
+    lines += _goals_section(summary["train-llama3-8b"])
+    lines += _plan_section(summary["plan-smollm2"])
+    return "\n".join(lines) + "\n"
+
+
+def _train_section(train: dict) -> list[str]:
+    if not train["results"]:
+        return []
+    model = train["results"][0]["model"]
+    title = f"{FAMILIES.get(model, model + ' model (the dry run)')}, randomly initialised"
+    lines = ["", f"## Train throughput, {title}; LoRA r=16 on every projection", "",
+             "| config | rows | micro x accum | checkpointing | useful tokens/s | MFU | TFLOP/s | peak GiB | padding |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in train["results"]:
+        rows = f"packed, {r['max_seq_length']}" if r.get("packed") else f"padded to {r['max_seq_length']}"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        lines.append(f"| {r['config']} | {rows} | {r['micro_batch_size']} x {r['accumulation']} | "
+                     f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['useful_tokens_per_s']:,.0f} | {mfu} | "
+                     f"{r['model_tflops_per_s']:.3g} | {r['peak_memory_gib']:.2f} | {r['padding_waste']:.0%} |")
+    speedups = [f"{train[k]}x {k.removeprefix('speedup_vs_')}" for k in train if k.startswith("speedup_vs_")]
+    if speedups:
+        lines += ["", "Ours against: " + ", ".join(speedups) + "."]
+    return lines
+
+
+def _goals_section(train: dict) -> list[str]:
+    ours = next((r for r in train["results"] if r["config"] == "ours"), None)
+    if ours is None:
+        return []
+    measured = {"mfu": ours.get("mfu"), **{k: train.get(k) for k in GOALS if k.startswith("speedup")}}
+    lines = ["", "## Goals, Llama-3-8B shape", "", "| goal | target | measured | met |", "|---|---|---|---|"]
+    for key, target in GOALS.items():
+        value = measured.get(key)
+        met = "n/a" if value is None else ("yes" if value >= target else "no")
+        lines.append(f"| {key} | {target:g} | {value if value is not None else 'n/a'} | {met} |")
+    if ours.get("profile") and any(measured.get(k) is not None and measured[k] < t for k, t in GOALS.items()):
+        lines += ["", "A goal is missed; where our steps spend their time (torch.profiler, 3 steps):", "", "```",
+                  ours["profile"].rstrip(), "```"]
+    return lines
+
+
+def _plan_section(plan: dict | None) -> list[str]:
+    if plan is None:
+        return []
+    est, act = plan["estimated"], plan["actual"]
+    return ["", f"## The plan against the clock ({plan['model']}, window {plan['window_seconds']:.0f} s)", "",
+            "| | estimated | actual |", "|---|---|---|",
+            f"| startup s | {est['startup_seconds']} | {act['startup_seconds']} |",
+            f"| train s | {est['train_seconds']} | {act['train_seconds']} |",
+            f"| checkpoints | {est['checkpoints']} | {act['checkpoints']} |",
+            f"| tokens/s | {est['tokens_per_second']} | {act['tokens_per_second']} |", "",
+            f"Train time estimated/actual: {plan['train_time_accuracy']}; knobs: {plan['knobs']}; "
+            f"planning took {plan['plan_seconds']} s."]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

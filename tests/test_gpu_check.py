@@ -1,0 +1,59 @@
+"""`make gpu-check DRY_RUN=1`: every part of the GPU proof runs on the test suite's tiny Llama on this CPU, so the
+script cannot rot between GPU leases. Three invocations as a short lease would see them: one with no time left
+(nothing starts, the parts are left for later), one that runs a single part, and one that keeps it and runs the rest."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--results", str(tmp_path / "results"),
+               "--work", str(tmp_path / "work"), *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
+    results = tmp_path / "results"
+    no_time = gpu_check(tmp_path, "--budget", "1")
+    assert no_time.returncode == 3, no_time.stdout + no_time.stderr
+    assert "Run the same command again to continue" in no_time.stdout
+    assert "| tests | not run yet |" in (results / "summary.md").read_text()
+
+    first = gpu_check(tmp_path, "--parts", "tests")
+    assert first.returncode == 0, first.stdout + first.stderr
+    rest = gpu_check(tmp_path)
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    assert "[tests] ok earlier, kept" in rest.stdout
+
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["environment"]["device"].startswith("CPU") and summary["environment"]["commit"]
+    statuses = {name: status["status"] for name, status in summary["parts"].items()}
+    assert {s for name, s in statuses.items() if "llama3-8b" in name} == {"skipped"}
+    assert {s for name, s in statuses.items() if "llama3-8b" not in name} == {"ok"}
+    assert summary["parts"]["train-llama3-8b-ours"]["reason"].startswith("needs CUDA")
+
+    # Every GPU test ran to a skip that names what it needs; none failed or errored on a machine without CUDA.
+    assert summary["tests"] and {t["outcome"] for t in summary["tests"]} == {"skipped"}
+    assert all("CUDA" in t["detail"] or "needs" in t["detail"] for t in summary["tests"])
+
+    train = {r["config"]: r for r in summary["train-smollm2"]["results"]}
+    assert set(train) == {"before", "after", "hf_flattening", "ours"}
+    assert all(r["useful_tokens_per_s"] > 0 and r["useful_tokens"] == train["ours"]["useful_tokens"]
+               for r in train.values())  # the same examples measured by every configuration
+    assert train["before"]["padding_waste"] > 0.5 and train["ours"]["padding_waste"] == 0.0
+    assert train["hf_flattening"]["padding_waste"] == 0.0 and train["ours"]["profile"]
+    assert summary["train-smollm2"]["speedup_vs_before"] > 1.0
+
+    plan = summary["plan-smollm2"]
+    assert plan["calibrated"] and plan["window_seconds"] == 24
+    assert plan["estimated"]["train_seconds"] > 0 and plan["actual"]["train_seconds"] > 0
+    assert 0.2 < plan["train_time_accuracy"] < 5.0  # a calibrated estimate, not a guess by orders of magnitude
+
+    markdown = (results / "summary.md").read_text()
+    for section in ("## Parts", "## Tests (`pytest -m gpu`)", "## Train throughput, test model",
+                    "## The plan against the clock"):
+        assert section in markdown
+    assert "| train-llama3-8b-before | skipped |" in markdown

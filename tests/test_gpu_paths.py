@@ -1,0 +1,122 @@
+"""The GPU paths on a CUDA device: packed rows in bf16 under each attention implementation the plan can pick, the
+4-bit (NF4) base, the 8-bit optimizer, torch.compile, NVML utilisation and the train stage itself. Every test
+here skips without CUDA; `make gpu-check` runs them (with test_speedups.py's CUDA tests) as `pytest -m gpu`.
+
+Tolerances are bf16's: 8 bits of mantissa, so sums of a few hundred terms agree to about 1e-2 relative.
+"""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from phase1a.config import MethodConfig
+from phase1a.modeling import build_model, make_optimizer
+from phase1a.packing import TokenRows, pack, summed_loss
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.train import TrainSettings, train
+from conftest import date_records, make_tokenizer, write_jsonl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2, liger="off")
+BF16 = 2e-2
+
+
+def _needs(package: str):
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"needs {package}")
+
+
+@pytest.fixture(scope="module")
+def train_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("gpu-paths")
+    data = write_jsonl(root / "d.jsonl", date_records(48))
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+
+
+def _on_cuda(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cuda() for k, v in batch.items()}
+
+
+def _step(model, optimizer, batch) -> float:
+    loss, _, tokens = summed_loss(model, batch)
+    (loss / tokens).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item() / tokens
+
+
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flash_attention_2", marks=_needs("flash_attn"))])
+def test_packed_loss_equals_per_example_loss_in_bf16(tiny_model_dir, train_path, attention):
+    """Packed rows stop at example boundaries under the implementation training runs: SDPA's block-diagonal mask,
+    FlashAttention's varlen kernel (cumulative lengths from the restarting position_ids)."""
+    model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False).eval()
+    assert model.config._attn_implementation == attention and next(model.parameters()).dtype == torch.bfloat16
+    rows, indices = TokenRows.from_arrow(train_path), np.arange(8)
+    with torch.no_grad():
+        packed, correct, tokens = summed_loss(model, _on_cuda(pack(rows, indices)))
+        alone = [summed_loss(model, _on_cuda(pack(rows, np.array([i])))) for i in indices]
+    assert tokens == sum(t for _, _, t in alone)
+    assert packed.item() == pytest.approx(sum(loss.item() for loss, _, _ in alone), rel=BF16)
+
+
+def test_compile_on_cuda_leaves_the_packed_loss_unchanged(tiny_model_dir, train_path):
+    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(6)))
+    eager = build_model(tiny_model_dir, METHOD, False)
+    compiled = build_model(tiny_model_dir, METHOD, False, compile=True)
+    with torch.no_grad():
+        assert summed_loss(compiled, batch)[0].item() == pytest.approx(summed_loss(eager, batch)[0].item(), rel=BF16)
+
+
+@_needs("bitsandbytes")
+def test_a_4bit_base_trains_its_lora_adapter(tiny_model_dir, train_path):
+    """QLoRA: the base's linear layers are NF4, only the adapter trains, and steps lower the loss."""
+    import bitsandbytes as bnb
+
+    model = build_model(tiny_model_dir, METHOD.model_copy(update={"base_precision": "4bit"}), False)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    optimizer = make_optimizer(model, METHOD)
+    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(8)))
+    losses = [_step(model, optimizer, batch) for _ in range(6)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@_needs("bitsandbytes")
+def test_the_8bit_optimizer_follows_adamw(tiny_model_dir, train_path):
+    """8-bit state is a memory saving, not another algorithm: its steps lower the loss as AdamW's do. Rank 64
+    makes the q/o/MLP adapters 4,096 elements, the size from which bitsandbytes keeps their state in 8 bits."""
+    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(8)))
+    curves, states = {}, {}
+    for name in ("adamw", "adamw_8bit"):
+        torch.manual_seed(0)
+        method = METHOD.model_copy(update={"optimizer": name, "lora": {"r": 64, "alpha": 128}})
+        model = build_model(tiny_model_dir, method, False)
+        optimizer = make_optimizer(model, method)
+        curves[name] = [_step(model, optimizer, batch) for _ in range(6)]
+        states[name] = {v.dtype for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)}
+    assert torch.uint8 in states["adamw_8bit"] and torch.uint8 not in states["adamw"]
+    assert curves["adamw_8bit"][-1] < curves["adamw_8bit"][0]
+    assert curves["adamw_8bit"][-1] == pytest.approx(curves["adamw"][-1], rel=0.1)
+
+
+def test_gpu_utilization_is_read_through_nvml():
+    from phase1a.progress import _gpu_utilization
+
+    utilization = _gpu_utilization()
+    assert utilization is not None and 0 <= utilization <= 100
+
+
+def test_the_train_stage_runs_in_bf16_with_tf32_and_reports_mfu(tiny_model_dir, train_path, tmp_path):
+    from phase1a.hardware import detect
+
+    settings = TrainSettings(model_dir=str(tiny_model_dir), train_path=train_path, output_dir=str(tmp_path / "run"),
+                             method=METHOD.model_copy(update={"epochs": 1}), micro_batch_size=4,
+                             gradient_checkpointing=True, dataloader_workers=2, checkpoint_interval="2steps",
+                             show_progress=False, model_flops_per_token=1e6, peak_flops=detect()[1].peak_flops)
+    result = train(settings)
+    assert result.steps == 6 and result.final_loss is not None and np.isfinite(result.final_loss)
+    assert torch.backends.cuda.matmul.allow_tf32
+    assert result.checkpoints_written == 2 and Path(result.adapter_dir, "adapter_model.safetensors").is_file()
+    if detect()[1].peak_flops:  # a catalogue GPU: MFU is reported
+        assert result.mean_mfu is not None and result.mean_mfu > 0
