@@ -134,11 +134,20 @@ def measure_on_the_fly(data: str, model_dir: str, limit: int, queue) -> None:
 
 
 def _in_process(target, *args) -> dict:
+    """`target(*args, queue)` in a spawned process; its result, or an error when it dies without one."""
+    import queue as queues
+
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     process = context.Process(target=target, args=(*args, queue))
     process.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            if not process.is_alive():
+                raise RuntimeError(f"{target.__name__} exited with code {process.exitcode} and no result") from None
     process.join()
     return result
 

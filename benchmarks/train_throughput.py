@@ -12,12 +12,16 @@ and ours, one run, same data, same model, same examples measured.
                  one row with restarting position_ids), 8 x 2, fused AdamW, TF32, 4 workers on a GPU, no checkpointing:
                  the strongest setup a peer gets from the library's own parts
   ours           packed rows (no padding), the knobs our plan picks by calibration on this machine, fused AdamW
+  trl_sft        (asked for by name, with TRL installed beside the project) TRL's SFTTrainer with
+                 `padding_free=True` on the same chat records, tokenized by TRL itself, 8 x 2: its own token
+                 count is its useful tokens
 
 Each configuration runs in its own process (its peak memory is its own) on a freshly loaded copy of the same
-randomly initialised model (weights do not change speed), LoRA r=16 on every projection, the same attention
-implementation for all. After one warm-up optimizer step, the same `--measured` examples are timed. Useful
-tokens are the examples' own (truncated to the configuration's length); padding waste is the share of computed
-tokens that were padding. MFU counts model FLOPs (4N a token for LoRA plus attention, the same count for every
+randomly initialised model (weights do not change speed), LoRA r=16 on every projection. The peers attend with
+transformers' SDPA (a padding mask, or for flattened rows the block-diagonal mask it builds from the restarting
+position_ids); ours with the implementation our plan picks (`method.attention: auto`). After one warm-up
+optimizer step, the same `--measured` examples are timed. Useful tokens are the examples' own (truncated to the
+configuration's length); padding waste is the share of computed tokens that were padding. MFU counts model FLOPs (4N a token for LoRA plus attention, the same count for every
 configuration) of the useful tokens over the GPU's dense bf16 peak; a CPU has no peak in the catalogue, so
 there the achieved TFLOP/s are reported instead.
 
@@ -50,6 +54,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: t
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
 }
 CONFIGS = ("before", "after", "hf_flattening", "ours")
+OPTIONAL_CONFIGS = ("trl_sft",)  # a package outside the project: `uv run --with trl ...`
 SMALL_VOCABULARY = ("test", "tiny")  # shapes that take the test suite's tokenizer
 GLOBAL_BATCH = 16  # ours and hf_flattening; the field notes' "after" ran 8
 WARMUP_EXAMPLES = 16  # one optimizer step of 16 examples warms every configuration up
@@ -104,7 +109,7 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
     from phase1a.packing import IGNORE_INDEX, TokenRows
 
     rows = TokenRows.from_arrow(train_path, length)
-    method = MethodConfig(optimizer="adamw", liger="off")
+    method = MethodConfig(optimizer="adamw", liger="off", attention="sdpa")
     model = build_model(Path(model_dir), method, checkpointing)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32  # build_model turns it on
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -147,32 +152,20 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
     """Hugging Face Trainer, padding-free: `DataCollatorWithFlattening` makes each micro-batch one row whose
     position_ids restart at every example, which transformers' attention turns into per-example attention."""
     import torch
-    from torch.utils.data import SequentialSampler
-    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     from phase1a.config import MethodConfig
     from phase1a.modeling import build_model
     from phase1a.packing import TokenRows
 
     rows = TokenRows.from_arrow(train_path, length)
-    model = build_model(Path(model_dir), MethodConfig(liger="off"), gradient_checkpointing=False)
+    model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
     cuda = torch.cuda.is_available()
     examples = [{"input_ids": rows.input_ids[int(rows.offsets[i]):rows.end(i)].tolist(),
                  "labels": rows.labels[int(rows.offsets[i]):rows.end(i)].tolist()} for i in indices]
 
-    class Clock(TrainerCallback):
-        began: float | None = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:  # after one warm-up optimizer step, as for the others
-                self.began = _start_clock()
-
-    class InOrder(Trainer):  # the same examples in the same steps as the other configurations
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
     accumulation = GLOBAL_BATCH // micro
-    clock = Clock()
+    clock = _step_clock()
     with tempfile.TemporaryDirectory() as output_dir:
         arguments = TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
@@ -180,13 +173,83 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
             bf16=cuda, tf32=True if cuda else None, optim="adamw_torch_fused" if cuda else "adamw_torch",
             dataloader_num_workers=workers, dataloader_pin_memory=cuda, logging_strategy="no", save_strategy="no",
             report_to="none", remove_unused_columns=False, disable_tqdm=True, max_grad_norm=1.0, seed=0)
-        InOrder(model=model, args=arguments, train_dataset=examples, data_collator=DataCollatorWithFlattening(),
-                callbacks=[clock]).train()
+        _in_order(Trainer)(model=model, args=arguments, train_dataset=examples,
+                           data_collator=DataCollatorWithFlattening(), callbacks=[clock]).train()
     _sync()
     useful = int(rows.lengths()[indices[WARMUP_EXAMPLES:]].sum())
     queue.put(_summary("hf_flattening", time.perf_counter() - clock.began, useful, useful, {
         "max_seq_length": length, "micro_batch_size": micro, "accumulation": accumulation,
         "gradient_checkpointing": False, "dataloader_workers": workers, "tf32": cuda, "packed": True}))
+
+
+def measure_trl_sft(model_dir: str, data_path: str, count: int, length: int, micro: int, queue) -> None:
+    """TRL's SFTTrainer, padding-free, on the first `count` chat records in order: the peer most users start from."""
+    import torch
+    from datasets import load_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from phase1a.config import MethodConfig
+    from phase1a.modeling import build_model
+
+    model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
+    cuda = torch.cuda.is_available()
+    accumulation = GLOBAL_BATCH // micro
+    records = load_dataset("json", data_files=data_path, split="train").select(range(count))
+    clock, tokens = _step_clock(), []
+    with tempfile.TemporaryDirectory() as output_dir:
+        arguments = SFTConfig(
+            # TRL refuses max_length with padding-free rows unless it packs; the records are within it anyway.
+            output_dir=output_dir, padding_free=True, max_length=None, per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation, max_steps=count // GLOBAL_BATCH, learning_rate=1e-4,
+            lr_scheduler_type="constant", bf16=cuda, logging_strategy="no", save_strategy="no", report_to="none",
+            dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        trainer = _in_order(SFTTrainer)(model=model, args=arguments, train_dataset=records,
+                                        processing_class=load_tokenizer_of(model_dir), callbacks=[clock])
+        collate = trainer.data_collator
+
+        def counting(features):  # in this process: no loader workers
+            batch = collate(features)
+            tokens.append(int(batch["input_ids"].numel()))
+            return batch
+
+        trainer.data_collator = counting
+        trainer.train()
+    _sync()
+    useful = sum(tokens[accumulation:])  # the first optimizer step's micro-batches warm up
+    queue.put(_summary("trl_sft", time.perf_counter() - clock.began, useful, useful, {
+        "max_seq_length": length, "micro_batch_size": micro, "accumulation": accumulation,
+        "gradient_checkpointing": False, "dataloader_workers": 0, "packed": True}))
+
+
+def _in_order(trainer_class):
+    """The Trainer feeding examples in order: the same steps of the same examples as the other configurations."""
+    from torch.utils.data import SequentialSampler
+
+    class InOrder(trainer_class):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def _step_clock():
+    """Starts the clock after the first optimizer step, as the other configurations warm up on one."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        began: float | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.began = _start_clock()
+
+    return Clock()
+
+
+def load_tokenizer_of(model_dir: str):
+    from phase1a.models import load_tokenizer
+
+    return load_tokenizer(Path(model_dir))
 
 
 def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration_budget: str, profile: bool,
@@ -292,7 +355,7 @@ class Bench:
         if tokenizer_dir is None and args.model not in SMALL_VOCABULARY:
             tokenizer_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
         self.model_dir = make_model_dir(args.model, tokenizer_dir, args.work / f"model-{args.model}")
-        data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
+        self.data_path = data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
         if not data_path.is_file():
             generate(data_path, args.examples, seed=1, max_answer_words=args.max_answer_words)
         # One fingerprint per model and data: a re-run (or the next configuration's part) reuses the tokenization.
@@ -313,6 +376,8 @@ class Bench:
         if config == "hf_flattening":  # forked loaders on a CPU only take cores from the model
             return call(measure_hf_flattening, model, train, self.indices, self.data.max_seq_length, 8,
                         4 if _cuda() else 0)
+        if config == "trl_sft":  # TRL tokenizes the records itself: the first ones of the file, as many
+            return call(measure_trl_sft, model, str(self.data_path), len(self.indices), self.data.max_seq_length, 8)
         return call(measure_ours, model, self.data.model_dump_json(), self.indices, args.calibration_budget,
                     args.profile)
 
@@ -373,7 +438,7 @@ def speedups(results: list[dict]) -> dict[str, float]:
         return {}
     ours = by_name["ours"]["useful_tokens_per_s"]
     return {f"speedup_vs_{peer}": round(ours / by_name[peer]["useful_tokens_per_s"], 2)
-            for peer in CONFIGS if peer != "ours" and peer in by_name}
+            for peer in CONFIGS + OPTIONAL_CONFIGS if peer != "ours" and peer in by_name}
 
 
 def summarise(args: argparse.Namespace, bench: Bench, results: list[dict]) -> dict:
@@ -398,7 +463,7 @@ def main() -> None:
     parser.add_argument("--measured", type=int, default=16, help="examples timed (a multiple of 16)")
     parser.add_argument("--examples", type=int, default=2000, help="examples generated (the plan's length analysis)")
     parser.add_argument("--max-answer-words", type=int, default=300)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS + OPTIONAL_CONFIGS, default=list(CONFIGS))
     parser.add_argument("--calibration-budget", default="60s", help="ours: the plan's calibration budget")
     parser.add_argument("--profile", action="store_true", help="ours: a profiler table of a few steps")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-train-bench"))

@@ -115,8 +115,10 @@ class MethodConfig(_Section):
         "adamw_fused", description="adamw_fused: one kernel, no temporaries; adamw_8bit: bitsandbytes, 2-byte state.")
     base_precision: Literal["16bit", "4bit"] = Field("16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
     liger: Literal["auto", "on", "off"] = Field("auto", description="Liger kernels on CUDA: auto uses them when installed.")
-    attention: Literal["auto", "sdpa", "flash_attention_2"] = Field(
-        "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, else SDPA.")
+    attention: Literal["auto", "sdpa_packed", "sdpa", "flash_attention_2"] = Field(
+        "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, "
+                            "else sdpa_packed (SDPA once per packed example, phase1a/attention.py); sdpa: one "
+                            "block-diagonal mask over the whole row.")
 
     @model_validator(mode="after")
     def _quantised_base_is_lora(self) -> "MethodConfig":

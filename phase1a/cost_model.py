@@ -18,10 +18,11 @@ t tokens in one micro-batch.
                  activations, which are never alive together
     logits       t*V*8: the fp32 logits the loss reads and their log-softmax (the compute-dtype logits are
                  freed as they are upcast)
-    mask         packed rows of several examples attend through a block-diagonal mask that SDPA receives as a
-                 t x t tensor: t^2 bytes (bool) plus t^2*4 (its additive float form) kept by every layer that
-                 saves its attention inputs (L, or 1 with checkpointing). Quadratic in the row: it caps the
-                 token budget of a packed row; one example a row (micro-batch 1) needs no mask
+    mask         only with `method.attention: sdpa`: packed rows of several examples attend through a
+                 block-diagonal mask that SDPA receives as a t x t tensor: t^2 bytes (bool) plus t^2*4 (its
+                 additive float form) kept by every layer that saves its attention inputs (L, or 1 with
+                 checkpointing). Quadratic in the row: it caps the token budget of a packed row. sdpa_packed and
+                 FlashAttention build none; one example a row (micro-batch 1) needs none either
     sharded      FSDP over n GPUs: weights/n + 2 layers' weights gathered whole (the one computing, the one
                  prefetched), trainable/n; activations, logits and mask stay per GPU
 Measured on CPU (fp32, torch profiler, `tests/test_cost_model.py`): activations + logits + mask + gradients
@@ -89,6 +90,7 @@ class TrainingShape(BaseModel):
     base_bits: int = 16  # 4: a quantised base (QLoRA)
     optimizer: str = "adamw_fused"
     shards: int = 1  # FSDP over this many GPUs: each holds 1/shards of weights and trainable state
+    dense_mask: bool = False  # attention `sdpa`: packed rows carry a t x t block-diagonal mask
 
 
 def model_facts(model_dir: Path) -> ModelFacts:
@@ -134,7 +136,7 @@ def memory_estimate(facts: ModelFacts, trainable: int, shape: TrainingShape, tok
         activations = t * b * (facts.layers + 4) * h + max(0, one_layer - logits)  # the recompute, past the logits
     else:
         activations = facts.layers * one_layer + t * b * 4 * h
-    mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed else 0
+    mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed and shape.dense_mask else 0
     total = weights + trainable_bytes + activations + logits + mask
     return MemoryEstimate(
         weights_gib=weights / GIB, trainable_gib=trainable_bytes / GIB, activations_gib=activations / GIB,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from phase1a import attention as _registers_sdpa_packed  # noqa: F401  (transformers finds it by name)
 from phase1a.config import MethodConfig
 from phase1a.hardware import training_device, training_dtype
 from phase1a.models import load_model
@@ -49,14 +50,15 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
 
 
 def attention_implementation(method: MethodConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """Packed rows need attention that stops at sequence boundaries. Both choices take them from the restarting
-    position_ids: SDPA as a block-diagonal mask (on CUDA that rules out its flash kernel), FlashAttention 2 as
-    cumulative sequence lengths for its varlen kernel, which computes no masked-out blocks at all."""
+    """Packed rows need attention that stops at example boundaries; every choice takes them from the restarting
+    position_ids. FlashAttention 2 (CUDA, 16-bit, flash-attn installed) as cumulative lengths for its varlen
+    kernel; else `sdpa_packed`, SDPA once per example. Both cost the sum of the examples' squared lengths.
+    `sdpa` (a dense block-diagonal mask over the row, the square of the row's length) only when asked for."""
     if method.attention != "auto":
         return method.attention  # an explicit flash_attention_2 without flash-attn fails in transformers, by name
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _installed("flash_attn"):
         return "flash_attention_2"
-    return "sdpa"
+    return "sdpa_packed"
 
 
 def _installed(module: str) -> bool:

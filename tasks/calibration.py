@@ -18,7 +18,10 @@ When several candidates were measured, the winner is measured once more and that
 estimate: the fastest of several noisy measurements is biased fast.
 
 The sweep may spend at most `plan.calibration_budget`, and at most `plan.calibration_share` of the first
-estimate of training time: a two-minute run does not get a five-minute search. What was skipped is listed.
+estimate of training time: a two-minute run does not get a five-minute search. What was skipped is listed. No
+trial runs past the budget: a trial stops after the step that crosses it (one step at least, which is the
+least that measures anything) and its speed comes from the steps it ran; where none was past warm-up, from the
+warm-up steps, which overstates the time a little. Each trial prints one line as it ends.
 """
 from __future__ import annotations
 
@@ -91,18 +94,21 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
     num_examples = len(TokenRows.from_arrow(train_path))
     order, total = example_stream(num_examples, method.epochs, method.seed)
 
-    def run(candidate: Candidate) -> Trial:
+    def run(candidate: Candidate, budget: float) -> Trial:
         set_gradient_checkpointing(model, candidate.gradient_checkpointing)
         if candidate.compile and not getattr(model, "_compiled_call_impl", None):
             model.compile(dynamic=True)
         batches = StepBatches(train_path, max_seq_length, order, method.batch_size, total,
                               token_budget(candidate.micro_batch_size, max_seq_length))
-        return _trial(model, optimizer, batches, candidate, config.hardware.calibration_steps)
+        trial = _trial(model, optimizer, batches, candidate, config.hardware.calibration_steps, began + budget)
+        print(f"calibration trial {len(trials) + 1}: {candidate.label()}: {_outcome(trial)}", flush=True)
+        return trial
 
-    best = run(start)
+    trials: list[Trial] = []
+    best = run(start, _budget_cap(config))
     if best.status != "measured":
         raise MemoryError(f"calibration: the memory model's pick ({start.label()}) could not run: {best.note}")
-    trials = [best]
+    trials.append(best)
     budget = min(_budget_cap(config), config.plan.calibration_share * train_tokens / best.tokens_per_second)
     for knob in config.plan.sweep:
         for candidate in alternatives(best.candidate, knob):
@@ -113,17 +119,17 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
                 trials.append(Trial(candidate=candidate, status="skipped",
                                     note=f"calibration budget of {budget:.0f} s spent"))
                 continue
-            trial = run(candidate)
+            trial = run(candidate, budget)
             trials.append(trial)
             if trial.status == "measured" and trial.tokens_per_second > best.tokens_per_second * (1 + _MIN_GAIN):
                 best = trial
             elif trial.status == "measured":
                 break  # slower: further steps in the same direction will not help
     speed = best.tokens_per_second
-    if sum(t.status == "measured" for t in trials) > 1:
+    if sum(t.status == "measured" for t in trials) > 1 and time.perf_counter() - began + best.seconds <= budget:
         # The fastest of several noisy measurements is biased fast (the winner's curse): a fresh measurement of
         # the winner sets the estimate.
-        confirmation = run(best.candidate).model_copy(update={"note": "the chosen candidate, measured again"})
+        confirmation = run(best.candidate, budget).model_copy(update={"note": "the chosen candidate, measured again"})
         trials.append(confirmation)
         if confirmation.status == "measured":
             speed = confirmation.tokens_per_second
@@ -137,7 +143,15 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
     )
 
 
-def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: int) -> Trial:
+def _outcome(trial: Trial) -> str:
+    if trial.status == "measured":
+        speed = f"{trial.tokens_per_second:.0f} tokens/s in {trial.seconds:.0f} s"
+        return f"{speed} ({trial.note})" if trial.note else speed
+    return f"{trial.status}: {trial.note}"
+
+
+def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: int, deadline: float) -> Trial:
+    """Warm-up and measured steps of one candidate, stopping after the step that crosses `deadline`."""
     from tasks.train import optimizer_step
 
     count = _WARMUP_STEPS + steps
@@ -156,6 +170,8 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
             durations.append(now - last)
             tokens.append(step_tokens)
             last = now
+            if now > deadline:
+                break
     except torch.cuda.OutOfMemoryError as error:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
@@ -166,10 +182,14 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
         return Trial(candidate=candidate, status="failed", seconds=time.perf_counter() - began,
                      note=f"{type(error).__name__}: {error}".splitlines()[0][:300])
     measured = sorted(zip(durations[_WARMUP_STEPS:], tokens[_WARMUP_STEPS:]))
+    note = "" if len(durations) == count else f"cut at the budget after {len(durations)} of {count} steps"
+    if not measured:  # cut during warm-up: its steps are all there is, and they are the slow ones
+        measured, durations, tokens = sorted(zip(durations, tokens)), [], []
+        note += "; speed from warm-up steps"
     kept = measured[:-1] if len(measured) >= 4 else measured  # one outlier (a page-fault burst) does not count
     per_token = sum(d for d, _ in kept) / sum(t for _, t in kept)  # a ratio of sums: per-step overheads count
     excess = sum(d - t * per_token for d, t in zip(durations[:_WARMUP_STEPS], tokens[:_WARMUP_STEPS]))
-    return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token,
+    return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token, note=note,
                  warmup_excess_seconds=max(0.0, excess), seconds=time.perf_counter() - began,
                  peak_memory_gib=torch.cuda.max_memory_allocated() / 1024**3 if cuda else None)
 

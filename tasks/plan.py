@@ -33,7 +33,7 @@ from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import RunRecord, latest_run
 from phase1a.lengths import right_size
-from phase1a.modeling import release_device_memory
+from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.options import OptionRow, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.units import Interval, parse_duration_seconds, parse_interval
@@ -67,6 +67,7 @@ class Plan(BaseModel):
     precision: str
     base_precision: str
     optimizer: str
+    attention: str = "sdpa"  # the implementation training runs (phase1a/modeling.py: attention_implementation)
     micro_batch_size: int
     gradient_accumulation: int
     gradient_checkpointing: bool
@@ -115,9 +116,11 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     if not present:
         notes.append(f"target {config.hardware.target} ({target.name}) is not present; this machine has {detected.name}")
     dtype = training_dtype(training_device()) if present else torch.bfloat16
+    attention = attention_implementation(method, training_device(), dtype)
     shape = TrainingShape(full=method.kind == "full", weight_bytes=torch.finfo(dtype).bits // 8,
                           base_bits=4 if method.base_precision == "4bit" else 16, optimizer=method.optimizer,
-                          shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1)
+                          shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1,
+                          dense_mask=attention == "sdpa")
     trainable = facts.parameters if shape.full else lora_parameters(facts, method.lora.r, method.lora.target_modules)
     available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
 
@@ -206,7 +209,7 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     return Plan(
         profile=profile, epochs=epochs, adjustments=adjustments, target=config.hardware.target, detected=detected.name,
         calibrated=throughput.source == "measured", precision=str(dtype).removeprefix("torch."),
-        base_precision=method.base_precision, optimizer=method.optimizer,
+        base_precision=method.base_precision, optimizer=method.optimizer, attention=attention,
         micro_batch_size=chosen.micro_batch_size, gradient_accumulation=method.batch_size // chosen.micro_batch_size,
         gradient_checkpointing=chosen.gradient_checkpointing, compile=chosen.compile,
         dataloader_workers=chosen.dataloader_workers, max_seq_length=max_seq_length, model=facts,
@@ -346,7 +349,8 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
 def format_plan(plan: Plan) -> str:
     e = plan.estimate
     lines = [f"hardware: {plan.target} (running on {plan.detected}); throughput {plan.throughput_source}",
-             f"precision {plan.precision} (base {plan.base_precision}, optimizer {plan.optimizer}), micro-batch "
+             f"precision {plan.precision} (base {plan.base_precision}, optimizer {plan.optimizer}), attention "
+             f"{plan.attention}, micro-batch "
              f"{plan.micro_batch_size} x accumulation {plan.gradient_accumulation}, gradient checkpointing "
              f"{_on(plan.gradient_checkpointing)}, compile {_on(plan.compile)}, dataloader workers "
              f"{plan.dataloader_workers}, max_seq_length {plan.max_seq_length}",

@@ -77,3 +77,38 @@ def test_alternatives_offer_only_what_the_memory_model_admits():
         assert memory.total_gib <= 50
     assert propose(start, "dataloader_workers")[0].dataloader_workers >= 1
     assert propose(start, "compile")[0].compile
+
+
+def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_model_dir, train_path):
+    """A deadline already behind it: the trial runs its one unavoidable step and takes its speed from it."""
+    import time
+
+    from phase1a.config import MethodConfig
+    from phase1a.modeling import build_model, make_optimizer
+    from phase1a.packing import StepBatches, example_stream, token_budget
+    from tasks.calibration import _WARMUP_STEPS, _trial
+
+    method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
+    model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
+    order, total = example_stream(64, 1.0, seed=0)
+    batches = StepBatches(train_path, 256, order, 8, total, token_budget(4, 256))
+    candidate = Candidate(micro_batch_size=4, gradient_checkpointing=False)
+    trial = _trial(model, make_optimizer(model, method), batches, candidate, steps=3, deadline=time.perf_counter())
+    assert trial.status == "measured" and trial.tokens_per_second > 0
+    assert trial.note == f"cut at the budget after 1 of {_WARMUP_STEPS + 3} steps; speed from warm-up steps"
+    assert trial.warmup_excess_seconds == 0.0
+
+
+def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train_path, capsys):
+    """A one-second budget: the sweep ends within it, give or take the one step that crosses it, and prints a
+    line per trial."""
+    settings = config(tmp_path, tiny_model_dir, calibration_budget="1s", calibration_share=1.0)
+    start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
+    result = calibrate(settings, tiny_model_dir, train_path, 256, start,
+                       lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})], train_tokens=10**9,
+                       work_dir=tmp_path / "run")
+    assert {t.status for t in result.trials} <= {"measured", "skipped"}
+    one_step = max(t.seconds for t in result.trials)  # a trial's time bounds each of its steps
+    budget_from = max(1.0, result.startup_seconds)  # a start-up past the budget leaves the first trial one step
+    assert result.seconds - result.checkpoint_seconds <= budget_from + one_step + 0.5
+    assert "calibration trial 1: micro 8, checkpointing off" in capsys.readouterr().out

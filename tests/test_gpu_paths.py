@@ -46,10 +46,12 @@ def _step(model, optimizer, batch) -> float:
     return loss.item() / tokens
 
 
-@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flash_attention_2", marks=_needs("flash_attn"))])
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa_packed",
+                                       pytest.param("flash_attention_2", marks=_needs("flash_attn"))])
 def test_packed_loss_equals_per_example_loss_in_bf16(tiny_model_dir, train_path, attention):
     """Packed rows stop at example boundaries under the implementation training runs: SDPA's block-diagonal mask,
-    FlashAttention's varlen kernel (cumulative lengths from the restarting position_ids)."""
+    SDPA once per example (its flash kernel), FlashAttention's varlen kernel (cumulative lengths from the
+    restarting position_ids)."""
     model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False).eval()
     assert model.config._attn_implementation == attention and next(model.parameters()).dtype == torch.bfloat16
     rows, indices = TokenRows.from_arrow(train_path), np.arange(8)

@@ -15,8 +15,13 @@ def rows() -> TokenRows:
     return TokenRows(np.concatenate(ids), np.concatenate(labels), np.concatenate([[0], np.cumsum(lengths)]))
 
 
-def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa_packed", "eager"])
+def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
+    """Every CPU attention the plan can pick keeps a packed row's examples apart (FlashAttention 2 on CUDA:
+    test_gpu_paths.py)."""
+    import phase1a.attention  # noqa: F401  (registers sdpa_packed)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention).eval()
     indices = np.arange(len(rows))
     with torch.no_grad():
         packed_loss, packed_correct, packed_tokens = summed_loss(model, pack(rows, indices))

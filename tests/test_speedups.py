@@ -74,6 +74,19 @@ def test_torch_compile_leaves_loss_and_gradients_unchanged(tiny_model_dir, train
     assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints keep their keys
 
 
+def test_per_example_attention_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
+    """sdpa_packed (SDPA once per example) against SDPA's block-diagonal mask over the whole row."""
+    batch = packed_batch(train_path)
+    results = []
+    for attention in ("sdpa", "sdpa_packed"):
+        torch.manual_seed(0)  # the same LoRA initialisation for both
+        model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False)
+        model.train()
+        assert model.config._attn_implementation == attention
+        results.append(loss_and_grads(model, batch))
+    assert_same(*results, tolerance=1e-5)
+
+
 def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, train_path):
     batch = packed_batch(train_path)
     weights = {}
@@ -155,13 +168,13 @@ def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_pat
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     without = MethodConfig()
     if importlib.util.find_spec("flash_attn") is None:
-        assert attention_implementation(without, cuda, torch.bfloat16) == "sdpa"
+        assert attention_implementation(without, cuda, torch.bfloat16) == "sdpa_packed"
     (tmp_path / "flash_attn").mkdir()  # an installed flash-attn, as far as an import lookup can tell
     (tmp_path / "flash_attn" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert attention_implementation(without, cuda, torch.bfloat16) == "flash_attention_2"
-    assert attention_implementation(without, cuda, torch.float32) == "sdpa"  # its kernels are 16-bit only
-    assert attention_implementation(without, cpu, torch.float32) == "sdpa"
+    assert attention_implementation(without, cuda, torch.float32) == "sdpa_packed"  # its kernels are 16-bit only
+    assert attention_implementation(without, cpu, torch.float32) == "sdpa_packed"
     assert attention_implementation(MethodConfig(attention="sdpa"), cuda, torch.bfloat16) == "sdpa"
 
 
@@ -178,6 +191,7 @@ def test_optional_cuda_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, t
     batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
     results = []
     for setting in (off, on):
+        torch.manual_seed(0)  # the same LoRA initialisation for both
         model = build_model(tiny_model_dir, METHOD.model_copy(update={knob: setting}), False)
         model.train()
         results.append(loss_and_grads(model, batch))

@@ -1,0 +1,108 @@
+"""Packed rows against their length: useful tokens/s at row budgets of 1, 2, 4, 8 and 16 examples of
+max_seq_length, SDPA's block-diagonal mask over the row (`sdpa`, the code before) against SDPA once per example
+(`sdpa_packed`, `method.attention: auto` on a CPU), one run.
+
+    uv run python benchmarks/packed_rows.py [--examples 2000] [--steps 3] [--out FILE]
+
+SmolLM2-135M-Instruct (its real weights, fp32), LoRA r=16 on every projection, global batch 16, the train
+stage's own step (`optimizer_step`) over the same steps of the same examples for every configuration. Data: the
+tokenize benchmark's generated chat examples (long-tailed lengths). Budgets and attentions are interleaved (for
+each budget, both attentions in turn) so that a change in the machine's load hits both alike. Each
+configuration warms up on one step, then times `--steps` steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tokenize_throughput import generate  # noqa: E402
+from train_throughput import write_json  # noqa: E402
+
+BUDGETS = (1, 2, 4, 8, 16)
+ATTENTIONS = ("sdpa", "sdpa_packed")
+BATCH = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration, after one warm-up")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-packed-rows"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+
+    from phase1a.config import MethodConfig, ModelConfig
+    from phase1a.modeling import build_model, make_optimizer
+    from phase1a.models import load_tokenizer, resolve_model
+    from phase1a.packing import StepBatches, token_budget
+    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+    from tasks.train import optimizer_step
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
+    data_path = args.work / f"chat_{args.examples}.jsonl"
+    if not data_path.is_file():
+        generate(data_path, args.examples, seed=1)
+    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache",
+                            f"packed-rows-{data_path.stem}")
+    length = data.max_seq_length
+    order = np.arange(BATCH * (args.steps + 1))
+    models = {}
+    for attention in ATTENTIONS:
+        torch.manual_seed(0)
+        method = MethodConfig(batch_size=BATCH, lora={"r": 16, "alpha": 32}, attention=attention)
+        model = build_model(model_dir, method, gradient_checkpointing=False)
+        model.train()
+        models[attention] = (model, make_optimizer(model, method))
+
+    results = []
+    for micro in BUDGETS:
+        batches = StepBatches(data.train_path, length, order, BATCH, len(order), token_budget(micro, length))
+        useful = int(batches.rows.lengths()[order[BATCH:]].sum())
+        rows = sum(len(batches[step]["micro_batches"]) for step in range(1, args.steps + 1))
+        longest = max(row["input_ids"].numel() for step in range(args.steps + 1)
+                      for row in batches[step]["micro_batches"])
+        for attention, (model, optimizer) in models.items():
+            optimizer_step(model, optimizer, batches[0])  # warm-up
+            began = time.perf_counter()
+            losses = [optimizer_step(model, optimizer, batches[step])[0] for step in range(1, args.steps + 1)]
+            seconds = time.perf_counter() - began
+            result = {"attention": attention, "row_budget_examples": micro, "row_budget_tokens": micro * length,
+                      "rows": rows, "longest_row_tokens": longest, "useful_tokens": useful,
+                      "seconds": round(seconds, 2), "useful_tokens_per_s": round(useful / seconds, 1),
+                      "losses": [round(loss, 4) for loss in losses]}
+            results.append(result)
+            print(json.dumps(result), flush=True)
+
+    def per_budget(attention: str) -> list[float]:
+        return [r["useful_tokens_per_s"] for r in results if r["attention"] == attention]
+
+    summary = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
+        "torch": torch.__version__, "command": " ".join(sys.argv), "model": "SmolLM2-135M-Instruct",
+        "max_seq_length": length, "examples_per_step": BATCH, "timed_steps": args.steps, "results": results,
+        # Tokens/s at the biggest rows over the best of the smaller ones: 1.0 means no loss from packing more.
+        "largest_row_vs_best": {a: round(per_budget(a)[-1] / max(per_budget(a)), 3) for a in ATTENTIONS},
+        "sdpa_packed_over_sdpa": {str(b): round(p / s, 2) for b, p, s in
+                                  zip(BUDGETS, per_budget("sdpa_packed"), per_budget("sdpa"))},
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
+    if args.out:
+        write_json(args.out, summary)
+
+
+if __name__ == "__main__":
+    main()
