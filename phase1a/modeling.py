@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from phase1a import attention as _registers_sdpa_packed  # noqa: F401  (transformers finds it by name)
+from phase1a.attention import NAME as SDPA_PACKED  # importing it registers it: transformers finds it by name
 from phase1a.config import MethodConfig
 from phase1a.hardware import training_device, training_dtype
 from phase1a.models import load_model
@@ -58,7 +58,7 @@ def attention_implementation(method: MethodConfig, device: torch.device, dtype: 
         return method.attention  # an explicit flash_attention_2 without flash-attn fails in transformers, by name
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _installed("flash_attn"):
         return "flash_attention_2"
-    return "sdpa_packed"
+    return SDPA_PACKED
 
 
 def _installed(module: str) -> bool:
