@@ -247,7 +247,7 @@ def prepare(python_version: str) -> int:
     from phase1a.models import load_tokenizer, resolve_model
 
     load_tokenizer(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))).save_pretrained(TOKENIZER)
-    carried = sum(p.stat().st_size for p in (WHEELS, TOKENIZER) for p in p.rglob("*") if p.is_file())
+    carried = sum(p.stat().st_size for folder in (WHEELS, TOKENIZER) for p in folder.rglob("*") if p.is_file())
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0")
                if name and (ROOT / name).is_file())
@@ -263,6 +263,8 @@ def describe_environment(installed: list[str]) -> dict:
     """Device, driver, CUDA and package versions, date, command and commit: what every result is read against."""
     import torch
 
+    from phase1a.hardware import detect
+
     versions = {}
     for module in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger_kernel",
                    "bitsandbytes", "flash_attn", "triton"):
@@ -271,7 +273,7 @@ def describe_environment(installed: list[str]) -> dict:
         except Exception:  # noqa: BLE001 - absent, or broken on this host: both are facts for the summary
             versions[module] = None
     cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    device = detect()[1].name
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),

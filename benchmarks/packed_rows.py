@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -44,6 +43,7 @@ def main() -> None:
     import torch
 
     from phase1a.config import MethodConfig, ModelConfig
+    from phase1a.hardware import detect
     from phase1a.modeling import build_model, make_optimizer
     from phase1a.models import load_tokenizer, resolve_model
     from phase1a.packing import StepBatches, token_budget
@@ -70,14 +70,14 @@ def main() -> None:
     results = []
     for micro in BUDGETS:
         batches = StepBatches(data.train_path, length, order, BATCH, len(order), token_budget(micro, length))
+        steps = [batches[step] for step in range(args.steps + 1)]  # packed once, run by both attentions
         useful = int(batches.rows.lengths()[order[BATCH:]].sum())
-        rows = sum(len(batches[step]["micro_batches"]) for step in range(1, args.steps + 1))
-        longest = max(row["input_ids"].numel() for step in range(args.steps + 1)
-                      for row in batches[step]["micro_batches"])
+        rows = sum(len(step["micro_batches"]) for step in steps[1:])
+        longest = max(row["input_ids"].numel() for step in steps for row in step["micro_batches"])
         for attention, (model, optimizer) in models.items():
-            optimizer_step(model, optimizer, batches[0])  # warm-up
+            optimizer_step(model, optimizer, steps[0])  # warm-up
             began = time.perf_counter()
-            losses = [optimizer_step(model, optimizer, batches[step])[0] for step in range(1, args.steps + 1)]
+            losses = [optimizer_step(model, optimizer, step)[0] for step in steps[1:]]
             seconds = time.perf_counter() - began
             result = {"attention": attention, "row_budget_examples": micro, "row_budget_tokens": micro * length,
                       "rows": rows, "longest_row_tokens": longest, "useful_tokens": useful,
@@ -91,7 +91,7 @@ def main() -> None:
 
     summary = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
+        "device": detect()[1].name,
         "torch": torch.__version__, "command": " ".join(sys.argv), "model": "SmolLM2-135M-Instruct",
         "max_seq_length": length, "examples_per_step": BATCH, "timed_steps": args.steps, "results": results,
         # Tokens/s at the biggest rows over the best of the smaller ones: 1.0 means no loss from packing more.

@@ -9,8 +9,8 @@ and ours, one run, same data, same model, same examples measured.
   after          padded to the right-sized length (p99, at most 2048), TF32, 4 workers, gradient checkpointing,
                  micro-batch 2 x 4
   hf_flattening  Hugging Face Trainer with `DataCollatorWithFlattening` (padding-free: each micro-batch of 8 is
-                 one row with restarting position_ids), 8 x 2, fused AdamW, TF32, 4 workers on a GPU, no checkpointing:
-                 the strongest setup a peer gets from the library's own parts
+                 one row with restarting position_ids), 8 x 2, fused AdamW, TF32, 4 workers on a GPU, no
+                 checkpointing: the strongest setup a peer gets from the library's own parts
   ours           packed rows (no padding), the knobs our plan picks by calibration on this machine, fused AdamW
   trl_sft        (asked for by name, with TRL installed beside the project) TRL's SFTTrainer with
                  `padding_free=True` on the same chat records, tokenized by TRL itself, 8 x 2: its own token
@@ -21,9 +21,10 @@ randomly initialised model (weights do not change speed), LoRA r=16 on every pro
 transformers' SDPA (a padding mask, or for flattened rows the block-diagonal mask it builds from the restarting
 position_ids); ours with the implementation our plan picks (`method.attention: auto`). After one warm-up
 optimizer step, the same `--measured` examples are timed. Useful tokens are the examples' own (truncated to the
-configuration's length); padding waste is the share of computed tokens that were padding. MFU counts model FLOPs (4N a token for LoRA plus attention, the same count for every
-configuration) of the useful tokens over the GPU's dense bf16 peak; a CPU has no peak in the catalogue, so
-there the achieved TFLOP/s are reported instead.
+configuration's length); padding waste is the share of computed tokens that were padding. MFU counts model
+FLOPs (4N a token for LoRA plus attention, the same count for every configuration) of the useful tokens over
+the GPU's dense bf16 peak; a CPU has no peak in the catalogue, so there the achieved TFLOP/s are reported
+instead.
 
 `--results-dir` keeps one JSON per configuration and skips those already there, so a run cut short (a GPU
 lease ending) continues where it stopped; the model, data and tokenization under `--work` are reused too.
@@ -168,11 +169,9 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
     clock = _step_clock()
     with tempfile.TemporaryDirectory() as output_dir:
         arguments = TrainingArguments(
-            output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-            max_steps=len(indices) // GLOBAL_BATCH, learning_rate=1e-4, lr_scheduler_type="constant",
-            bf16=cuda, tf32=True if cuda else None, optim="adamw_torch_fused" if cuda else "adamw_torch",
-            dataloader_num_workers=workers, dataloader_pin_memory=cuda, logging_strategy="no", save_strategy="no",
-            report_to="none", remove_unused_columns=False, disable_tqdm=True, max_grad_norm=1.0, seed=0)
+            **_trainer_arguments(output_dir, micro, len(indices)), tf32=True if cuda else None,
+            optim="adamw_torch_fused" if cuda else "adamw_torch", dataloader_num_workers=workers,
+            dataloader_pin_memory=cuda, remove_unused_columns=False, max_grad_norm=1.0)
         _in_order(Trainer)(model=model, args=arguments, train_dataset=examples,
                            data_collator=DataCollatorWithFlattening(), callbacks=[clock]).train()
     _sync()
@@ -184,27 +183,23 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
 
 def measure_trl_sft(model_dir: str, data_path: str, count: int, length: int, micro: int, queue) -> None:
     """TRL's SFTTrainer, padding-free, on the first `count` chat records in order: the peer most users start from."""
-    import torch
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
     from phase1a.config import MethodConfig
     from phase1a.modeling import build_model
+    from phase1a.models import load_tokenizer
 
     model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
-    cuda = torch.cuda.is_available()
     accumulation = GLOBAL_BATCH // micro
     records = load_dataset("json", data_files=data_path, split="train").select(range(count))
     clock, tokens = _step_clock(), []
     with tempfile.TemporaryDirectory() as output_dir:
-        arguments = SFTConfig(
-            # TRL refuses max_length with padding-free rows unless it packs; the records are within it anyway.
-            output_dir=output_dir, padding_free=True, max_length=None, per_device_train_batch_size=micro,
-            gradient_accumulation_steps=accumulation, max_steps=count // GLOBAL_BATCH, learning_rate=1e-4,
-            lr_scheduler_type="constant", bf16=cuda, logging_strategy="no", save_strategy="no", report_to="none",
-            dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        # TRL refuses max_length with padding-free rows unless it packs; the records are within it anyway.
+        arguments = SFTConfig(**_trainer_arguments(output_dir, micro, count), padding_free=True, max_length=None,
+                              dataloader_num_workers=0)
         trainer = _in_order(SFTTrainer)(model=model, args=arguments, train_dataset=records,
-                                        processing_class=load_tokenizer_of(model_dir), callbacks=[clock])
+                                        processing_class=load_tokenizer(Path(model_dir)), callbacks=[clock])
         collate = trainer.data_collator
 
         def counting(features):  # in this process: no loader workers
@@ -246,10 +241,15 @@ def _step_clock():
     return Clock()
 
 
-def load_tokenizer_of(model_dir: str):
-    from phase1a.models import load_tokenizer
+def _trainer_arguments(output_dir: str, micro: int, examples: int) -> dict:
+    """What both Trainer-based peers share: global batch 16 in micro-batches of `micro`, one pass over
+    `examples`, a constant learning rate, bf16 on a GPU, no logging, checkpoints or trackers."""
+    import torch
 
-    return load_tokenizer(Path(model_dir))
+    return {"output_dir": output_dir, "per_device_train_batch_size": micro,
+            "gradient_accumulation_steps": GLOBAL_BATCH // micro, "max_steps": examples // GLOBAL_BATCH,
+            "learning_rate": 1e-4, "lr_scheduler_type": "constant", "bf16": torch.cuda.is_available(),
+            "logging_strategy": "no", "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "seed": 0}
 
 
 def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration_budget: str, profile: bool,
@@ -409,10 +409,10 @@ def config_target() -> str:
 
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a re-run trusts a result file that is there."""
+    from phase1a.locks import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=2) + "\n")
-    partial.replace(path)
+    write_atomically(path, json.dumps(value, indent=2) + "\n")
 
 
 def _cuda() -> bool:
