@@ -1,5 +1,6 @@
 """GPU proof in one command: what the host lacks installed from carried wheels, the CUDA-only tests, the train
-benchmark on SmolLM2-135M and on a Llama-3-8B shape, the plan against the clock, and a summary.
+benchmark on SmolLM2-135M and on a Llama-3-8B shape, the plan against the clock, tokenize on the host's many
+cores, and a summary.
 
     make gpu-wheels              # once, on a machine with network: .gpu/wheels and .gpu/tokenizer (< 64 MiB)
     make gpu-check               # on the GPU host: python3 benchmarks/gpu_check.py
@@ -114,6 +115,15 @@ def _plan(run: Run) -> list[str]:
                    "--out", str(run.results / "plan-smollm2.json"))
 
 
+def _tokenize(run: Run) -> list[str]:
+    """The tokenize stage at 1 to 16 worker processes (and one process on one core) on a host's many cores."""
+    sizes = (["--examples", "6000", "--workers", "1", "2"] if run.dry_run
+             else ["--tokenizer", str(TOKENIZER), "--examples", "200000", "--workers", "1", "2", "4", "8", "16"])
+    return _python("benchmarks/tokenize_throughput.py", *sizes, "--one-core", "--formats", "jsonl", "--map", "0",
+                   "--onthefly", "0", "--work", str(run.work / "tokenize"),
+                   "--out", str(run.results / "tokenize-scaling.json"))
+
+
 EIGHT_B = "needs CUDA: a Llama-3-8B shape is 16 GB of bf16 weights"
 PARTS = [
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
@@ -122,6 +132,8 @@ PARTS = [
       for config in BENCH_CONFIGS],
     Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
          "plan-smollm2.json"),
+    Part("tokenize-scaling", "the tokenize stage at 1, 2, 4, 8 and 16 processes, 200k chat examples", 240, _tokenize,
+         "tokenize-scaling.json"),
 ]
 
 
@@ -308,8 +320,9 @@ def collect(results: Path) -> dict:
         files = [results / f"train-{family}" / f"{config}.json" for config in BENCH_CONFIGS]
         rows = [json.loads(path.read_text()) for path in files if path.is_file()]
         summary[f"train-{family}"] = {"results": rows, **speedups(rows)}
-    plan = results / "plan-smollm2.json"
-    summary["plan-smollm2"] = json.loads(plan.read_text()) if plan.is_file() else None
+    for name in ("plan-smollm2", "tokenize-scaling"):
+        path = results / f"{name}.json"
+        summary[name] = json.loads(path.read_text()) if path.is_file() else None
     return summary
 
 
@@ -351,6 +364,7 @@ def render_summary(summary: dict) -> str:
         lines += _train_section(summary[f"train-{family}"])
     lines += _goals_section(summary["train-llama3-8b"])
     lines += _plan_section(summary["plan-smollm2"])
+    lines += _tokenize_section(summary.get("tokenize-scaling"))
     return "\n".join(lines) + "\n"
 
 
@@ -402,6 +416,22 @@ def _plan_section(plan: dict | None) -> list[str]:
             f"| tokens/s | {est['tokens_per_second']} | {act['tokens_per_second']} |", "",
             f"Train time estimated/actual: {plan['train_time_accuracy']}; knobs: {plan['knobs']}; "
             f"planning took {plan['plan_seconds']} s."]
+
+
+
+def _tokenize_section(scaling: dict | None) -> list[str]:
+    if scaling is None:
+        return []
+    runs = {key: value for key, value in scaling.items() if key.startswith("stage_") and isinstance(value, dict)}
+    one_core = next((v for k, v in runs.items() if k.endswith("_1core")), None)
+    lines = ["", f"## Tokenize at 1 to N processes ({scaling['cpus']} usable cores)", "",
+             "| run | processes | cores | seconds | tokens/s | vs one core | peak PSS, all processes (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for key, r in runs.items():
+        ratio = f"{r['tokens_per_s'] / one_core['tokens_per_s']:.2f}x" if one_core else "n/a"
+        lines.append(f"| {key} | {r['workers']} | {r['cores']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
+                     f"{ratio} | {r['peak_tree_pss_mib']:.0f} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -59,17 +59,69 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure_stage(data: str, model_dir: str, cache: str, queue) -> None:
+class _TreeMemory:
+    """Peak proportional set size (PSS) of this process and its children, sampled: forked workers share pages
+    with the parent, so summing their RSS would count those pages once per process."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        import threading
+
+        self.peak, self._every, self._stop = 0, every, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(self._every):
+            total = 0
+            for process in [me, *me.children(recursive=True)]:
+                try:
+                    total += process.memory_full_info().pss
+                except psutil.Error:  # a worker that ended between the listing and the read
+                    pass
+            self.peak = max(self.peak, total)
+
+    def __enter__(self) -> "_TreeMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, cores: int | None, queue) -> None:
+    """The tokenize stage with `workers` processes (None: its own rule), on the first `cores` cores (None: all)."""
+    import os
+
     from phase1a.models import load_tokenizer
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
+    if cores:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))  # the Rust tokenizer's threads follow
     tokenizer = load_tokenizer(Path(model_dir))
-    began = time.perf_counter()
-    result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(), Path(cache), "bench")
+    began, cpu = time.perf_counter(), time.process_time()
+    with _TreeMemory() as tree:
+        result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers), Path(cache),
+                                  "bench")
     assert result.skipped == {} and result.lengths.count == result.train_examples + result.validation_examples
     seconds = time.perf_counter() - began
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,
-               "tokens_per_s": result.lengths.total_tokens / seconds, "peak_rss_mib": _peak_rss_mib()})
+               "tokens_per_s": result.lengths.total_tokens / seconds, "workers": result.workers,
+               "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu,
+               "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / 2**20,
+               "train_sha256": _sha256(result.train_path), "validation_sha256": _sha256(result.validation_path)})
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:
@@ -152,23 +204,44 @@ def _in_process(target, *args) -> dict:
     return result
 
 
+def measure_scaling(args, kind: str, data: Path, model_dir: str, summary: dict, record) -> None:
+    """The stage at each of `--workers` processes (and one process on one core), each output checked to be the
+    same bytes as the default run's."""
+    largest = f"stage_{kind}_{max(args.examples)}"
+    runs = [(workers, None) for workers in args.workers] + ([(1, 1)] if args.one_core else [])
+    for workers, cores in runs:
+        key = f"{largest}_w{workers}" + (f"_{cores}core" if cores else "")
+        cache = args.work / f"cache_{key}_{time.time_ns()}"
+        record(key, _in_process(measure_stage, str(data), model_dir, str(cache), workers, cores))
+        for part in ("train_sha256", "validation_sha256"):
+            assert summary[key][part] == summary[largest][part], f"{key}: {part} differs from {largest}'s"
+        summary[f"{key}_vs_default"] = summary[key]["tokens_per_s"] / summary[largest]["tokens_per_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, nargs="+", default=[500_000, 50_000])
     parser.add_argument("--formats", nargs="+", choices=["jsonl", "parquet"], default=["jsonl", "parquet"])
     parser.add_argument("--map", type=int, default=500_000, help="examples for the datasets.map baseline (0: skip)")
     parser.add_argument("--onthefly", type=int, default=20_000, help="examples for the on-the-fly baseline (0: skip)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[],
+                        help="also measure the stage with these worker-process counts, on the largest set")
+    parser.add_argument("--one-core", action="store_true",
+                        help="also measure one process pinned to one core: the per-core baseline of the scaling")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="a folder with SmolLM2's tokenizer files (a GPU host); default: the built-in model's")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-bench"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     from phase1a.config import ModelConfig
+    from phase1a.hardware import usable_cores
     from phase1a.models import resolve_model
 
-    model_dir = str(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
+    model_dir = str(args.tokenizer or resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     args.work.mkdir(parents=True, exist_ok=True)
     summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-               "cpus": multiprocessing.cpu_count(), "command": " ".join(sys.argv)}
+               "cpus": usable_cores(), "command": " ".join(sys.argv)}
 
     def data_file(count: int, kind: str) -> Path:
         jsonl = args.work / f"chat_{count}.jsonl"
@@ -188,7 +261,9 @@ def main() -> None:
     for kind in args.formats:
         for count in args.examples:
             cache = args.work / f"cache_{count}_{time.time_ns()}"
-            record(f"stage_{kind}_{count}", _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache)))
+            record(f"stage_{kind}_{count}", _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache),
+                                                        None, None))
+        measure_scaling(args, kind, data_file(max(args.examples), kind), model_dir, summary, record)
     if args.map:
         for kind in args.formats:
             cache = args.work / f"hf_cache_{time.time_ns()}"

@@ -52,6 +52,9 @@ class DataConfig(_Section):
                           "Credentials come only from the standard AWS chain (env, profile, instance role).")
     validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     validation_count: int | None = Field(None, ge=1, description="An exact validation size; overrides the fraction.")
+    tokenize_workers: int | None = Field(None, ge=1, description=(
+        "Processes that tokenize (records are parsed and templated in Python, so one process holds one core); "
+        "None: one per 8 MiB of input, up to the usable cores. The output is the same for any count."))
 
     @field_validator("format")
     @classmethod

@@ -32,9 +32,14 @@ CATALOGUE: dict[str, Accelerator] = {
 }
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a container's or taskset's share), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_accelerator() -> Accelerator:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return Accelerator(f"CPU ({os.cpu_count()} cores)", pages, None, None)
+    return Accelerator(f"CPU ({usable_cores()} cores)", pages, None, None)
 
 
 def target_accelerator(target: str) -> Accelerator:

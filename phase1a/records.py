@@ -49,6 +49,9 @@ class RecordError(DataError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # raised in a tokenize worker process, re-raised in the parent with its reason
+        return type(self), (str(self), self.reason)
+
 
 def parse_json_record(where: str, raw: str | Any) -> dict[str, Any]:
     """A JSONL line, or an already parsed record (a JSON array's item, a Parquet/CSV/Arrow row), as a record."""

@@ -25,7 +25,6 @@ warm-up steps, which overstates the time a little. Each trial prints one line as
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from pydantic import BaseModel
 
 from phase1a.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
 from phase1a.config import Phase1aConfig
+from phase1a.hardware import usable_cores
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 
 _WARMUP_STEPS = 2
@@ -101,7 +101,9 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
         batches = StepBatches(train_path, max_seq_length, order, method.batch_size, total,
                               token_budget(candidate.micro_batch_size, max_seq_length))
         trial = _trial(model, optimizer, batches, candidate, config.hardware.calibration_steps, began + budget)
-        print(f"calibration trial {len(trials) + 1}: {candidate.label()}: {_outcome(trial)}", flush=True)
+        used = time.perf_counter() - began
+        print(f"calibration trial {len(trials) + 1} ({used:.0f} of {budget:.0f} s): {candidate.label()}: "
+              f"{_outcome(trial)}", flush=True)
         return trial
 
     trials: list[Trial] = []
@@ -116,8 +118,9 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
                 continue
             expected = best.seconds + (60.0 if candidate.compile else 0.0)  # compiling takes about a minute
             if time.perf_counter() - began + expected > budget:
-                trials.append(Trial(candidate=candidate, status="skipped",
-                                    note=f"calibration budget of {budget:.0f} s spent"))
+                left = max(0.0, budget - (time.perf_counter() - began))
+                trials.append(Trial(candidate=candidate, status="skipped", note=(
+                    f"not tried: {left:.0f} s of the {budget:.0f} s calibration budget left, a trial takes ~{expected:.0f} s")))
                 continue
             trial = run(candidate, budget)
             trials.append(trial)
@@ -212,7 +215,7 @@ def _budget_cap(config: Phase1aConfig) -> float:
 
 def default_workers() -> int:
     """Workers to try: half the cores, at most four; the other half feed the accelerator (or compute, on CPU)."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    return max(1, min(4, usable_cores() // 2))
 
 
 def _sync() -> None:

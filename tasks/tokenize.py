@@ -9,7 +9,6 @@ content-hash share of the source, or every record of `data.validation_source`.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections import Counter
@@ -27,14 +26,11 @@ from phase1a.fingerprint import code_version, hash_json
 from phase1a.locks import exclusive
 from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
 from phase1a.datasource import DataLocation, Shard, describe, iter_records, resolve_shards
-from phase1a.records import RecordError, parse_json_record, to_conversation
-from phase1a.render import IGNORE_INDEX, Renderer, tokenize_conversations
+from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodeSettings, auto_workers, encode_chunks
+from phase1a.render import IGNORE_INDEX
 from phase1a.templates import template_fingerprint
 from tasks.caching import FingerprintCache, task
 from phase1a.errors import DataError
-
-_CHUNK = 4096  # records per batched tokenizer call
-_SHOWN_SKIPS = 5
 
 
 class TokenizeOptions(BaseModel):
@@ -53,6 +49,7 @@ class TokenizeOptions(BaseModel):
     config: str | None = None  # which files of a dataset repository: data.config, data.split
     split: str = "train"
     validation_split: str | None = None
+    tokenize_workers: int | None = None  # processes for pass 1; None: phase1a.encoding.auto_workers
 
 
 class TokenizedData(BaseModel):
@@ -64,6 +61,7 @@ class TokenizedData(BaseModel):
     train_examples: int
     validation_examples: int
     shards: int  # data files read, the validation source's included
+    workers: int = 1  # processes that encoded the records
     template: Literal["chat_template", "fallback"]
     lengths: LengthStats
     max_seq_length: int
@@ -80,10 +78,12 @@ class TokenizedData(BaseModel):
 
 def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
     """`data`: the content fingerprint of the source (and of the validation source, when there is one)."""
+    # The worker count is left out: any count writes the same bytes (tests/test_tokenize.py checks).
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-                      "options": options.model_dump(), "chat_template": template_fingerprint(options.chat_template),
-                      "code": code_version("tasks/tokenize.py", "phase1a/render.py", "phase1a/records.py",
-                                           "phase1a/templates.py", "phase1a/datasource.py")})
+                      "options": options.model_dump(exclude={"tokenize_workers"}),
+                      "chat_template": template_fingerprint(options.chat_template),
+                      "code": code_version("tasks/tokenize.py", "phase1a/encoding.py", "phase1a/render.py",
+                                           "phase1a/records.py", "phase1a/templates.py", "phase1a/datasource.py")})
 
 
 def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
@@ -144,42 +144,25 @@ _SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa
 def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, model_max_length: int,
                    options: TokenizeOptions) -> TokenizedData:
     # ---- pass 1: records -> token ids, streamed to a temporary Arrow file --------------------------------
-    renderer = Renderer(tokenizer, options.train_on_inputs)
+    encoder = ChunkEncoder(tokenizer, sources.shards, EncodeSettings(
+        format=options.format, field_map=options.field_map, role_map=options.role_map,
+        train_on_inputs=options.train_on_inputs, bad_records=options.bad_records))
     skipped: Counter[str] = Counter()
     shown: list[str] = []
     places, keys, lengths = [], [], []
+    workers = auto_workers(sources.shards, options.tokenize_workers)
     with pa.OSFile(str(work / "all.arrow"), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
-        chunk: list[tuple[int, int, list[tuple[str, bool]]]] = []
-        chunk_keys: list[int] = []
-
-        def flush() -> None:
-            tokens = tokenize_conversations([segments for _, _, segments in chunk], tokenizer)
-            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(tokens.offsets, tokens.input_ids),
-                                                pa.ListArray.from_arrays(tokens.offsets, tokens.labels)], schema=_SCHEMA))
-            places.append(np.array([(shard, index) for shard, index, _ in chunk], dtype=np.int64).reshape(-1, 2))
-            keys.append(np.asarray(chunk_keys, dtype=np.uint64))
-            lengths.append(np.diff(tokens.offsets))
-            chunk.clear()
-            chunk_keys.clear()
-
-        for record in iter_records(sources.shards):
-            where = describe(sources.shards, record.shard, record.index)
-            try:
-                conversation = to_conversation(parse_json_record(where, record.raw), where, options)
-            except RecordError as error:
-                if options.bad_records == "fail":
-                    raise
-                skipped[error.reason] += 1
-                if len(shown) < _SHOWN_SKIPS:
-                    shown.append(str(error))
+        for chunk in encode_chunks(iter_records(sources.shards), encoder, workers):
+            skipped.update(chunk.skipped)
+            shown += chunk.shown[: SHOWN_SKIPS - len(shown)]
+            if chunk.tokens is None:
                 continue
-            chunk.append((record.shard, record.index, renderer.segments(conversation.messages, conversation.tools)))
-            # One content hash serves the split (stable across runs and file order) and duplicate detection.
-            chunk_keys.append(int.from_bytes(hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest(), "big"))
-            if len(chunk) == _CHUNK:
-                flush()
-        if chunk:
-            flush()
+            offsets = chunk.tokens.offsets
+            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
+                                                pa.ListArray.from_arrays(offsets, chunk.tokens.labels)], schema=_SCHEMA))
+            places.append(chunk.places)
+            keys.append(chunk.keys)
+            lengths.append(np.diff(offsets))
     if not lengths:
         detail = f" ({sum(skipped.values())} bad records skipped: {dict(skipped)})" if skipped else ""
         raise DataError(f"{sources.name()}: no usable records{detail}")
@@ -239,6 +222,7 @@ def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, mode
         fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
         validation_path=str(out_dir / "validation.arrow"), histogram_path=str(out_dir / histogram.name),
         train_examples=counts["train"], validation_examples=counts["validation"], shards=len(sources.shards),
+        workers=workers,
         template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
         lengths=stats, max_seq_length=max_seq_length, model_max_length=model_max_length,
         waste=waste_table(lengths_all, options.max_seq_length or model_max_length, max_seq_length),

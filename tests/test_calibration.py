@@ -1,4 +1,6 @@
 """The calibration sweep: real steps on this CPU, one knob at a time, the global batch fixed, within a budget."""
+import re
+
 import pytest
 
 from phase1a.config import Phase1aConfig
@@ -111,4 +113,6 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     one_step = max(t.seconds for t in result.trials)  # a trial's time bounds each of its steps
     budget_from = max(1.0, result.startup_seconds)  # a start-up past the budget leaves the first trial one step
     assert result.seconds - result.checkpoint_seconds <= budget_from + one_step + 0.5
-    assert "calibration trial 1: micro 8, checkpointing off" in capsys.readouterr().out
+    assert re.search(r"calibration trial 1 \(\d+ of 1 s\): micro 8, checkpointing off", capsys.readouterr().out)
+    assert all(t.note.startswith("not tried: ") and "of the 1 s calibration budget left" in t.note
+               for t in result.trials if t.status == "skipped")

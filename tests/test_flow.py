@@ -106,13 +106,15 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
 def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
-    done = subprocess.run([sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path)],
-                          capture_output=True, text=True, timeout=600)
+    # Two tokenize processes, forked from the thread Prefect runs the task in, beside its event loop's threads.
+    done = subprocess.run([sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path),
+                           "--set", "data.tokenize_workers=2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "estimate: start-up" in done.stdout and "micro-batch" in done.stdout and "calibration (" in done.stdout
     report_path = Path([line for line in done.stdout.splitlines() if line.startswith("report: ")][-1][8:])
     report = json.loads(report_path.read_text())
     assert report["status"] == "planned" and list(report["stages"]) == ["stage", "tokenize", "plan"]
+    assert report["stages"]["tokenize"]["result"]["workers"] == 2
     plan = json.loads((report_path.parent / "plan.json").read_text())
     assert plan["steps"] > 0 and plan["micro_batch_size"] * plan["gradient_accumulation"] == 8
     assert plan["calibration"]["trials"][0]["status"] == "measured" and plan["estimate"]["startup_seconds"] > 0
