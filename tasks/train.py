@@ -295,8 +295,8 @@ def _save_final(model, final_dir: Path, result: TrainResult, weights: dict | Non
     partial.rename(final_dir)
 
 
-def record_run(history: Path, plan, result: TrainResult, model_fingerprint: str, config) -> "RunRecord":
-    """Measured against estimated, appended to the history that the next plan of this model reads."""
+def record_run(history: Path, plan, result: TrainResult, model_fingerprint: str, config):
+    """Measured against estimated, appended to the history that the next plan of this model reads; the record."""
     from phase1a.history import RunRecord, append_run
 
     record = RunRecord(

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from phase1a.config import Phase1aConfig
 from phase1a.window import WindowError

@@ -4,7 +4,6 @@ import json
 import multiprocessing
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import date_records, make_tokenizer, write_jsonl
 
