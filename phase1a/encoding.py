@@ -20,6 +20,7 @@ import sys
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -118,11 +119,19 @@ def encode_chunks(records: Iterable[SourceRecord], encoder: ChunkEncoder, worker
             for chunk in chunks:
                 pending.append(pool.submit(_encode_in_worker, chunk))
                 if len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
-                    yield pending.popleft().result()
+                    yield _result(pending.popleft(), workers)
             while pending:
-                yield pending.popleft().result()
+                yield _result(pending.popleft(), workers)
         finally:  # a bad record or a stopped consumer: drop the chunks not started, wait for the rest to end
             pool.shutdown(cancel_futures=True)
+
+
+def _result(future: Future[EncodedChunk], workers: int) -> EncodedChunk:
+    try:
+        return future.result()
+    except BrokenProcessPool as error:
+        raise RuntimeError(f"a tokenize worker process ended without a result (of {workers}; killed for memory?): "
+                           "set data.tokenize_workers lower, or 1 to tokenize in this process") from error
 
 
 @contextmanager

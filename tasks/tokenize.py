@@ -2,8 +2,9 @@
 held-out split and length analysis, once per content.
 
 Two streaming passes keep memory flat: pass 1 tokenizes chunks of records into a temporary Arrow file
-(plus a few scalars per example: length, content hash, shard and line or row); pass 2 decides
-max_seq_length from the lengths, then truncates, drops and splits batch by batch with Arrow compute.
+(plus a few scalars per example: length, content hash, shard and line or row), in worker processes where the
+input is large (`phase1a.encoding`); pass 2 decides max_seq_length from the lengths, then truncates, drops
+and splits batch by batch with Arrow compute.
 Per-example scalars are the only whole-dataset arrays held in RAM. The held-out split is either a stable
 content-hash share of the source, or every record of `data.validation_source`.
 """
@@ -78,7 +79,7 @@ class TokenizedData(BaseModel):
 
 def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
     """`data`: the content fingerprint of the source (and of the validation source, when there is one)."""
-    # The worker count is left out: any count writes the same bytes (tests/test_tokenize.py checks).
+    # The worker count is left out: any count writes the same bytes (tests/test_encoding.py checks).
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
                       "options": options.model_dump(exclude={"tokenize_workers"}),
                       "chat_template": template_fingerprint(options.chat_template),

@@ -1,6 +1,7 @@
 """Tokenize's first pass in a pool of processes: the same bytes, errors and counts as one process, bounded
 read-ahead, and the worker count's rule."""
 import hashlib
+import os
 import pickle
 from itertools import count
 from pathlib import Path
@@ -69,6 +70,19 @@ def test_a_bad_record_in_a_worker_fails_with_its_file_and_line(tmp_path, tokeniz
         tokenize_with(2, data, tokenizer, tmp_path / "two")
     assert str(pooled.value) == str(serial.value) and str(pooled.value).startswith(f"{data}:301:")
     assert pooled.value.reason == serial.value.reason
+
+
+def _die(records):
+    os._exit(9)
+
+
+def test_a_worker_that_dies_gives_an_error_that_says_what_to_do(tmp_path, tokenizer, small_chunks, monkeypatch):
+    """A worker killed (the kernel's OOM killer, say) ends the stage with advice, not a bare BrokenProcessPool."""
+    monkeypatch.setattr(encoding, "_encode_in_worker", _die)  # forked workers inherit the patched module
+    data = write_jsonl(tmp_path / "data.jsonl", date_records(200))
+    with pytest.raises(RuntimeError, match=r"a tokenize worker process ended without a result \(of 2; killed for "
+                                           r"memory\?\): set data.tokenize_workers lower, or 1"):
+        tokenize_with(2, data, tokenizer, tmp_path / "cache")
 
 
 def test_record_error_keeps_its_reason_across_processes():
