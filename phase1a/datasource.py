@@ -24,7 +24,7 @@ import gzip
 import io
 import json
 import lzma
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NamedTuple, TextIO
 
@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from phase1a.errors import DataError
+from phase1a.records import UndecodableLine
 
 # The one home of data file formats: suffix -> reader. Text formats may carry a compression suffix too.
 DATA_FILE_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet",
@@ -46,10 +47,13 @@ _BATCH = 4096  # rows per streamed batch of a columnar shard
 
 class DataLocation(BaseModel):
     """A local dataset: `path` is a file or a directory; `files` lists a directory's shards (relative, in
-    order) when they were named explicitly, and is empty when the directory itself says what it holds."""
+    order) when they were named explicitly, and is empty when the directory itself says what it holds.
+    `origin` is what the user calls `path` (their file, directory, glob's base, S3 URL or Hub id) when `path`
+    is a staged copy: messages name the user's files, not the copies."""
 
     path: str
     files: list[str] = []
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class Shard:
     path: Path
     format: str
     json_array: bool = False  # a JSON file holding one array: its records are numbered [i], not by line
+    name: str = ""  # the user's name for the file (see DataLocation.origin); messages use `label`
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.path)
 
 
 def file_format(path: Path | str) -> str | None:
@@ -84,7 +93,27 @@ def _shard(path: Path, field: str) -> Shard:
 
 
 def resolve_shards(location: DataLocation, config: str | None, split: str, field: str = "data.source") -> list[Shard]:
-    """The shards of a staged source, in reading order."""
+    """The shards of a staged source, in reading order, each named as the user names it."""
+    shards = _resolve_shards(location, config, split, field)
+    if location.origin is None:
+        return shards
+    return [replace(shard, name=_user_name(location, shard.path)) for shard in shards]
+
+
+def _user_name(location: DataLocation, path: Path) -> str:
+    """`origin` for a single file; `origin/<relative path>` for a shard of a directory (a staged S3 prefix, a
+    glob's base, a Hub snapshot); the staged path where the shard lies elsewhere."""
+    base = Path(location.path)
+    if base.is_file():
+        return location.origin
+    try:  # resolved: a Hub snapshot's staged location is a link into HF_HOME's cache
+        relative = Path(path).resolve().relative_to(base.resolve())
+    except ValueError:
+        return str(path)
+    return f"{location.origin.rstrip('/')}/{relative.as_posix()}"
+
+
+def _resolve_shards(location: DataLocation, config: str | None, split: str, field: str) -> list[Shard]:
     path = Path(location.path)
     if path.is_file():
         return [_shard(path, field)]
@@ -143,14 +172,14 @@ def describe(shards: list[Shard], shard: int, index: int) -> str:
     """`file:line` for JSONL, `file:[i]` for a JSON array's items, `file:row N` for columnar shards."""
     item = shards[shard]
     if item.format == "json":
-        return str(item.path) + (f":[{index}]" if item.json_array else f":{index}")
-    return f"{item.path}:row {index}"
+        return item.label + (f":[{index}]" if item.json_array else f":{index}")
+    return f"{item.label}:row {index}"
 
 
 def iter_records(shards: list[Shard], offset: int = 0) -> Iterator[SourceRecord]:
     """Every record of every shard, in order; `offset` numbers the shards after those of an earlier source."""
     for number, item in enumerate(shards):
-        rows = iter_lines(item.path) if item.format == "json" else enumerate(_columnar_rows(item))
+        rows = iter_lines(item) if item.format == "json" else enumerate(_columnar_rows(item))
         for index, raw in rows:
             yield SourceRecord(offset + number, index, raw)
 
@@ -165,7 +194,8 @@ def open_binary(path: Path) -> BinaryIO:
     if magic.startswith(b"\x28\xb5\x2f\xfd"):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        # Buffered: zstandard's reader has no readline, and JSONL is read a line at a time.
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     for prefix, opener in _MAGIC:
         if magic.startswith(prefix):
             return opener(path, "rb")
@@ -173,35 +203,59 @@ def open_binary(path: Path) -> BinaryIO:
 
 
 def open_text(path: Path) -> TextIO:
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8")
+    """Decoded as UTF-8; a leading byte-order mark (what spreadsheet exports and Windows tools write) is dropped."""
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8-sig")
+
+
+_BOM = b"\xef\xbb\xbf"
 
 
 def is_json_array(path: Path) -> bool:
-    with open_text(path) as handle:
+    with open_binary(path) as handle:
         for line in handle:
             if line.strip():
-                return line.lstrip().startswith("[")
+                return line.removeprefix(_BOM).lstrip().startswith(b"[")
     return False
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, str | Any]]:
-    """(line number, raw JSON line) per JSONL record, or (array index, parsed item) for a JSON array.
+def iter_lines(shard: Shard) -> Iterator[tuple[int, str | Any]]:
+    """(line number, raw JSON line) per JSONL record, or (array index, parsed item) for a JSON array. A line
+    that is not UTF-8 comes as an `UndecodableLine`, which reading the record turns into its error (or a
+    counted skip): one bad byte costs one record, not the file.
 
     JSONL streams; a JSON array is parsed whole, so very large datasets should be JSONL."""
-    if is_json_array(path):
-        with open_text(path) as handle:
-            try:
-                items = json.load(handle)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{error.lineno}: malformed JSON array: {error.msg} at column {error.colno}") from None
-        if not isinstance(items, list):
-            raise DataError(f"{path}: a JSON file must hold an array of records")
-        yield from enumerate(items)
+    if shard.json_array:
+        yield from enumerate(_json_array(shard))
         return
-    with open_text(path) as handle:
+    with open_binary(shard.path) as handle:
         for lineno, line in enumerate(handle, start=1):
-            if line.strip():
-                yield lineno, line
+            if lineno == 1:
+                line = line.removeprefix(_BOM)
+            if not line.strip():
+                continue
+            try:
+                yield lineno, line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield lineno, UndecodableLine(error.start + 1, line[error.start])
+
+
+def _json_array(shard: Shard) -> list:
+    with open_binary(shard.path) as handle:
+        data = handle.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise DataError(f"{shard.label}:{line}: invalid UTF-8 at byte {column} of the line "
+                        f"(0x{data[error.start]:02x}); a JSON array is read whole, so the file cannot be read") from None
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{shard.label}:{error.lineno}: malformed JSON array: {error.msg} at column {error.colno}") from None
+    if not isinstance(items, list):
+        raise DataError(f"{shard.label}: a JSON file must hold an array of records")
+    return items
 
 
 def _columnar_rows(shard: Shard) -> Iterator[dict]:
@@ -209,7 +263,7 @@ def _columnar_rows(shard: Shard) -> Iterator[dict]:
         for batch in _record_batches(shard):
             yield from batch.to_pylist()
     except (ValueError, OSError) as error:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"{shard.path}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}") from None
+        raise DataError(f"{shard.label}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}") from None
 
 
 def _record_batches(shard: Shard) -> Iterator[pa.RecordBatch]:
@@ -240,7 +294,7 @@ def _csv_header(shard: Shard) -> list[str]:
     with open_text(shard.path) as handle:
         header = next(csv.reader(handle, delimiter="\t" if shard.format == "tsv" else ","), None)
     if not header:
-        raise DataError(f"{shard.path}: a {shard.format.upper()} file needs a header row naming its columns")
+        raise DataError(f"{shard.label}: a {shard.format.upper()} file needs a header row naming its columns")
     return header
 
 

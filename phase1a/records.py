@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from phase1a.errors import DataError
 
@@ -53,8 +53,18 @@ class RecordError(DataError):
         return type(self), (str(self), self.reason)
 
 
+class UndecodableLine(NamedTuple):
+    """A JSONL line that is not UTF-8: where its first bad byte is (1-based, in the line) and its value."""
+
+    byte: int
+    value: int
+
+
 def parse_json_record(where: str, raw: str | Any) -> dict[str, Any]:
     """A JSONL line, or an already parsed record (a JSON array's item, a Parquet/CSV/Arrow row), as a record."""
+    if isinstance(raw, UndecodableLine):
+        raise RecordError(f"{where}: invalid UTF-8 at byte {raw.byte} of the line (0x{raw.value:02x}); save the "
+                          "file as UTF-8, or skip such lines with data.bad_records: skip", "invalid_utf8")
     record = raw
     if isinstance(raw, str):
         try:
@@ -71,11 +81,23 @@ def parse_json_record(where: str, raw: str | Any) -> dict[str, Any]:
 def to_conversation(record: dict[str, Any], where: str, settings: RecordSettings) -> Conversation:
     """Normalise one record: field_map, the format (detected for `auto`), roles, the `system` column, tools."""
     record = apply_field_map(record, settings.field_map)
-    shape = detect_format(record, where) if settings.format == "auto" else RECORD_FORMATS[settings.format]
-    messages = shape.to_messages(record, where, settings.role_map)
-    if not shape.conversational:
-        return Conversation(messages)
-    return Conversation(_with_system_column(record, messages, where), _tools(record, where))
+    try:
+        shape = detect_format(record, where) if settings.format == "auto" else RECORD_FORMATS[settings.format]
+        messages = shape.to_messages(record, where, settings.role_map)
+        if not shape.conversational:
+            return Conversation(messages)
+        return Conversation(_with_system_column(record, messages, where), _tools(record, where))
+    except RecordError as error:
+        raise _in_user_terms(error, settings.field_map) from None
+
+
+def _in_user_terms(error: RecordError, field_map: dict[str, str]) -> RecordError:
+    """The message with each mapped field under the user's own name: `'answer' (mapped to completion)`, where
+    the formats only know `'completion'`. Field names are quoted in every message, so the swap is exact."""
+    message = str(error)
+    for source, target in field_map.items():
+        message = message.replace(f"'{target}'", f"'{source}' (mapped to {target})")
+    return RecordError(message, error.reason)
 
 
 def apply_field_map(record: dict[str, Any], field_map: dict[str, str]) -> dict[str, Any]:
@@ -105,13 +127,14 @@ def detect_format(record: dict[str, Any], where: str) -> RecordFormat:
 
 # ---- the formats ---------------------------------------------------------------------------------------------
 
-def _text(record: dict, field: str, where: str, optional: bool = False, path: str | None = None) -> str:
+def _text(record: dict, field: str, where: str, optional: bool = False) -> str:
     value = record.get(field)
     if optional and value is None:
         return ""
+    if value is None:
+        raise RecordError(f"{where}: field {field!r} is missing", f"bad_field:{field}")
     if not isinstance(value, str):
-        got = "missing" if value is None else type(value).__name__
-        raise RecordError(f"{where}: field {path or field!r} must be a string ({got})", f"bad_field:{field}")
+        raise RecordError(f"{where}: field {field!r} must be a string ({type(value).__name__})", f"bad_field:{field}")
     return value
 
 

@@ -258,7 +258,8 @@ def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
         _require_free_space(target.parent, size, str(path))
         if _copy_verified(path, target) != sha:  # the source changed while it was copied
             raise DataError(f"{path}: the file changed while it was staged; stage again")
-    return StagedData(source=source, path=str(target), fingerprint=sha, size_bytes=size, copied=copied)
+    return StagedData(source=source, path=str(target), origin=str(path), fingerprint=sha, size_bytes=size,
+                      copied=copied)
 
 
 def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Path, explicit: bool) -> StagedData:
@@ -276,8 +277,8 @@ def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Pa
     for name in pending:
         if _copy_verified(base / name, target / name) != shas[name]:
             raise DataError(f"{base / name}: the file changed while it was staged; stage again")
-    return StagedData(source=source, path=str(target), files=files if explicit else [], fingerprint=fingerprint,
-                      size_bytes=sum(sizes.values()), copied=bool(pending))
+    return StagedData(source=source, path=str(target), origin=str(base), files=files if explicit else [],
+                      fingerprint=fingerprint, size_bytes=sum(sizes.values()), copied=bool(pending))
 
 
 def _stage_local(source: str, staging_dir: Path) -> StagedData:
@@ -296,8 +297,8 @@ def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, stagi
     manifest_path = _manifest_path(target)
     recorded = _read_manifest(manifest_path)
     if recorded and recorded.objects == [item] and _intact(target, recorded.size_bytes, recorded.sha256):
-        return StagedData(source=source, path=str(target), fingerprint=recorded.sha256, size_bytes=item.size,
-                          copied=False, objects=[item])
+        return StagedData(source=source, path=str(target), origin=source, fingerprint=recorded.sha256,
+                          size_bytes=item.size, copied=False, objects=[item])
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest_path.unlink(missing_ok=True)  # the old record must not vouch for a file about to be replaced
     _require_free_space(target.parent, item.size, source)
@@ -310,8 +311,8 @@ def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, stagi
     finally:
         partial.unlink(missing_ok=True)
     _write_manifest(manifest_path, StageManifest(source=source, objects=[item], sha256=sha, size_bytes=item.size))
-    return StagedData(source=source, path=str(target), fingerprint=sha, size_bytes=item.size, copied=True,
-                      objects=[item])
+    return StagedData(source=source, path=str(target), origin=source, fingerprint=sha, size_bytes=item.size,
+                      copied=True, objects=[item])
 
 
 def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Object], staging_dir: Path,
@@ -368,7 +369,7 @@ def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer
         raise DataError(f"{source}: no data file under the prefix (keys: {', '.join(o.key for o in objects[:5])})")
     target, shas, copied = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
     files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
-    return StagedData(source=source, path=str(target), files=files,
+    return StagedData(source=source, path=str(target), origin=source, files=files,
                       fingerprint=_content_fingerprint([(name, shas[item.key]) for name, item in zip(files, data)]),
                       size_bytes=sum(item.size for item in data), copied=copied, objects=objects)
 
@@ -384,7 +385,8 @@ def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str
         link.symlink_to(snapshot.path, target_is_directory=True)
         os.replace(link, target)
     size = sum(p.stat().st_size for p in Path(snapshot.path).rglob("*") if p.is_file())
-    return StagedData(source=source, path=str(target), fingerprint=fingerprint, size_bytes=size, copied=False)
+    return StagedData(source=source, path=str(target), origin=source, fingerprint=fingerprint, size_bytes=size,
+                      copied=False)
 
 
 def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,

@@ -174,7 +174,7 @@ def test_a_bad_row_names_its_shard_and_row(tmp_path, tokenizer):
     records = [dict(r) for r in FLAT]
     records[13]["completion"] = None
     path = write_parquet(tmp_path / "bad.parquet", records)
-    with pytest.raises(DataError, match=r"bad.parquet:row 13: field 'completion' must be a string"):
+    with pytest.raises(DataError, match=r"bad.parquet:row 13: field 'completion' is missing"):
         tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "c1", "bad")
     skipped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c2", "skip")
     assert skipped.skipped == {"bad_field:completion": 1} and "bad.parquet:row 13" in skipped.skipped_examples[0]
@@ -203,3 +203,28 @@ def test_streaming_reads_a_batch_at_a_time(tmp_path):
     first = next(records)
     assert (first.shard, first.index) == (0, 0) and first.raw == RECORDS[0]
     assert sum(1 for _ in records) == len(RECORDS) * 200 - 1
+
+
+def test_byte_order_marks_and_invalid_utf8_in_text_formats(tmp_path, tokenizer):
+    """A BOM is read as absent in JSONL, a JSON array and CSV (the same tokens as without); a byte that is not
+    UTF-8 costs a JSONL file one line (its file and line named), a JSON array the whole file (it is one value)."""
+    _, reference_rows = tokenized(tmp_path / "ref", tokenizer, str(write_jsonl(tmp_path / "r.jsonl", FLAT)), "r")
+    bom = b"\xef\xbb\xbf"
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(bom + "".join(json.dumps(r) + "\n" for r in FLAT).encode())
+    array = tmp_path / "bom.json"
+    array.write_bytes(bom + json.dumps(FLAT, indent=1).encode())
+    table = tmp_path / "bom.csv"
+    with open(table, "w", newline="", encoding="utf-8-sig") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["prompt", "completion"])
+        writer.writeheader()
+        writer.writerows(FLAT)
+    for path in (jsonl, array, table):
+        _, rows = tokenized(tmp_path / path.suffix[1:], tokenizer, str(path), path.suffix)
+        assert rows == reference_rows, path.name
+
+    broken = tmp_path / "broken.json"
+    broken.write_bytes(json.dumps(FLAT, indent=1).encode().replace(b'"prompt"', b'"pr\xffompt"', 1))
+    with pytest.raises(DataError, match=r"broken.json:3: invalid UTF-8 at byte 6 of the line \(0xff\); a JSON array "
+                                        r"is read whole"):
+        tokenize_dataset(broken, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c4", "broken")

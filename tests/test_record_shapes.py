@@ -230,7 +230,7 @@ def _calls(*ids):
      "non_string_content"),
     ({"instruction": "q", "output": "a", "history": [["q0"]]}, "history[0]: expected a [user, assistant] pair",
      "bad_field:history"),
-    ({"instruction": "q"}, "field 'output' must be a string (missing)", "bad_field:output"),
+    ({"instruction": "q"}, "field 'output' is missing", "bad_field:output"),
     ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
      "completion[0]: the last message must be the assistant's", "last_turn_not_assistant"),
     ({"prompt": [{"role": "user"}], "completion": [{"role": "assistant", "content": "a"}]},

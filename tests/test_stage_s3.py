@@ -31,7 +31,7 @@ from tasks.stage import (
     verify_download,
 )
 from conftest import date_records
-from phase1a.datasource import iter_records, resolve_shards
+from phase1a.datasource import describe, iter_records, resolve_shards
 
 MiB = 1024 * 1024
 PLANTED_KEY_ID = "AKIDPLANTEDKEYID0001"
@@ -201,6 +201,9 @@ def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
     shards = resolve_shards(staged, None, "train")
     assert [s.json_array for s in shards] == [False, False, True]
     assert len(list(iter_records(shards))) == 9
+    # Messages name the object under the user's prefix, not the staged copy.
+    assert [describe(shards, n, 2) for n in range(3)] == [
+        f"s3://{bucket}/gz/part-0.jsonl.gz:2", f"s3://{bucket}/gz/part-1.jsonl.gz:2", f"s3://{bucket}/gz/part-2.json:[2]"]
 
     _put(endpoint, bucket, "none/README", b"no data here")
     with pytest.raises(DataError, match=rf"s3://{bucket}/none/: no data file under the prefix"):

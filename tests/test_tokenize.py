@@ -106,7 +106,7 @@ def test_reuses_a_complete_output(tmp_path, tokenizer):
         (["", "  "], r"data.jsonl: no usable records"),
         ([json.dumps(date_records(1)[0]), '{"messages": [}'], r"data.jsonl:2: malformed JSON"),
         (['{"question": "q", "answer": "a"}'], r"data.jsonl:1: no 'messages', .* field \(fields: answer, question\)"),
-        (['{"instruction": "q"}'], r"data.jsonl:1: field 'output' must be a string \(missing\)"),
+        (['{"instruction": "q"}'], r"data.jsonl:1: field 'output' is missing"),
         (['{"messages": [{"role": "user", "content": "q"}]}'],
          r"data.jsonl:1: messages\[0\]: the last message must be the assistant's"),
         (['{"messages": [{"role": "narrator", "content": "q"}]}'], r"data.jsonl:1: messages\[0\].role: unknown role"),

@@ -1,0 +1,76 @@
+"""Bad input as a user meets it, through the CLI's real entry point (`phase1a plan`, Prefect in-process): each
+message names the user's own file (not the staged copy), the line, and the user's field name."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from conftest import date_records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(config_tree: dict, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    config_path = tmp_path / "job.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    command = [sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path)]
+    for override in overrides:
+        command += ["--set", override]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def report_of(done: subprocess.CompletedProcess) -> dict:
+    line = [line for line in done.stdout.splitlines() if line.startswith("report: ")][-1]
+    return json.loads(Path(line.removeprefix("report: ")).read_text())
+
+
+def jsonl_bytes(records: list[dict]) -> list[bytes]:
+    return [json.dumps(record).encode() + b"\n" for record in records]
+
+
+def test_an_invalid_utf8_byte_names_the_users_file_and_line_and_can_be_skipped(config_tree, tmp_path):
+    data = tmp_path / "mine" / "chats.jsonl"
+    data.parent.mkdir()
+    lines = jsonl_bytes(date_records(64))
+    lines[40] = lines[40].replace(b"Rewrite", b"Rewr\xffite")  # one byte from a Latin-1 editor
+    data.write_bytes(b"".join(lines))
+    config_tree["data"]["source"] = str(data)
+    byte = lines[40].index(b"\xff") + 1
+
+    failed = plan(config_tree, tmp_path)
+    assert failed.returncode == 1
+    expected = (f"{data}:41: invalid UTF-8 at byte {byte} of the line (0xff); save the file as UTF-8, or skip "
+                "such lines with data.bad_records: skip")
+    assert expected in failed.stderr, failed.stderr[-2000:]
+    assert "staging" not in failed.stderr.split(expected)[0].splitlines()[-1]  # the user's path, not the copy
+    assert "UnicodeDecodeError" not in failed.stderr + failed.stdout
+
+    skipped = plan(config_tree, tmp_path, "data.bad_records=skip")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    tokenized = report_of(skipped)["stages"]["tokenize"]["result"]
+    assert tokenized["skipped"] == {"invalid_utf8": 1}
+    assert tokenized["skipped_examples"][0].startswith(f"{data}:41: invalid UTF-8 at byte {byte}")
+    assert tokenized["train_examples"] + tokenized["validation_examples"] == 63
+
+
+def test_a_leading_byte_order_mark_is_accepted(config_tree, tmp_path):
+    data = tmp_path / "exported.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + b"".join(jsonl_bytes(date_records(64))))
+    config_tree["data"]["source"] = str(data)
+    done = plan(config_tree, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenized = report_of(done)["stages"]["tokenize"]["result"]
+    assert tokenized["skipped"] == {} and tokenized["train_examples"] + tokenized["validation_examples"] == 64
+
+
+def test_a_missing_mapped_field_is_named_as_the_user_names_it(config_tree, tmp_path):
+    records = [{"question": r["messages"][1]["content"], "answer": r["messages"][2]["content"]}
+               for r in date_records(64)]
+    del records[9]["answer"]
+    data = tmp_path / "qa.jsonl"
+    data.write_bytes(b"".join(jsonl_bytes(records)))
+    config_tree["data"].update(source=str(data), field_map={"question": "prompt", "answer": "completion"})
+    done = plan(config_tree, tmp_path)
+    assert done.returncode == 1
+    assert f"{data}:10: field 'answer' (mapped to completion) is missing" in done.stderr, done.stderr[-2000:]
