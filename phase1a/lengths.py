@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from pydantic import BaseModel
 
 SEQ_MULTIPLE = 64  # right-sized lengths round up to this, a friendly shape for GPU kernels
+# An example longer than this many times the p99.9 length is an outlier: sized for, it would set the length of
+# every packed row and every memory estimate of the run. The `balanced` profile truncates outliers (at the
+# p99.9 length), `quality` keeps them; the report names them either way.
+OUTLIER_FACTOR = 2.0
+_SHOWN_OUTLIERS = 5
 
 
 class LengthStats(BaseModel):
@@ -19,6 +25,32 @@ class LengthStats(BaseModel):
     p99: float
     p99_9: float
     max: int
+
+
+class Outliers(BaseModel):
+    count: int  # examples longer than `threshold` tokens
+    threshold: int  # OUTLIER_FACTOR x the p99.9 length
+    p99_9: float
+    longest: list[tuple[str, int]]  # (where, tokens) of the longest few: file and line
+
+
+def find_outliers(lengths: np.ndarray, where: Callable[[int], str]) -> Outliers | None:
+    """The examples longer than OUTLIER_FACTOR x p99.9, longest first, or None when there are none."""
+    p999 = float(np.percentile(lengths, 99.9))
+    threshold = int(OUTLIER_FACTOR * p999)
+    beyond = np.flatnonzero(lengths > threshold)
+    if beyond.size == 0:
+        return None
+    longest = beyond[np.argsort(-lengths[beyond], kind="stable")[:_SHOWN_OUTLIERS]]
+    return Outliers(count=int(beyond.size), threshold=threshold, p99_9=p999,
+                    longest=[(where(int(index)), int(lengths[index])) for index in longest])
+
+
+def describe_outliers(outliers: Outliers) -> str:
+    where, tokens = outliers.longest[0]
+    return (f"{outliers.count} example(s) longer than {OUTLIER_FACTOR:g}x the p99.9 length ({outliers.p99_9:g} "
+            f"tokens), the longest {tokens} tokens at {where}: sized for, it sets the length of every packed row; "
+            "plan.profile balanced truncates such examples at the p99.9 length, quality keeps them")
 
 
 class WasteRow(BaseModel):

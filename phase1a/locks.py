@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import socket
 import time
@@ -20,15 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
-
-def _logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a run (its lines reach the flow run's logs in the UI), else a plain one."""
-    try:
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # no Prefect on a bare GPU host, or no active run
-        return logging.getLogger("phase1a")
+from phase1a.logs import run_logger
 
 
 def _holder() -> dict:
@@ -64,7 +55,7 @@ def exclusive(lock_path: Path, what: str) -> Iterator[float]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log = _logger()
+            log = run_logger()
             log.warning("%s is in use by %s; waiting for it to finish", what, _describe(os.pread(fd, 4096, 0)))
             started = time.monotonic()
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -32,7 +32,7 @@ from phase1a.cost_model import (
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import RunRecord, latest_run
-from phase1a.lengths import right_size
+from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.options import OptionRow, format_options, option_rows
 from phase1a.packing import TokenRows
@@ -128,6 +128,8 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     max_seq_length = data.max_seq_length
     if policy.profile == "fast":  # the longest 0.1 % of examples are truncated rather than sizing every batch
         max_seq_length = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, data.model_max_length, None))
+    elif policy.profile == "balanced" and data.outliers:  # a few far-out examples must not size every row
+        max_seq_length = _truncate_outliers(data.outliers, lengths, max_seq_length, data.model_max_length, notes)
     start = _start_candidate(policy, facts, trainable, shape, method.batch_size, max_seq_length, available)
     train_tokens = int(np.minimum(lengths, max_seq_length).sum() * method.epochs)
 
@@ -344,6 +346,17 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
         rows.append({"setting": f"calibration: {trial.candidate.label()}", "value": _trial_result(trial)})
     create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window, calibration")
     return path
+
+
+def _truncate_outliers(outliers: Outliers, lengths: np.ndarray, max_seq_length: int, model_max_length: int,
+                       notes: list[str]) -> int:
+    capped = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, model_max_length, None))
+    truncated = int((lengths > capped).sum())
+    where, tokens = outliers.longest[0]
+    notes.append(f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
+                 f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
+                 f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
+    return capped
 
 
 def format_plan(plan: Plan) -> str:

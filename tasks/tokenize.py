@@ -25,7 +25,9 @@ from pydantic import BaseModel
 
 from phase1a.fingerprint import code_version, hash_json
 from phase1a.locks import exclusive
-from phase1a.lengths import LengthStats, WasteRow, length_stats, right_size, save_histogram, waste_table
+from phase1a.lengths import (LengthStats, Outliers, WasteRow, describe_outliers, find_outliers, length_stats,
+                             right_size, save_histogram, waste_table)
+from phase1a.logs import run_logger
 from phase1a.datasource import DataLocation, Shard, describe, iter_records, resolve_shards
 from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodeSettings, auto_workers, encode_chunks
 from phase1a.render import IGNORE_INDEX
@@ -65,6 +67,7 @@ class TokenizedData(BaseModel):
     workers: int = 1  # processes that encoded the records
     template: Literal["chat_template", "fallback"]
     lengths: LengthStats
+    outliers: Outliers | None = None  # examples far longer than the rest, named by file and line
     max_seq_length: int
     model_max_length: int
     waste: list[WasteRow]
@@ -170,6 +173,9 @@ def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, mode
     places_all, keys_all, lengths_all = np.concatenate(places), np.concatenate(keys), np.concatenate(lengths)
 
     # ---- decisions over per-example scalars ---------------------------------------------------------------
+    outliers = find_outliers(lengths_all, lambda index: describe(sources.shards, *map(int, places_all[index])))
+    if outliers:
+        run_logger().warning("%s", describe_outliers(outliers))
     max_seq_length = right_size(lengths_all, options.length_percentile, model_max_length, options.max_seq_length)
     overlong = lengths_all > max_seq_length
     if options.overlong == "fail" and overlong.any():
@@ -225,7 +231,7 @@ def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, mode
         train_examples=counts["train"], validation_examples=counts["validation"], shards=len(sources.shards),
         workers=workers,
         template="chat_template" if getattr(tokenizer, "chat_template", None) else "fallback",
-        lengths=stats, max_seq_length=max_seq_length, model_max_length=model_max_length,
+        lengths=stats, outliers=outliers, max_seq_length=max_seq_length, model_max_length=model_max_length,
         waste=waste_table(lengths_all, options.max_seq_length or model_max_length, max_seq_length),
         skipped=dict(skipped), skipped_examples=shown, duplicates=duplicates,
         duplicates_dropped=duplicates if options.drop_duplicates else 0,

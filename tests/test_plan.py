@@ -47,3 +47,24 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     config_tree["plan"] = {"profile": "custom", "micro_batch_size": 3, "gradient_checkpointing": False}
     with pytest.raises(ValueError, match="must divide method.batch_size 8"):
         make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+
+
+def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(tiny_model_dir, tmp_path, config_tree,
+                                                                              caplog):
+    records = date_records(1500)
+    records[700]["messages"][2]["content"] = " ".join(["12/31/1999"] * 200)  # one answer 40x the others
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    with caplog.at_level("WARNING", logger="phase1a"):
+        data = tokenize_dataset(path, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache", "fp")
+    assert data.outliers and data.outliers.count == 1 and data.outliers.longest[0][0] == f"{path}:701"
+    assert f"the longest {data.outliers.longest[0][1]} tokens at {path}:701" in caplog.text
+    assert data.max_seq_length == 256  # tokenize sizes for it (length_percentile 100), up to the model's positions
+
+    balanced = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    assert balanced.max_seq_length == 64
+    assert any(note.startswith("balanced: max_seq_length 64 (the p99.9 length) instead of 256") and f"{path}:701" in note
+               and "1 training example(s) truncated" in note for note in balanced.notes), balanced.notes
+
+    config_tree["plan"] = {"profile": "quality"}
+    quality = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    assert quality.max_seq_length == 256 and not any(note.startswith("balanced:") for note in quality.notes)
