@@ -86,6 +86,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
                              trust_remote_code=config.model.trust_remote_code,
                              fingerprint=validate_fingerprint(model_fp, trained.adapter_dir, data.fingerprint,
                                                               config.validation, endpoint))
+        report.compare("validation_estimate_vs_actual", "validate", plan.estimate.evaluation_seconds,
+                       base_cached=verdict.base_cached)
         report.set("validation", validation_section(verdict))
         publish_validation(verdict, report.run_dir)
         print(format_table(verdict))

@@ -51,6 +51,15 @@ class RunReport:
     def set(self, key: str, value: Any) -> None:
         self.data[key] = value
 
+    def compare(self, key: str, stage: str, estimated_seconds: float, **detail: Any) -> None:
+        """Record the plan's estimate of a stage against its measured seconds, when the stage ran (not cached)."""
+        section = self.data["stages"][stage]
+        if section["state"] != "Completed":
+            return
+        actual = section["seconds"]
+        self.data[key] = {"estimated_seconds": round(estimated_seconds, 3), "actual_seconds": actual,
+                          "estimated_over_actual": round(estimated_seconds / actual, 3) if actual else None, **detail}
+
     def write(self, status: str) -> Path:
         self.data["status"] = status
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)

@@ -10,6 +10,7 @@ predicts almost surely, and says little about whether the answer is right.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 from phase1a.answers import extract_answer
 from phase1a.config import ValidationConfig
 from phase1a.fingerprint import code_version, hash_json
-from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
+from phase1a.generation import decode_steps, generate_greedy, generation_examples, stop_token_ids, time_decode_step
 from phase1a.packing import TokenRows, pack, summed_loss
 
 # Metric name -> the direction that is better; the gate and the report read this.
@@ -144,3 +145,40 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
     metrics.generated_tokens = sum(len(output.tokens) for output in generated)
     metrics.answers = answers
     return metrics
+
+
+class ValidationSpeed(BaseModel):
+    """Validation's two costs, measured on the model being planned: the teacher-forced pass per token, and one
+    greedy step of a generation batch (`generation_batch_size` rows) with the KV cache."""
+
+    forward_seconds_per_token: float
+    decode_seconds_per_step: float
+
+
+def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
+                    settings: ValidationConfig) -> ValidationSpeed:
+    """One teacher-forced batch and a few greedy steps on the sample's first generation batch, timed."""
+    model.eval()
+    sample = indices[: settings.batch_size]
+    teacher_forced(model, rows, sample[:1], settings.batch_size)  # warm-up
+    began = time.perf_counter()
+    teacher_forced(model, rows, sample, settings.batch_size)
+    forward = (time.perf_counter() - began) / max(1, int(rows.lengths()[sample].sum()))
+    examples = generation_examples(rows, indices[: settings.generation_batch_size])
+    decode = 0.0 if isinstance(examples, str) else time_decode_step(model, [e.prompt for e in examples], pad_id=0)
+    return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=decode)
+
+
+def validation_seconds(speed: ValidationSpeed, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
+                       models: int) -> float:
+    """Validation as `evaluate` runs it, for each of `models` models: the teacher-forced pass over the sample,
+    then per generation batch a prefill of its prompts and a greedy step per token of its longest answer."""
+    forward = float(rows.lengths()[indices].sum()) * speed.forward_seconds_per_token
+    examples = generation_examples(rows, indices)
+    if isinstance(examples, str):  # no generation: exact match is reported unavailable
+        return models * forward
+    longest = max(len(e.reference) for e in examples)
+    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
+    prefill = sum(len(e.prompt) for e in examples) * speed.forward_seconds_per_token
+    steps = decode_steps(examples, max_new, settings.generation_batch_size)
+    return models * (forward + prefill + steps * speed.decode_seconds_per_step)

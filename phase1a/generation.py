@@ -10,6 +10,7 @@ padding and transformers derives position ids from it, so a padded row generates
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,51 @@ class _GreedyProbability:
         return scores
 
 
+def left_padded(prompts: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) with every prompt ending in the last column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.from_numpy(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    return input_ids, attention_mask
+
+
+def decode_steps(examples: list[GenerationExample], max_new_tokens: int, batch_size: int) -> int:
+    """Greedy steps generating `examples` in batches: a batch runs until its longest answer has ended, taken as
+    its longest reference plus the stop token, at most `max_new_tokens`."""
+    lengths = [len(e.reference) for e in examples]
+    return sum(min(max_new_tokens, max(lengths[start : start + batch_size]) + 1)
+               for start in range(0, len(lengths), batch_size))
+
+
+@torch.no_grad()
+def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8) -> float:
+    """Seconds per greedy step for this batch of prompts: `1 + steps` new tokens minus 1 (the prefill)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
+
+    def timed(new_tokens: int) -> float:
+        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  num_beams=1, use_cache=True, pad_token_id=pad_id)
+        _sync(device)
+        began = time.perf_counter()
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        _sync(device)
+        return time.perf_counter() - began
+
+    timed(1)  # warm-up: the first generate call pays for lazy set-up
+    return max(0.0, timed(1 + steps) - timed(1)) / steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def generate_greedy(model, prompts: list[np.ndarray], max_new_tokens: int, stop_ids: list[int], pad_id: int,
                     batch_size: int) -> list[Generated]:
@@ -95,12 +141,8 @@ def generate_greedy(model, prompts: list[np.ndarray], max_new_tokens: int, stop_
     results: list[Generated] = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        width = max(len(p) for p in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, prompt in enumerate(batch):
-            input_ids[row, width - len(prompt):] = torch.from_numpy(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+        input_ids, attention_mask = left_padded(batch, pad_id)
+        width = input_ids.shape[1]
         recorder = _GreedyProbability()
         sequences = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                    generation_config=config, logits_processor=LogitsProcessorList([recorder]))

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from phase1a.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
 from phase1a.config import Phase1aConfig
+from phase1a.evaluation import ValidationSpeed, time_validation
 from phase1a.hardware import usable_cores
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 
@@ -74,6 +75,7 @@ class Calibration(BaseModel):
     trials: list[Trial]
     budget_seconds: float
     seconds: float
+    validation: ValidationSpeed | None = None  # the validate stage's two costs, measured on this model
 
 
 # Proposes the next candidates to try for one knob, given the best so far.
@@ -81,7 +83,8 @@ Alternatives = Callable[[Candidate, str], list[Candidate]]
 
 
 def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_length: int, start: Candidate,
-              alternatives: Alternatives, train_tokens: int, work_dir: Path) -> Calibration:
+              alternatives: Alternatives, train_tokens: int, work_dir: Path,
+              validation_path: str | None = None) -> Calibration:
     from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
 
     began = time.perf_counter()
@@ -138,12 +141,26 @@ def calibrate(config: Phase1aConfig, model_dir: Path, train_path: str, max_seq_l
             speed = confirmation.tokens_per_second
     set_gradient_checkpointing(model, best.candidate.gradient_checkpointing)
     checkpoint_seconds = _time_checkpoint(model, optimizer, work_dir)
+    validation = _time_validation(model, validation_path, config) if validation_path else None
     return Calibration(
         chosen=best.candidate, seconds_per_token=1.0 / speed,
         warmup_excess_seconds=best.warmup_excess_seconds or 0.0, startup_seconds=startup,
         checkpoint_seconds=checkpoint_seconds, peak_memory_gib=best.peak_memory_gib, trials=trials,
-        budget_seconds=budget, seconds=time.perf_counter() - began,
+        budget_seconds=budget, seconds=time.perf_counter() - began, validation=validation,
     )
+
+
+def _time_validation(model, validation_path: str, config: Phase1aConfig) -> ValidationSpeed:
+    """Validation's costs on this model, uncompiled as the validate stage loads it."""
+    rows = TokenRows.from_arrow(validation_path)
+    indices = np.arange(min(len(rows), config.validation.max_examples))
+    compiled = getattr(model, "_compiled_call_impl", None)
+    model._compiled_call_impl = None
+    try:
+        with torch.no_grad():
+            return time_validation(model, rows, indices, config.validation)
+    finally:
+        model._compiled_call_impl = compiled
 
 
 def _outcome(trial: Trial) -> str:

@@ -12,7 +12,10 @@ Estimate (seconds):
     train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
                  + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
     checkpoints  how often `checkpoint.interval` fires within the train time (wall time and/or steps)
-    evaluation   forward passes only (2N of the step's FLOPs a token) over the validation sample, base and trained
+    evaluation   the validate stage for the base, the trained (and a promoted baseline's) model: a teacher-forced
+                 pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
+                 longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
+                 forward pass at 2N of the step's FLOPs a token and a step at the weights' read from memory
     total        startup + train + evaluation; cost = GPUs x price per GPU-hour x total
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from phase1a.cost_model import (
     GIB, OPTIMIZER_STATE_BYTES, MemoryEstimate, ModelFacts, TrainingShape, choose_micro_batch, fitting_micro_batches,
     flops_per_token, lora_parameters, micro_batch_memory, model_facts,
 )
+from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import RunRecord, latest_run
@@ -148,7 +152,7 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
         calibration = calibrate(
             config, model_dir, data.train_path, max_seq_length, start,
             _alternatives(facts, trainable, shape, method.batch_size, max_seq_length, available) if sweeps else _none,
-            train_tokens, config.work_dir / config.name)
+            train_tokens, config.work_dir / config.name, validation_path=data.validation_path)
         release_device_memory()  # the calibration's model: training builds its own
         throughput = _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
                                  warmup_seconds=calibration.warmup_excess_seconds,
@@ -168,9 +172,10 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     flops = flops_per_token(facts, shape.full, chosen.gradient_checkpointing, _mean(lengths, max_seq_length))
     spt = throughput.seconds_per_token
 
-    # Evaluation runs the forward pass only (2N of the training FLOPs) for the base and the trained model.
-    validation_tokens = int(TokenRows.from_arrow(data.validation_path).lengths()[: config.validation.max_examples].sum())
-    evaluation = 2 * validation_tokens * spt * (2 * facts.parameters) / flops
+    # The validate stage loads the trained model (and, for a full fine-tune, the base; a promoted baseline) anew.
+    loads = 1 + (method.kind == "full") + (config.validation.baseline == "promoted")
+    evaluation = loads * throughput.startup_seconds + _validation_estimate(
+        config, data, facts, shape, spt * (2 * facts.parameters) / flops, target, throughput.calibration)
     interval = parse_interval(config.checkpoint.interval)
     tokens_per_step = float(np.minimum(lengths, max_seq_length).sum()) / max(1, math.ceil(len(lengths) / method.batch_size))
     # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
@@ -346,6 +351,24 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
         rows.append({"setting": f"calibration: {trial.candidate.label()}", "value": _trial_result(trial)})
     create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window, calibration")
     return path
+
+
+def _validation_estimate(config: Phase1aConfig, data: TokenizedData, facts: ModelFacts, shape: TrainingShape,
+                         forward_seconds_per_token: float, target, calibration: Calibration | None) -> float:
+    """The validate stage as it will run (phase1a.evaluation.validation_seconds) for the base, the trained and a
+    promoted baseline's model: measured costs where the calibration timed them, else a forward pass at 2N of the
+    step's FLOPs a token and a greedy step at the weights' read from memory (or, with no bandwidth catalogued,
+    one forward token per row of the generation batch)."""
+    settings = config.validation
+    rows = TokenRows.from_arrow(data.validation_path)
+    indices = np.arange(min(len(rows), settings.max_examples))
+    models = 3 if settings.baseline == "promoted" else 2
+    speed = calibration.validation if calibration is not None else None
+    if speed is None:
+        step = (facts.parameters * shape.weight_bytes / target.memory_bandwidth if target.memory_bandwidth
+                else forward_seconds_per_token * settings.generation_batch_size)
+        speed = ValidationSpeed(forward_seconds_per_token=forward_seconds_per_token, decode_seconds_per_step=step)
+    return validation_seconds(speed, rows, indices, settings, models)
 
 
 def _truncate_outliers(outliers: Outliers, lengths: np.ndarray, max_seq_length: int, model_max_length: int,

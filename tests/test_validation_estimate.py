@@ -1,0 +1,50 @@
+"""The validate stage's estimate: greedy steps per generation batch, and the costs measured on a model."""
+import numpy as np
+import pytest
+from conftest import date_records, make_tokenizer, write_jsonl
+
+from phase1a.config import ValidationConfig
+from phase1a.evaluation import ValidationSpeed, time_validation, validation_seconds
+from phase1a.generation import GenerationExample, decode_steps, generation_examples
+from phase1a.packing import TokenRows
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+
+
+def example(prompt: int, reference: int) -> GenerationExample:
+    return GenerationExample(prompt=np.zeros(prompt, dtype=np.int64), reference=np.zeros(reference, dtype=np.int64))
+
+
+def test_a_batch_runs_until_its_longest_answer_and_the_stop_token():
+    examples = [example(5, 3), example(5, 10), example(5, 4), example(5, 2), example(5, 30)]
+    assert decode_steps(examples, max_new_tokens=64, batch_size=2) == 11 + 5 + 31
+    assert decode_steps(examples, max_new_tokens=8, batch_size=2) == 8 + 5 + 8  # capped by max_new_tokens
+    assert decode_steps(examples, max_new_tokens=64, batch_size=5) == 31
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> TokenRows:
+    root = tmp_path_factory.mktemp("validation")
+    data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=20), root / "cache", "fp")
+    return TokenRows.from_arrow(data.validation_path)
+
+
+def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(rows):
+    settings = ValidationConfig(max_examples=20, generation_batch_size=8, max_new_tokens=64, new_tokens_margin=0)
+    indices = np.arange(20)
+    examples = generation_examples(rows, indices)
+    speed = ValidationSpeed(forward_seconds_per_token=0.001, decode_seconds_per_step=0.01)
+    longest = max(len(e.reference) for e in examples)
+    expected = (rows.lengths()[indices].sum() * 0.001 + sum(len(e.prompt) for e in examples) * 0.001
+                + decode_steps(examples, min(64, longest), 8) * 0.01)
+    assert validation_seconds(speed, rows, indices, settings, models=2) == pytest.approx(2 * expected)
+
+
+def test_time_validation_measures_both_costs_on_a_model(rows, tiny_model_dir):
+    from phase1a.models import load_model
+
+    import torch
+
+    model = load_model(tiny_model_dir, torch.float32)
+    speed = time_validation(model, rows, np.arange(20), ValidationConfig(generation_batch_size=8, batch_size=8))
+    assert speed.forward_seconds_per_token > 0 and speed.decode_seconds_per_step > 0
