@@ -1,6 +1,7 @@
 """Bad input as a user meets it, through the CLI's real entry point (`phase1a plan`, Prefect in-process): each
 message names the user's own file (not the staged copy), the line, and the user's field name."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,18 @@ def test_a_missing_mapped_field_is_named_as_the_user_names_it(config_tree, tmp_p
     done = plan(config_tree, tmp_path)
     assert done.returncode == 1
     assert f"{data}:10: field 'answer' (mapped to completion) is missing" in done.stderr, done.stderr[-2000:]
+
+
+def test_one_far_longer_example_is_named_and_the_balanced_plan_truncates_it(config_tree, tmp_path):
+    records = date_records(1500)
+    records[700]["messages"][2]["content"] = " ".join(["12/31/1999"] * 200)  # one answer 40x the others
+    data = tmp_path / "dates.jsonl"
+    data.write_bytes(b"".join(jsonl_bytes(records)))
+    config_tree["data"]["source"] = str(data)
+    done = plan(config_tree, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = done.stdout + done.stderr
+    assert re.search(rf"1 example\(s\) longer than 2x the p99.9 length \([\d.]+ tokens\), the longest \d+ tokens at "
+                     rf"{re.escape(str(data))}:701", output), output[-3000:]
+    assert re.search(rf"note: balanced: max_seq_length 64 \(the p99.9 length\) instead of 256: .*{re.escape(str(data))}"
+                     r":701\); 1 training example\(s\) truncated", done.stdout), done.stdout[-3000:]

@@ -1,5 +1,6 @@
 """The whole flow in-process on Prefect's embedded server (an isolated PREFECT_HOME, see conftest)."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
     report = json.loads(Path(report_line.removeprefix("report: ")).read_text())
     assert report["config"]["method"]["epochs"] == 0.5
     assert "token_accuracy" in done.stdout and "gate: PASS" in done.stdout
+    assert re.search(r"^validate: [\d.]+ s; plan estimated [\d.]+ s$", done.stdout, re.MULTILINE)
 
     bad = subprocess.run(cli + ["--set", "method.batch_size=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
