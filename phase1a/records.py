@@ -9,6 +9,7 @@ the run or is skipped and counted under the error's `reason`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -92,12 +93,16 @@ def to_conversation(record: dict[str, Any], where: str, settings: RecordSettings
 
 
 def _in_user_terms(error: RecordError, field_map: dict[str, str]) -> RecordError:
-    """The message with each mapped field under the user's own name: `'answer' (mapped to completion)`, where
-    the formats only know `'completion'`. Field names are quoted in every message, so the swap is exact."""
-    message = str(error)
+    """The message with each mapped field under the user's own name, where the formats only know theirs: a
+    quoted field (`'answer' (mapped to completion)`) and a path into a turn list (`dialog[2].content`, with
+    `(dialog is mapped to messages)` at the end). Both forms are exact: field names are quoted, paths index."""
+    message, notes = str(error), []
     for source, target in field_map.items():
         message = message.replace(f"'{target}'", f"'{source}' (mapped to {target})")
-    return RecordError(message, error.reason)
+        message, count = re.subn(rf"(?<![\w.'])({re.escape(target)})(?=\[)", source, message)
+        if count:
+            notes.append(f"{source} is mapped to {target}")
+    return RecordError(message + (f" ({'; '.join(notes)})" if notes else ""), error.reason)
 
 
 def apply_field_map(record: dict[str, Any], field_map: dict[str, str]) -> dict[str, Any]:

@@ -353,3 +353,14 @@ def test_template_file_is_applied_and_keys_the_cache(tmp_path):
     assert fingerprint(str(path)) != before  # same path, edited text: a new cache key
     with pytest.raises(DataError, match=r"data.chat_template: .*missing.jinja: no such file, and not a named template"):
         fingerprint(str(tmp_path / "missing.jinja"))
+
+
+def test_errors_under_a_field_map_use_the_users_names():
+    options = settings(field_map={"dialog": "messages", "answer": "completion"})
+    with pytest.raises(RecordError) as turn:
+        to_conversation({"dialog": [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]}, "d.jsonl:7",
+                        options)
+    assert str(turn.value).startswith("d.jsonl:7: dialog[0].content: ") and str(turn.value).endswith(
+        "(dialog is mapped to messages)")
+    with pytest.raises(RecordError, match=r"^d.jsonl:3: field 'answer' \(mapped to completion\) is missing$"):
+        to_conversation({"prompt": "q"}, "d.jsonl:3", options)
