@@ -28,8 +28,7 @@ class LengthStats(BaseModel):
 
 
 class Outliers(BaseModel):
-    count: int  # examples longer than `threshold` tokens
-    threshold: int  # OUTLIER_FACTOR x the p99.9 length
+    count: int  # examples longer than OUTLIER_FACTOR x p99_9 tokens
     p99_9: float
     longest: list[tuple[str, int]]  # (where, tokens) of the longest few: file and line
 
@@ -42,7 +41,7 @@ def find_outliers(lengths: np.ndarray, where: Callable[[int], str]) -> Outliers 
     if beyond.size == 0:
         return None
     longest = beyond[np.argsort(-lengths[beyond], kind="stable")[:_SHOWN_OUTLIERS]]
-    return Outliers(count=int(beyond.size), threshold=threshold, p99_9=p999,
+    return Outliers(count=int(beyond.size), p99_9=p999,
                     longest=[(where(int(index)), int(lengths[index])) for index in longest])
 
 

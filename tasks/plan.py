@@ -130,10 +130,13 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
 
     lengths = TokenRows.from_arrow(data.train_path).lengths()
     max_seq_length = data.max_seq_length
-    if policy.profile == "fast":  # the longest 0.1 % of examples are truncated rather than sizing every batch
-        max_seq_length = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, data.model_max_length, None))
-    elif policy.profile == "balanced" and data.outliers:  # a few far-out examples must not size every row
-        max_seq_length = _truncate_outliers(data.outliers, lengths, max_seq_length, data.model_max_length, notes)
+    # fast: the longest 0.1 % of examples are truncated rather than sizing every batch; balanced: only when a few
+    # far-out examples would size every row.
+    if policy.profile == "fast" or (policy.profile == "balanced" and data.outliers):
+        capped = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, data.model_max_length, None))
+        if policy.profile == "balanced":
+            notes.append(_outlier_note(data.outliers, max_seq_length, capped, int((lengths > capped).sum())))
+        max_seq_length = capped
     start = _start_candidate(policy, facts, trainable, shape, method.batch_size, max_seq_length, available)
     train_tokens = int(np.minimum(lengths, max_seq_length).sum() * method.epochs)
 
@@ -172,10 +175,8 @@ def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model
     flops = flops_per_token(facts, shape.full, chosen.gradient_checkpointing, _mean(lengths, max_seq_length))
     spt = throughput.seconds_per_token
 
-    # The validate stage loads the trained model (and, for a full fine-tune, the base; a promoted baseline) anew.
-    loads = 1 + (method.kind == "full") + (config.validation.baseline == "promoted")
-    evaluation = loads * throughput.startup_seconds + _validation_estimate(
-        config, data, facts, shape, spt * (2 * facts.parameters) / flops, target, throughput.calibration)
+    evaluation = _validation_estimate(config, data, facts, shape, spt * (2 * facts.parameters) / flops, target,
+                                      throughput)
     interval = parse_interval(config.checkpoint.interval)
     tokens_per_step = float(np.minimum(lengths, max_seq_length).sum()) / max(1, math.ceil(len(lengths) / method.batch_size))
     # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
@@ -354,32 +355,30 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
 
 
 def _validation_estimate(config: Phase1aConfig, data: TokenizedData, facts: ModelFacts, shape: TrainingShape,
-                         forward_seconds_per_token: float, target, calibration: Calibration | None) -> float:
-    """The validate stage as it will run (phase1a.evaluation.validation_seconds) for the base, the trained and a
-    promoted baseline's model: measured costs where the calibration timed them, else a forward pass at 2N of the
+                         forward_seconds_per_token: float, target, throughput: _Throughput) -> float:
+    """The validate stage as it will run: it scores the base, the trained and a promoted baseline's model
+    (phase1a.evaluation.validation_seconds each) and loads the trained model, the base of a full fine-tune and
+    a promoted baseline anew. Measured costs where the calibration timed them, else a forward pass at 2N of the
     step's FLOPs a token and a greedy step at the weights' read from memory (or, with no bandwidth catalogued,
     one forward token per row of the generation batch)."""
     settings = config.validation
+    promoted = settings.baseline == "promoted"
+    loads = 1 + (config.method.kind == "full") + promoted
     rows = TokenRows.from_arrow(data.validation_path)
     indices = np.arange(min(len(rows), settings.max_examples))
-    models = 3 if settings.baseline == "promoted" else 2
-    speed = calibration.validation if calibration is not None else None
+    speed = throughput.calibration.validation if throughput.calibration is not None else None
     if speed is None:
         step = (facts.parameters * shape.weight_bytes / target.memory_bandwidth if target.memory_bandwidth
                 else forward_seconds_per_token * settings.generation_batch_size)
         speed = ValidationSpeed(forward_seconds_per_token=forward_seconds_per_token, decode_seconds_per_step=step)
-    return validation_seconds(speed, rows, indices, settings, models)
+    return loads * throughput.startup_seconds + validation_seconds(speed, rows, indices, settings, 2 + promoted)
 
 
-def _truncate_outliers(outliers: Outliers, lengths: np.ndarray, max_seq_length: int, model_max_length: int,
-                       notes: list[str]) -> int:
-    capped = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, model_max_length, None))
-    truncated = int((lengths > capped).sum())
+def _outlier_note(outliers: Outliers, max_seq_length: int, capped: int, truncated: int) -> str:
     where, tokens = outliers.longest[0]
-    notes.append(f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
-                 f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
-                 f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
-    return capped
+    return (f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
+            f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
+            f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
 
 
 def format_plan(plan: Plan) -> str:

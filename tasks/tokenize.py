@@ -14,7 +14,7 @@ import os
 import shutil
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -148,9 +148,8 @@ _SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa
 def _tokenize_into(work: Path, out_dir: Path, sources: _Sources, tokenizer, model_max_length: int,
                    options: TokenizeOptions) -> TokenizedData:
     # ---- pass 1: records -> token ids, streamed to a temporary Arrow file --------------------------------
-    encoder = ChunkEncoder(tokenizer, sources.shards, EncodeSettings(
-        format=options.format, field_map=options.field_map, role_map=options.role_map,
-        train_on_inputs=options.train_on_inputs, bad_records=options.bad_records))
+    settings = EncodeSettings(**{f.name: getattr(options, f.name) for f in fields(EncodeSettings)})
+    encoder = ChunkEncoder(tokenizer, sources.shards, settings)
     skipped: Counter[str] = Counter()
     shown: list[str] = []
     places, keys, lengths = [], [], []
