@@ -51,15 +51,14 @@ def main() -> None:
     from phase1a.models import load_tokenizer, resolve_model
     from phase1a.packing import StepBatches, token_budget
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
-    from tasks.train import optimizer_step
+    from phase1a.steps import optimizer_step
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
     data_path = args.work / f"chat_{args.examples}.jsonl"
     if not data_path.is_file():
         generate(data_path, args.examples, seed=1)
-    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache",
-                            f"packed-rows-{data_path.stem}")
+    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache" / f"packed-rows-{data_path.stem}")
     length = data.max_seq_length
     order = np.arange(args.batch * (args.steps + 1))
     models = {}

@@ -42,10 +42,11 @@ def main() -> None:
 
     from phase1a.config import ModelConfig, Phase1aConfig
     from phase1a.hardware import detect
-    from phase1a.models import load_tokenizer, resolve_model
+    from phase1a.history import history_path, record_run
+    from phase1a.models import load_tokenizer, prepare_model, resolve_model
     from tasks.plan import format_plan, make_plan
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
-    from tasks.train import record_run, train, train_settings
+    from tasks.train import train, train_settings
 
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = args.tokenizer
@@ -55,13 +56,12 @@ def main() -> None:
     data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
     if not data_path.is_file():
         generate(data_path, args.examples, seed=2, max_answer_words=args.max_answer_words)
-    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache",
-                            f"plan-{args.model}-{data_path.stem}")
+    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache" / f"plan-{args.model}-{data_path.stem}")
 
     run_dir = args.work / f"run-{time.time_ns()}"  # a fresh run: train() reuses a finished one of the same key
     window = f"{round(args.minutes * 60)}s"
     config = Phase1aConfig.model_validate({
-        "name": "plan-accuracy", "work_dir": str(run_dir), "data": {"source": str(data_path)},
+        "name": "plan-accuracy", "work_dir": str(run_dir), "cache_dir": str(run_dir), "data": {"source": str(data_path)},
         "model": {"name_or_path": str(model_dir)}, "method": {"batch_size": 16, "lora": {"r": 16, "alpha": 32}},
         "hardware": {"target": config_target()},
         "plan": {"calibration_budget": args.calibration_budget, "min_epochs": 1e-6},
@@ -69,13 +69,13 @@ def main() -> None:
         "checkpoint": {"interval": args.checkpoint_interval, "keep_last": 1},
         "validation": {"max_examples": 16}})
     began = time.perf_counter()
-    plan = make_plan(config, model_dir, data)
+    model = prepare_model(config)
+    plan = make_plan(config, model, data)
     plan_seconds = time.perf_counter() - began
     print(format_plan(plan), flush=True)
-    settings = train_settings(config, plan, data, model_dir, "plan-accuracy").model_copy(
-        update={"show_progress": False})
+    settings = train_settings(config, plan, data, model).model_copy(update={"show_progress": False})
     result = train(settings)
-    record = record_run(run_dir / "history.jsonl", plan, result, "plan-accuracy", config)
+    record = record_run(history_path(config.cache_dir), config, model, plan, result)
 
     estimate = plan.estimate
     summary = {

@@ -103,8 +103,7 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     tokenizer = load_tokenizer(Path(model_dir))
     began, cpu = time.perf_counter(), time.process_time()
     with _TreeMemory() as tree:
-        result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers), Path(cache),
-                                  "bench")
+        result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers), Path(cache) / "bench")
     assert result.skipped == {} and result.lengths.count == result.train_examples + result.validation_examples
     seconds = time.perf_counter() - began
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,

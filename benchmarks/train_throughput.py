@@ -107,7 +107,8 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
 
     from phase1a.config import MethodConfig
     from phase1a.modeling import build_model
-    from phase1a.packing import IGNORE_INDEX, TokenRows
+    from phase1a.labels import IGNORE_INDEX
+    from phase1a.packing import TokenRows
 
     rows = TokenRows.from_arrow(train_path, length)
     method = MethodConfig(optimizer="adamw", liger="off", attention="sdpa")
@@ -260,18 +261,20 @@ def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration
 
     from phase1a.config import Phase1aConfig
     from phase1a.modeling import build_model, make_optimizer
+    from phase1a.models import prepare_model
     from phase1a.packing import StepBatches, step_loader, token_budget
     from tasks.plan import make_plan
-    from tasks.tokenize import TokenizedData
-    from tasks.train import optimizer_step
+    from phase1a.results import TokenizedData
+    from phase1a.steps import optimizer_step
 
     data = TokenizedData.model_validate_json(data_json)
     config = Phase1aConfig.model_validate({
-        "work_dir": tempfile.mkdtemp(), "data": {"source": "unused"}, "model": {"name_or_path": model_dir},
+        "work_dir": (work := tempfile.mkdtemp()), "cache_dir": work, "data": {"source": "unused"},
+        "model": {"name_or_path": model_dir},
         "method": {"batch_size": GLOBAL_BATCH, "lora": {"r": 16, "alpha": 32}},
         "hardware": {"target": config_target()},
         "plan": {"calibration_share": 1.0, "calibration_budget": calibration_budget}})
-    plan = make_plan(config, Path(model_dir), data)
+    plan = make_plan(config, prepare_model(config), data)
     model = build_model(Path(model_dir), config.method, plan.gradient_checkpointing, compile=plan.compile)
     optimizer = make_optimizer(model, config.method)
     order = np.array(indices)
@@ -303,7 +306,7 @@ def _profile(model, optimizer, batches) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tasks.train import optimizer_step
+    from phase1a.steps import optimizer_step
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -360,7 +363,7 @@ class Bench:
             generate(data_path, args.examples, seed=1, max_answer_words=args.max_answer_words)
         # One fingerprint per model and data: a re-run (or the next configuration's part) reuses the tokenization.
         self.data = tokenize_dataset(data_path, load_tokenizer(self.model_dir), 8192, TokenizeOptions(),
-                                     args.work / "cache", f"bench-{args.model}-{data_path.stem}")
+                                     args.work / "cache" / f"bench-{args.model}-{data_path.stem}")
         self.indices = list(range(WARMUP_EXAMPLES + args.measured))
         # "after" right-sizes as the field notes did: to the p99 length (truncating the longest 1 %), within 2048.
         self.right_sized = min(2048, right_size(TokenRows.from_arrow(self.data.train_path).lengths(), 99.0, 8192, None))

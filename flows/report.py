@@ -1,17 +1,24 @@
-"""report.json: one section per stage with its Prefect state (Completed or Cached) and its manifest.
-
-It runs the flow's tasks (with their cache refresh), so it lives with the flow, above the task layer."""
+"""report.json: one section per stage with its Prefect state (Completed or Cached), its seconds and its result,
+written whatever the run's outcome."""
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel
 
-from tasks.caching import refreshed_if_output_missing
+from phase1a.atomic import write_atomically
+from phase1a.config import Phase1aConfig
+
+
+@dataclass
+class Outcome:
+    status: str = "failed"  # until the flow says otherwise
 
 
 class RunReport:
@@ -27,17 +34,18 @@ class RunReport:
         }
 
     @classmethod
-    def create(cls, work_dir: Path, name: str, flow_run_name: str, config: BaseModel) -> "RunReport":
+    def create(cls, config: Phase1aConfig, flow_run_name: str) -> "RunReport":
+        """A new run directory under work_dir/name, named by the time and the flow run."""
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        run_dir = Path(work_dir) / name / f"{stamp}-{flow_run_name}"
+        run_dir = Path(config.work_dir) / config.name / f"{stamp}-{flow_run_name}"
         run_dir.mkdir(parents=True, exist_ok=True)
         return cls(run_dir, config)
 
-    def run(self, stage: str, task: Any, **kwargs: Any) -> Any:
-        """Run a Prefect task, record its final state and manifest, and return its result; a task's error
-        is recorded, then re-raised."""
+    def run(self, stage: str, task: Any, **inputs: Any) -> Any:
+        """Run a Prefect task, record its final state and result, and return the result; a task's error is
+        recorded, then re-raised."""
         started = time.perf_counter()
-        state = refreshed_if_output_missing(task, kwargs)(**kwargs, return_state=True)
+        state = task(**inputs, return_state=True)
         section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3)}
         self.data["stages"][stage] = section
         try:
@@ -60,10 +68,17 @@ class RunReport:
         self.data[key] = {"estimated_seconds": round(estimated_seconds, 3), "actual_seconds": actual,
                           "estimated_over_actual": round(estimated_seconds / actual, 3) if actual else None, **detail}
 
+    @contextmanager
+    def finishing(self) -> Iterator[Outcome]:
+        """The body sets the outcome's status; report.json is written when it ends, however it ends."""
+        outcome = Outcome()
+        try:
+            yield outcome
+        finally:
+            print(f"report: {self.write(outcome.status)}")
+
     def write(self, status: str) -> Path:
         self.data["status"] = status
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)
-        partial = self.path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
-        partial.replace(self.path)
+        write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
         return self.path

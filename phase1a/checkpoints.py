@@ -8,7 +8,6 @@ rank 0 writes.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from phase1a.atomic import atomic_path
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -48,20 +49,17 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: TrainingState, keep_last: int) -> Path:
     final = Path(root) / f"step-{state.step:08d}"
-    partial = final.with_name(f".{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(weights, partial / "trainable.safetensors")
-    torch.save(
-        {
-            "step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler,
-            "torch_rng": state.torch_rng, "cuda_rng": state.cuda_rng, "elapsed_seconds": state.elapsed_seconds,
-        },
-        partial / "trainer_state.pt",
-    )
-    (partial / MARKER).write_text("ok\n")
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+    with atomic_path(final) as partial:
+        partial.mkdir()
+        save_file(weights, partial / "trainable.safetensors")
+        torch.save(
+            {
+                "step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler,
+                "torch_rng": state.torch_rng, "cuda_rng": state.cuda_rng, "elapsed_seconds": state.elapsed_seconds,
+            },
+            partial / "trainer_state.pt",
+        )
+        (partial / MARKER).write_text("ok\n")
     for stale in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
     return final

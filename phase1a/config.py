@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from phase1a.hardware import HARDWARE_KINDS
 from phase1a.hub import looks_like_hub_id
 from phase1a.templates import CHAT_TEMPLATES
 from phase1a.units import parse_duration_seconds, parse_interval
@@ -131,7 +132,9 @@ class MethodConfig(_Section):
 
 
 class HardwareConfig(_Section):
-    target: Literal["cpu", "h100", "h100-pcie", "h200", "a100-80gb", "a100-40gb", "l4", "a10g", "l40s", "rtx4090"] = "cpu"
+    target: Literal[HARDWARE_KINDS] = Field(  # type: ignore[valid-type]
+        "cpu", description="What the plan sizes, prices and calibrates for: this machine's CPU or a catalogue GPU "
+                           "(phase1a/hardware.py). Calibration runs only when the target is the device present.")
     num_gpus: int = Field(1, ge=1)
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With several GPUs. ddp: every GPU holds the whole model (fastest when it fits); fsdp: "

@@ -35,12 +35,14 @@ measured (calibration, or the history of earlier runs), never assumed where the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 
-GIB = 1024**3
+from phase1a.units import GIB
+
 NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
 OPTIMIZER_STATE_BYTES = {"adamw_fused": 8, "adamw": 8, "adamw_8bit": 2}
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -115,67 +117,70 @@ def lora_parameters(facts: ModelFacts, r: int, target_modules: list[str]) -> int
     return facts.layers * sum(r * (shapes[m][0] + shapes[m][1]) for m in target_modules if m in shapes)
 
 
-def memory_estimate(facts: ModelFacts, trainable: int, shape: TrainingShape, tokens: int, checkpointing: bool,
-                    available: int, packed: bool = True) -> MemoryEstimate:
-    b, h, t = shape.weight_bytes, facts.hidden, tokens
-    if shape.full:
-        weights = facts.parameters * 4
-    elif shape.base_bits == 4:
-        weights = facts.projection_parameters * NF4_BYTES + (facts.parameters - facts.projection_parameters) * b
-    else:
-        weights = facts.parameters * b
-    per_trainable = 4 + OPTIMIZER_STATE_BYTES[shape.optimizer] + (0 if shape.full else 4)
-    per_trainable += 4 if shape.optimizer == "adamw" else 0  # the for-each step's temporary
-    trainable_bytes = trainable * per_trainable
-    if shape.shards > 1:  # each GPU keeps its shard, plus the layer it computes and the next one, gathered whole
-        weights = weights / shape.shards + 2 * weights / facts.layers
-        trainable_bytes = trainable_bytes / shape.shards
-    one_layer = t * b * (9 * h + 4 * facts.intermediate)
-    logits = t * facts.vocab * 8
-    if checkpointing:
-        activations = t * b * (facts.layers + 4) * h + max(0, one_layer - logits)  # the recompute, past the logits
-    else:
-        activations = facts.layers * one_layer + t * b * 4 * h
-    mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed and shape.dense_mask else 0
-    total = weights + trainable_bytes + activations + logits + mask
-    return MemoryEstimate(
-        weights_gib=weights / GIB, trainable_gib=trainable_bytes / GIB, activations_gib=activations / GIB,
-        logits_gib=logits / GIB, mask_gib=mask / GIB, total_gib=total / GIB, available_gib=available / GIB,
-    )
+@dataclass(frozen=True)
+class MemoryModel:
+    """The memory bill of training one model under one training shape, on a device with `available` bytes."""
 
+    facts: ModelFacts
+    shape: TrainingShape
+    trainable: int  # trainable parameters
+    available: int  # bytes the run may use
 
-def micro_batch_memory(facts: ModelFacts, trainable: int, shape: TrainingShape, micro_batch_size: int,
-                       max_seq_length: int, checkpointing: bool, available: int) -> MemoryEstimate:
-    """The bill for `micro_batch_size` examples of up to `max_seq_length` tokens packed into one row."""
-    return memory_estimate(facts, trainable, shape, micro_batch_size * max_seq_length, checkpointing, available,
-                           packed=micro_batch_size > 1)
+    def estimate(self, tokens: int, checkpointing: bool, packed: bool = True) -> MemoryEstimate:
+        """The bill for `tokens` in one row; `packed`: the row holds several examples (a mask, under sdpa)."""
+        facts, shape = self.facts, self.shape
+        b, h, t = shape.weight_bytes, facts.hidden, tokens
+        if shape.full:
+            weights = facts.parameters * 4
+        elif shape.base_bits == 4:
+            weights = facts.projection_parameters * NF4_BYTES + (facts.parameters - facts.projection_parameters) * b
+        else:
+            weights = facts.parameters * b
+        per_trainable = 4 + OPTIMIZER_STATE_BYTES[shape.optimizer] + (0 if shape.full else 4)
+        per_trainable += 4 if shape.optimizer == "adamw" else 0  # the for-each step's temporary
+        trainable_bytes = self.trainable * per_trainable
+        if shape.shards > 1:  # each GPU keeps its shard, plus the layer it computes and the next one, gathered whole
+            weights = weights / shape.shards + 2 * weights / facts.layers
+            trainable_bytes = trainable_bytes / shape.shards
+        one_layer = t * b * (9 * h + 4 * facts.intermediate)
+        logits = t * facts.vocab * 8
+        if checkpointing:
+            activations = t * b * (facts.layers + 4) * h + max(0, one_layer - logits)  # the recompute, past the logits
+        else:
+            activations = facts.layers * one_layer + t * b * 4 * h
+        mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed and shape.dense_mask else 0
+        total = weights + trainable_bytes + activations + logits + mask
+        return MemoryEstimate(
+            weights_gib=weights / GIB, trainable_gib=trainable_bytes / GIB, activations_gib=activations / GIB,
+            logits_gib=logits / GIB, mask_gib=mask / GIB, total_gib=total / GIB, available_gib=self.available / GIB,
+        )
+
+    def micro_batch(self, micro_batch_size: int, max_seq_length: int, checkpointing: bool) -> MemoryEstimate:
+        """The bill for `micro_batch_size` examples of up to `max_seq_length` tokens packed into one row."""
+        return self.estimate(micro_batch_size * max_seq_length, checkpointing, packed=micro_batch_size > 1)
+
+    def fitting(self, batch_size: int, max_seq_length: int, checkpointing: bool) -> list[tuple[int, MemoryEstimate]]:
+        """Every micro-batch size that divides the global batch and fits, largest first."""
+        fits = []
+        for micro in (d for d in range(batch_size, 0, -1) if batch_size % d == 0):
+            estimate = self.micro_batch(micro, max_seq_length, checkpointing)
+            if estimate.total_gib <= estimate.available_gib:
+                fits.append((micro, estimate))
+        return fits
+
+    def choose(self, batch_size: int, max_seq_length: int) -> tuple[int, bool, MemoryEstimate]:
+        """The largest micro-batch (a divisor of the global batch) that fits, preferring no checkpointing, which
+        saves the 2N recompute; checkpointing only when even a micro-batch of one would not fit otherwise."""
+        for checkpointing in (False, True):
+            if fits := self.fitting(batch_size, max_seq_length, checkpointing):
+                return fits[0][0], checkpointing, fits[0][1]
+        estimate = self.estimate(max_seq_length, True, packed=False)
+        raise MemoryError(
+            f"the model does not fit: one sequence of {max_seq_length} tokens needs {estimate.total_gib:.1f} GiB "
+            f"with gradient checkpointing, {estimate.available_gib:.1f} GiB are available"
+        )
 
 
 def flops_per_token(facts: ModelFacts, full: bool, checkpointing: bool, mean_length: float) -> float:
     n = facts.parameters
     return (6 if full else 4) * n + (2 * n if checkpointing else 0) + 6 * facts.layers * mean_length * facts.hidden
-
-
-def fitting_micro_batches(facts: ModelFacts, trainable: int, shape: TrainingShape, batch_size: int,
-                          max_seq_length: int, available: int, checkpointing: bool) -> list[tuple[int, MemoryEstimate]]:
-    """Every micro-batch size that divides the global batch and fits, largest first."""
-    fits = []
-    for micro in (d for d in range(batch_size, 0, -1) if batch_size % d == 0):
-        estimate = micro_batch_memory(facts, trainable, shape, micro, max_seq_length, checkpointing, available)
-        if estimate.total_gib <= estimate.available_gib:
-            fits.append((micro, estimate))
-    return fits
-
-
-def choose_micro_batch(facts: ModelFacts, trainable: int, shape: TrainingShape, batch_size: int,
-                       max_seq_length: int, available: int) -> tuple[int, bool, MemoryEstimate]:
-    """The largest micro-batch (a divisor of the global batch) that fits, preferring no checkpointing, which
-    saves the 2N recompute; checkpointing only when even a micro-batch of one would not fit otherwise."""
-    for checkpointing in (False, True):
-        if fits := fitting_micro_batches(facts, trainable, shape, batch_size, max_seq_length, available, checkpointing):
-            return fits[0][0], checkpointing, fits[0][1]
-    estimate = memory_estimate(facts, trainable, shape, max_seq_length, True, available, packed=False)
-    raise MemoryError(
-        f"the model does not fit: one sequence of {max_seq_length} tokens needs {estimate.total_gib:.1f} GiB "
-        f"with gradient checkpointing, {estimate.available_gib:.1f} GiB are available"
-    )

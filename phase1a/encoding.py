@@ -33,12 +33,13 @@ from phase1a.datasource import Shard, SourceRecord, describe
 from phase1a.hardware import usable_cores
 from phase1a.records import RecordError, parse_json_record, to_conversation
 from phase1a.render import Renderer, TokenizedChunk, tokenize_conversations
+from phase1a.units import MIB
 
 CHUNK = 4096  # records per batched tokenizer call, and per task of a worker
 SHOWN_SKIPS = 5  # skipped records quoted in the report; every skip is counted
 # auto: one worker per 8 MiB of input (~14k chat records, ~3 s of one core's work at the 200 us a record
 # measured on 500k): a worker's start-up, its fork and first render of each template (~0.5 s), stays small.
-BYTES_PER_WORKER = 8 * 2**20
+BYTES_PER_WORKER = 8 * MIB
 _IN_FLIGHT_PER_WORKER = 2
 # Forked on Linux, as datasets.map(num_proc) and torch's DataLoader do: a worker starts in milliseconds and
 # inherits the imported tokenizer. Spawned (a fresh interpreter that re-imports the entry point, ~8 s with

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from phase1a.answers import extract_answer
 from phase1a.config import ValidationConfig
-from phase1a.fingerprint import code_version, hash_json
+from phase1a.fingerprint import code_fingerprint, hash_json
 from phase1a.generation import decode_steps, generate_greedy, generation_examples, stop_token_ids, time_decode_step
 from phase1a.packing import TokenRows, pack, summed_loss
 
@@ -68,8 +68,7 @@ def metric_settings_key(settings: ValidationConfig, device: torch.device, dtype:
                                                              "new_tokens_margin", "ece_bins", "batch_size",
                                                              "generation_batch_size"}),
         "device": device.type, "dtype": str(dtype),
-        "code": code_version("phase1a/evaluation.py", "phase1a/generation.py", "phase1a/answers.py",
-                             "phase1a/packing.py"),
+        "code": code_fingerprint(__name__),
     })
 
 

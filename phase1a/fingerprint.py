@@ -1,19 +1,23 @@
-"""Content fingerprints: what the caches key on, so a changed file never reuses a stale result."""
+"""Content fingerprints: what the caches key on, so a changed file, or changed code, never reuses a stale result."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-_CHUNK = 8 * 1024 * 1024
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+from phase1a.units import MIB
+
+READ_CHUNK = 8 * MIB  # large enough that hashing runs at disk speed, small enough to stay out of RAM's way
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -32,10 +36,58 @@ def hash_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def code_version(*modules: str) -> str:
-    """Hash of the named source files (relative to the project root), so a code change invalidates caches."""
+# ---- code ----------------------------------------------------------------------------------------------------
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The project file of a dotted module name (a module or a package's __init__), or None: not ours."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module an import statement anywhere in the file names, including imports inside functions (the
+    code they run is as much this module's as what it imports at the top), and `from pkg import module`."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def project_imports(module: str, root: Path = PROJECT_ROOT) -> dict[str, Path]:
+    """The module and every project module it imports, directly or through others: the import graph, walked
+    from the source files (nothing is imported), limited to files under `root`."""
+    found: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        path = _module_file(name, root)
+        if name in found or path is None:
+            continue
+        found[name] = path
+        pending += [imported for imported in _imported_names(path) if imported not in found]
+        # a package's __init__ runs before any of its modules
+        pending += [parent for parent in _parents(name) if parent not in found]
+    return found
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@lru_cache(maxsize=None)
+def code_fingerprint(module: str, root: Path = PROJECT_ROOT) -> str:
+    """Hash of the source of `module` and of every project module it imports. Computed once per process: the
+    code a process runs is the code it imported when it started."""
     digest = hashlib.sha256()
-    for name in modules:
+    for name, path in sorted(project_imports(module, root).items()):
         digest.update(name.encode())
-        digest.update((_PACKAGE_ROOT / name).read_bytes())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from phase1a.packing import IGNORE_INDEX, TokenRows
+from phase1a.labels import IGNORE_INDEX
+from phase1a.packing import TokenRows
 
 
 @dataclass

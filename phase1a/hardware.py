@@ -1,12 +1,19 @@
-"""Hardware catalogue (vendor data sheets: dense bf16 without sparsity) and detection of what is present."""
+"""Hardware catalogue (vendor data sheets: dense bf16 without sparsity) and detection of what is present.
+
+The catalogue is the one list of hardware kinds: the config's `hardware.target` choices, the options table and
+the device-name matching all read it, so a new kind is one entry here. torch is imported where it is used:
+validating a config reads the catalogue and should not load torch.
+"""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from phase1a.units import GIB
 
-GIB = 1024**3
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,8 @@ CATALOGUE: dict[str, Accelerator] = {
     # 165 TFLOP/s is bf16 with fp32 accumulate (training); the often-quoted 330 accumulates in fp16.
     "rtx4090": Accelerator("NVIDIA GeForce RTX 4090 24GB", 24 * GIB, 165e12, 0.40, 1.008e12),
 }
+CPU = "cpu"  # this machine's own CPU: a target whose memory and cores are read, not catalogued
+HARDWARE_KINDS = (CPU, *CATALOGUE)  # the config's hardware.target choices
 
 
 def usable_cores() -> int:
@@ -43,13 +52,15 @@ def cpu_accelerator() -> Accelerator:
 
 
 def target_accelerator(target: str) -> Accelerator:
-    return cpu_accelerator() if target == "cpu" else CATALOGUE[target]
+    return cpu_accelerator() if target == CPU else CATALOGUE[target]
 
 
 def detect() -> tuple[str, Accelerator]:
     """(catalogue key or 'cpu' or 'cuda', description) of the device this process will train on."""
+    import torch
+
     if not torch.cuda.is_available():
-        return "cpu", cpu_accelerator()
+        return CPU, cpu_accelerator()
     props = torch.cuda.get_device_properties(0)
     name = props.name
     key = catalogue_key(name)
@@ -76,11 +87,15 @@ def catalogue_key(device_name: str) -> str | None:
 
 
 def training_device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def training_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the GPU supports it, else fp16; fp32 on CPU, where half precision is slower and less exact."""
+    import torch
+
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -22,9 +22,20 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-DEFAULT_HISTORY_PATH = Path.home() / ".cache" / "phase1a" / "history.jsonl"
+if TYPE_CHECKING:  # the results embed a RunRecord: typing only, to keep the import one-way
+    from phase1a.config import Phase1aConfig
+    from phase1a.models import ResolvedModel
+    from phase1a.results import Plan, TrainResult
+
+
+
+def history_path(cache_dir: Path) -> Path:
+    """Where a cache directory's runs are recorded: every run that shares `cache_dir` plans from them."""
+    return Path(cache_dir) / "history.jsonl"
 
 
 class RunRecord(BaseModel):
@@ -135,3 +146,20 @@ def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> 
 def _utc(moment: datetime) -> datetime:
     # Naive timestamps (hand-edited files) are taken as UTC so they compare with aware ones.
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Plan, result: TrainResult) -> RunRecord:
+    """A finished training run, measured against its plan, appended to the history the next plan reads."""
+    record = RunRecord(
+        model_fingerprint=model.fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
+        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
+        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
+        # Steady speed: checkpoint writes are estimated separately, from their own measured cost.
+        tokens_per_second=result.train_tokens / max(result.wall_seconds - result.checkpoint_seconds, 1e-9),
+        startup_seconds=result.startup_seconds,
+        checkpoint_seconds_each=result.checkpoint_seconds / result.checkpoints_written if result.checkpoints_written else None,
+        estimated_train_seconds=plan.estimated_train_seconds, actual_train_seconds=result.wall_seconds,
+    )
+    append_run(path, record)
+    return record

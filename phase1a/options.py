@@ -31,7 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from phase1a.hardware import CATALOGUE, GIB
+from phase1a.hardware import CATALOGUE
+from phase1a.units import GIB
 
 Strategy = Literal["single", "ddp", "fsdp", "zero3"]
 LrRule = Literal["sqrt", "linear", "none"]
@@ -95,50 +96,72 @@ def memory_per_gpu(memory_needed_bytes_per_gpu: float, weights_and_state_bytes: 
     return memory_needed_bytes_per_gpu
 
 
-def option_rows(train_tokens: int, flops_per_token: float, reference: str, reference_tokens_per_second: float,
-                memory_needed_bytes_per_gpu: float, weights_and_state_bytes: float, global_batch: int,
-                learning_rate: float, *, options: list[OptionSpec] | None = None, scaling_efficiency: float = 0.9,
-                prices: dict[str, float] | None = None, fixed_overhead_seconds: float = 0.0,
-                lr_rule: LrRule = "sqrt", keep_global_batch: bool = False,
-                memory_headroom: float = 0.0) -> list[OptionRow]:
+class OptionsJob(BaseModel):
+    """The single-GPU plan's numbers that every option is scaled from."""
+
+    train_tokens: int
+    flops_per_token: float
+    reference: str  # a catalogue key: the GPU kind `reference_tokens_per_second` was measured (or assumed) on
+    reference_tokens_per_second: float
+    memory_needed_bytes_per_gpu: float  # the unsharded job on one GPU
+    weights_and_state_bytes: float  # the shardable part of it: weights, gradients, optimizer state
+    global_batch: int
+    learning_rate: float
+    fixed_overhead_seconds: float = 0.0  # start-up, warm-up, checkpoints, evaluation: the same on any option
+
+
+class OptionsPolicy(BaseModel):
+    """Which options to price and how a job scales across GPUs."""
+
+    options: list[OptionSpec] = DEFAULT_OPTIONS
+    scaling_efficiency: float = 0.9
+    prices: dict[str, float] | None = None  # per GPU-hour by catalogue key, over the catalogue's
+    lr_rule: LrRule = "sqrt"
+    keep_global_batch: bool = False
+    memory_headroom: float = 0.0
+
+
+def option_rows(job: OptionsJob, policy: OptionsPolicy | None = None) -> list[OptionRow]:
     """One row per option; the formulas are in the module docstring."""
-    reference_peak = _peak(reference)
-    rows = []
-    for spec in options if options is not None else DEFAULT_OPTIONS:
+    policy = policy or OptionsPolicy()
+    for spec in policy.options:
         if spec.strategy == "single" and spec.gpus != 1:
             raise ValueError(f"option {spec.label!r}: strategy 'single' needs exactly one GPU, not {spec.gpus}")
-        accelerator = CATALOGUE[spec.kind]
-        peak = _peak(spec.kind)
-        n = spec.gpus
-        tokens_per_second = reference_tokens_per_second * peak / reference_peak * n * scaling_factor(n, scaling_efficiency)
-        hours = train_tokens / tokens_per_second / 3600 + fixed_overhead_seconds / 3600
-        price = (prices or {}).get(spec.kind, accelerator.price_per_hour)
-        needed = memory_per_gpu(memory_needed_bytes_per_gpu, weights_and_state_bytes, n, spec.strategy)
-        available = accelerator.memory_bytes * (1 - memory_headroom)
-        mfu = tokens_per_second * flops_per_token / (n * peak)
+    return [_row(spec, job, policy) for spec in policy.options]
 
-        notes = []
-        if needed > available:
-            notes.append(f"needs {needed / GIB:.1f} GiB per GPU, {available / GIB:.1f} available")
-        if spec.kind != reference:
-            notes.append(f"throughput scaled from {reference} by peak FLOP/s")
-        if keep_global_batch or n == 1:
-            batch, lr = global_batch, learning_rate
-            if n > 1:
-                notes.append(f"accumulation / {n}" + ("" if global_batch % n == 0 else f" (batch {global_batch} not divisible)"))
-        else:
-            batch, lr = n * global_batch, scaled_learning_rate(learning_rate, n, lr_rule)
-            notes.append(f"batch x{n}, {n}x fewer steps, lr {lr_rule}")
-        if mfu > IMPLAUSIBLE_MFU:
-            notes.append(f"implied MFU {mfu:.0%} is implausible")
-        rows.append(OptionRow(
-            label=spec.label, gpus=n, kind=spec.kind, strategy=spec.strategy, fits=needed <= available,
-            memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
-            tokens_per_second=tokens_per_second, mfu=mfu, hours=hours,
-            dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
-            note="; ".join(notes),
-        ))
-    return rows
+
+def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
+    accelerator, peak, n = CATALOGUE[spec.kind], _peak(spec.kind), spec.gpus
+    tokens_per_second = (job.reference_tokens_per_second * peak / _peak(job.reference) * n
+                         * scaling_factor(n, policy.scaling_efficiency))
+    hours = job.train_tokens / tokens_per_second / 3600 + job.fixed_overhead_seconds / 3600
+    price = (policy.prices or {}).get(spec.kind, accelerator.price_per_hour)
+    needed = memory_per_gpu(job.memory_needed_bytes_per_gpu, job.weights_and_state_bytes, n, spec.strategy)
+    available = accelerator.memory_bytes * (1 - policy.memory_headroom)
+    mfu = tokens_per_second * job.flops_per_token / (n * peak)
+
+    notes = []
+    if needed > available:
+        notes.append(f"needs {needed / GIB:.1f} GiB per GPU, {available / GIB:.1f} available")
+    if spec.kind != job.reference:
+        notes.append(f"throughput scaled from {job.reference} by peak FLOP/s")
+    if policy.keep_global_batch or n == 1:
+        batch, lr = job.global_batch, job.learning_rate
+        if n > 1:
+            notes.append(f"accumulation / {n}" + ("" if job.global_batch % n == 0
+                                                  else f" (batch {job.global_batch} not divisible)"))
+    else:
+        batch, lr = n * job.global_batch, scaled_learning_rate(job.learning_rate, n, policy.lr_rule)
+        notes.append(f"batch x{n}, {n}x fewer steps, lr {policy.lr_rule}")
+    if mfu > IMPLAUSIBLE_MFU:
+        notes.append(f"implied MFU {mfu:.0%} is implausible")
+    return OptionRow(
+        label=spec.label, gpus=n, kind=spec.kind, strategy=spec.strategy, fits=needed <= available,
+        memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
+        tokens_per_second=tokens_per_second, mfu=mfu, hours=hours,
+        dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
+        note="; ".join(notes),
+    )
 
 
 def _peak(kind: str) -> float:

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-IGNORE_INDEX = -100
+from phase1a.labels import IGNORE_INDEX
 
 
 @dataclass

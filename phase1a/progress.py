@@ -16,21 +16,41 @@ from __future__ import annotations
 import json
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from phase1a.units import GIB, KIB
 
 ON_TRACK_TOLERANCE = 0.10
 _ARTIFACT_EVERY_SECONDS = 10.0
 
 
+@dataclass(frozen=True)
+class Yardstick:
+    """What a run's progress is measured against; None leaves that measure out."""
+
+    model_flops_per_token: float | None = None  # MFU's numerator, per token
+    peak_flops: float | None = None  # MFU's denominator: the device's dense bf16 peak
+    planned_seconds: float | None = None  # the plan's train estimate: `on_track`
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+
+
 class ProgressReporter:
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, *, model_flops_per_token: float | None,
-                 peak_flops: float | None, planned_seconds: float | None, show_progress: bool = True,
-                 enabled: bool = True):
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, yardstick: Yardstick = Yardstick(), *,
+                 show_progress: bool = True, enabled: bool = True):
         """`enabled` False (ranks other than 0): the numbers are computed, nothing is written."""
-        self.total_steps, self.start_step = total_steps, start_step
-        self.model_flops_per_token, self.peak_flops, self.planned_seconds = model_flops_per_token, peak_flops, planned_seconds
+        self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.metrics = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None
         self.events = open(Path(output_dir) / "events.jsonl", "a") if enabled else None
         self.bar = _progress_bar(show_progress and enabled, total_steps, start_step)
@@ -38,24 +58,24 @@ class ProgressReporter:
         self.artifact_id = _progress_artifact(start_step, total_steps) if enabled else None
         self.artifact_at, self.tokens = 0.0, 0
 
-    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, elapsed: float,
-             prior_seconds: float = 0.0) -> dict:
+    def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> dict:
         """`step` counts from 1; `elapsed` is this process's training time, `prior_seconds` what a resumed run
         had already spent before its checkpoint."""
+        loss, tokens, yardstick = stats.loss, stats.tokens, self.yardstick
         self.tokens += tokens
         done = step - self.start_step
         tokens_per_second = self.tokens / max(elapsed, 1e-9)
         remaining = (self.total_steps - step) * elapsed / max(done, 1)
-        record = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6), "tokens": tokens,
+        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(stats.grad_norm, 6), "tokens": tokens,
                   "tokens_per_s": round(tokens_per_second, 1), "elapsed_s": round(elapsed, 3),
                   "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
                   "gpu_utilization": _gpu_utilization(), "on_track": None}
-        if self.model_flops_per_token and self.peak_flops:
-            record["mfu"] = round(tokens_per_second * self.model_flops_per_token / self.peak_flops, 4)
-        if self.planned_seconds:
+        if yardstick.model_flops_per_token and yardstick.peak_flops:
+            record["mfu"] = round(tokens_per_second * yardstick.model_flops_per_token / yardstick.peak_flops, 4)
+        if yardstick.planned_seconds:
             projected = prior_seconds + elapsed + remaining
             record["projected_s"] = round(projected, 1)
-            record["on_track"] = projected <= self.planned_seconds * (1 + ON_TRACK_TOLERANCE)
+            record["on_track"] = projected <= yardstick.planned_seconds * (1 + ON_TRACK_TOLERANCE)
         self._write(self.metrics, record)
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
             if self.tensorboard is not None and record.get(key) is not None:
@@ -98,8 +118,8 @@ def _event(kind: str, **fields) -> dict:
 
 def _peak_memory_gib() -> float:
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1024**3
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux: the process's peak RSS
+        return torch.cuda.max_memory_allocated() / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB / GIB  # KiB on Linux: the process's peak RSS
 
 
 def _gpu_utilization() -> int | None:

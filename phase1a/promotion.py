@@ -16,9 +16,8 @@ against version A can never overwrite a version B promoted meanwhile.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import EllipsisType
@@ -28,7 +27,8 @@ from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
 
 from phase1a.fingerprint import sha256_file
-from phase1a.locks import exclusive, write_atomically
+from phase1a.atomic import atomic_path, write_atomically
+from phase1a.locks import exclusive
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
 
 POINTER = "promoted.json"
@@ -59,6 +59,19 @@ class PromotedPointer(PromotionRecord):
     artifacts: dict[str, str]  # "adapter" / "merged" -> its location
     files: dict[str, str]  # path relative to the version -> sha256
     promoted_at: str
+
+
+@dataclass
+class Promotion:
+    """What to promote: `artifacts` (name -> directory) stored as `version`, described by `record`.
+
+    `expected_version`: the pointer version the gate compared against (None: no pointer existed); `...` takes
+    whatever the pointer is when promotion starts."""
+
+    artifacts: dict[str, Path]
+    version: str
+    record: PromotionRecord
+    expected_version: str | None | EllipsisType = ...
 
 
 class PromotionOutcome(BaseModel):
@@ -93,19 +106,17 @@ def _new_pointer(record: PromotionRecord, version: str, path: str, artifacts: di
                            promoted_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
-def promote(artifacts: dict[str, Path], destination: str, version: str, record: PromotionRecord, *,
-            endpoint_url: str | None = None, expected_version: str | None | EllipsisType = ...,
+def promote(promotion: Promotion, destination: str, *, endpoint_url: str | None = None,
             copy_file: Callable[[Path, Path], Any] = shutil.copyfile,
             upload_file: Callable[[Any, Path, str, str], Any] | None = None) -> PromotionOutcome:
-    """Store `artifacts` (name -> directory) as `version` under `destination` and point `promoted.json` at it.
+    """Store the promotion's artifacts as its version under `destination` and point `promoted.json` at it.
 
-    `expected_version`: the pointer version the gate compared against (None: no pointer existed); `...` takes
-    whatever the pointer is when promotion starts. `copy_file` / `upload_file` move one file (the defaults are
-    shutil.copyfile and boto3's managed upload); every copy is verified after it is written."""
+    `copy_file` / `upload_file` move one file (the defaults are shutil.copyfile and boto3's managed upload);
+    every copy is verified after it is written."""
     if is_s3_url(destination):
-        return _promote_s3(artifacts, parse_s3_url(destination.rstrip("/") + "/"), version, record, endpoint_url,
-                           expected_version, upload_file or _upload)
-    return _promote_local(artifacts, Path(destination), version, record, expected_version, copy_file)
+        client = make_client(endpoint_url)
+        return _promote_s3(promotion, parse_s3_url(destination.rstrip("/") + "/"), client, upload_file or _upload)
+    return _promote_local(promotion, Path(destination), copy_file)
 
 
 def read_pointer(destination: str, endpoint_url: str | None = None) -> PromotedPointer | None:
@@ -133,19 +144,18 @@ def _read_local_pointer(root: Path) -> PromotedPointer | None:
     return _parse_pointer(raw, str(path))
 
 
-def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record: PromotionRecord,
-                   expected_version, copy_file: Callable[[Path, Path], Any]) -> PromotionOutcome:
+def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, Path], Any]) -> PromotionOutcome:
+    artifacts, version, record = promotion.artifacts, promotion.version, promotion.record
     root.mkdir(parents=True, exist_ok=True)
     current = _read_local_pointer(root)
-    _check_expected(current, expected_version, str(root))
+    _check_expected(current, promotion.expected_version, str(root))
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
     final = root / "versions" / version
     if final.exists():
         raise PromotionError(f"{final}: version {version} already exists; versions are never overwritten")
-    partial = final.with_name(f".{version}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     files: dict[str, str] = {}
-    try:
+    with atomic_path(final, existing="fail") as partial:  # the whole version appears at once, or not at all
         for relative, source in _files(artifacts):
             target = partial / relative
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -156,9 +166,6 @@ def _promote_local(artifacts: dict[str, Path], root: Path, version: str, record:
             files[relative] = expected
         pointer = _new_pointer(record, version, str(final), artifacts, files, lambda name: str(final / name))
         (partial / "version.json").write_text(pointer.model_dump_json(indent=2) + "\n")
-        partial.rename(final)  # the whole version appears at once, or not at all
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     with exclusive(root / ".promoted.lock", f"the promoted pointer under {root}"):
         now = _read_local_pointer(root)
         if (now.version if now else None) != (current.version if current else None):
@@ -197,12 +204,11 @@ def _delete_quietly(client: Any, bucket: str, keys: list[str]) -> None:
             return
 
 
-def _promote_s3(artifacts: dict[str, Path], url: S3Url, version: str, record: PromotionRecord,
-                endpoint_url: str | None, expected_version, upload_file) -> PromotionOutcome:
-    client = make_client(endpoint_url)
+def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> PromotionOutcome:
+    artifacts, version, record = promotion.artifacts, promotion.version, promotion.record
     where = str(url)
     current, etag = _read_s3_pointer(client, url)
-    _check_expected(current, expected_version, where)
+    _check_expected(current, promotion.expected_version, where)
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
     prefix = f"{url.key}versions/{version}/"

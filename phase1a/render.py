@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from phase1a.errors import DataError
+from phase1a.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 _MARK = "\x00phase1a-content-{}\x00"
 
 

@@ -33,10 +33,11 @@ from pydantic import BaseModel
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S3ValidationError
 from s3transfer.subscribers import BaseSubscriber
 
-MiB = 1024 * 1024
+from phase1a.units import MIB
+
 # Objects above the threshold are fetched as parallel ranged GETs; 64 MiB parts keep the request count low on
 # multi-GB shards while still spreading one object over all connections.
-DEFAULT_TRANSFER = TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=16)
+DEFAULT_TRANSFER = TransferConfig(multipart_threshold=64 * MIB, multipart_chunksize=64 * MIB, max_concurrency=16)
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 

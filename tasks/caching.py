@@ -5,12 +5,13 @@ take `task` from here instead of from prefect directly.
 """
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from phase1a.fingerprint import hash_json, sha256_file
+from phase1a.config import ConfigError
+from phase1a.errors import DataError
+from phase1a.fingerprint import code_fingerprint, hash_json
 
 try:
     from prefect import task
@@ -30,24 +31,29 @@ except ImportError:  # a bare GPU host: the plain functions still run, the wrapp
         pass
 
 
-@dataclass
-class FingerprintCache(CachePolicy):
-    """Key a task on its `fingerprint` input (content hashes) and its module's source, never on paths.
+@dataclass(kw_only=True)  # Prefect's own fields (key_storage, ...) come first: ours are named, never positional
+class StageCache(CachePolicy):
+    """A stage's cache key, derived by the stage from its own inputs: `fingerprint(**inputs)` (the content of
+    what it reads and the settings it uses, never where the inputs live), where its output lives
+    (`output(fingerprint, **inputs)`, a path named by that fingerprint), the task's name, and
+    `code_fingerprint` of the task's module (the source of every project module it imports, from the import
+    graph), so an edit anywhere in the code a stage runs re-runs it.
 
-    `output_present(inputs)` says whether the files a cached manifest points at still exist; when they
-    do not, `refreshed_if_output_missing` makes the call re-run and overwrite the record under the same key.
-    """
+    When the output is gone but a record of it is stored (a cleaned cache directory), the stage runs without
+    the record and writes the same output back to the same place, where the record points again. A
+    fingerprint that fails on bad input gives no key: the stage runs and reports the problem in its own words."""
 
-    output_present: Callable[[dict[str, Any]], bool] = field(default=lambda inputs: True)
+    fingerprint: Callable[..., str]
+    output: Callable[..., Path] | None = None  # None: the result itself is the whole output
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any):
-        module_source = sha256_file(Path(inspect.getsourcefile(task_ctx.task.fn)))
-        return hash_json([task_ctx.task.name, inputs["fingerprint"], module_source])
-
-
-def refreshed_if_output_missing(task: Any, inputs: dict[str, Any]) -> Any:
-    """The task itself, or a copy that refreshes its cache when a cached result would point at deleted files."""
-    policy = getattr(task, "cache_policy", None)
-    if isinstance(policy, FingerprintCache) and not policy.output_present(inputs):
-        return task.with_options(refresh_cache=True)
-    return task
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        try:
+            fingerprint = self.fingerprint(**inputs)
+            output = self.output(fingerprint, **inputs) if self.output else None
+        except (DataError, ConfigError, OSError):
+            return None
+        key = hash_json([task_ctx.task.name, fingerprint, str(output), code_fingerprint(task_ctx.task.fn.__module__)])
+        if output is not None and not output.exists() and task_ctx.result_store.exists(key):
+            return None
+        return key

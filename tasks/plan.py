@@ -1,17 +1,24 @@
 """Plan: pick micro-batch, accumulation, precision, gradient checkpointing, compilation and dataloader workers
-from a memory and FLOPs model (`phase1a/cost_model.py`) and measured steps (`tasks/calibration.py`), estimate
+from a memory and FLOPs model (`phase1a/cost_model.py`) and measured steps (`phase1a/calibration.py`), estimate
 time and cost, fit the time window (`phase1a/window.py`) and price the other hardware options
 (`phase1a/options.py`).
 
-Where the throughput comes from, best first: the last whole run of this model and method on this hardware
-(`cache_dir/history.jsonl`, with that run's knobs when they still fit); a calibration sweep when the target
-hardware is the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged as assumed.
+The recipe, `make_plan`, in named phases:
+  1. setup        the model's shape, the target hardware and whether it is the one present, the precision,
+                  the attention, the memory model
+  2. truncation   the profile's max_seq_length (fast, and balanced with outliers, cut at the p99.9 length)
+  3. throughput   best first: the last whole run of this model and method on this hardware (the history,
+                  with that run's knobs when they still fit); a calibration sweep when the target hardware is
+                  the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged as assumed
+  4. window       epochs and truncation that fit `window.max_duration` (`phase1a/window.py`)
+  5. estimate     seconds and dollars (below)
+  6. plan         the knobs, the estimate and the options table
 
 Estimate (seconds):
     startup      load the model, wrap it, build the optimizer (measured; else the weights at 1 GiB/s + 10 s)
     train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
                  + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
-    checkpoints  how often `checkpoint.interval` fires within the train time (wall time and/or steps)
+    checkpoints  how often `checkpoint.interval` fires within the train time (`phase1a/units.py`: Interval)
     evaluation   the validate stage for the base, the trained (and a promoted baseline's) model: a teacher-forced
                  pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
                  longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
@@ -21,82 +28,43 @@ Estimate (seconds):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from pydantic import BaseModel
 
+from phase1a.calibration import (Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives,
+                                 no_alternatives)
 from phase1a.config import Phase1aConfig
-from phase1a.cost_model import (
-    GIB, OPTIMIZER_STATE_BYTES, MemoryEstimate, ModelFacts, TrainingShape, choose_micro_batch, fitting_micro_batches,
-    flops_per_token, lora_parameters, micro_batch_memory, model_facts,
-)
+from phase1a.cost_model import (OPTIMIZER_STATE_BYTES, MemoryEstimate, MemoryModel, TrainingShape, flops_per_token,
+                                lora_parameters, model_facts)
 from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
-from phase1a.history import RunRecord, latest_run
+from phase1a.history import RunRecord, history_path, latest_run
 from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
 from phase1a.modeling import attention_implementation, release_device_memory
-from phase1a.options import OptionRow, format_options, option_rows
+from phase1a.models import ResolvedModel
+from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, format_options, option_rows
 from phase1a.packing import TokenRows
-from phase1a.units import Interval, parse_duration_seconds, parse_interval
+from phase1a.results import Estimate, Plan, TokenizedData
+from phase1a.units import GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
-from tasks.caching import FingerprintCache, task
-from tasks.calibration import Calibration, Candidate, calibrate, default_workers
-from tasks.tokenize import TokenizedData
+from tasks.caching import StageCache, task
 
 _ASSUMED_DISK_BYTES_PER_SECOND = GIB  # for start-up and checkpoints on hardware that is not here to measure
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
 
 
-class Estimate(BaseModel):
-    startup_seconds: float
-    steady_seconds: float  # train tokens at the measured steady-state speed
-    warmup_seconds: float
-    checkpoints: int
-    checkpoint_seconds: float  # all checkpoints together
-    evaluation_seconds: float
-    train_seconds: float  # steady + warm-up + checkpoints: what the train stage's loop takes
-    total_seconds: float
-
-
-class Plan(BaseModel):
-    profile: str
-    epochs: float
-    adjustments: list[Adjustment]
-    target: str
-    detected: str
-    calibrated: bool
-    precision: str
-    base_precision: str
-    optimizer: str
-    attention: str = "sdpa"  # the implementation training runs (phase1a/modeling.py: attention_implementation)
-    micro_batch_size: int
-    gradient_accumulation: int
-    gradient_checkpointing: bool
-    compile: bool
-    dataloader_workers: int
-    max_seq_length: int
-    model: ModelFacts
-    trainable_parameters: int
-    memory: MemoryEstimate
-    measured_peak_memory_gib: float | None
-    flops_per_token: float  # what a step computes, recompute included
-    model_flops_per_token: float  # what MFU counts: no recompute
-    tokens_per_second: float
-    steps: int
-    train_tokens: int
-    estimate: Estimate
-    estimated_train_seconds: float
-    estimated_total_seconds: float
-    estimated_cost_usd: float | None
-    window_seconds: float | None
-    fits_in_window: bool | None
-    throughput_source: str
-    calibration: Calibration | None
-    options: list[OptionRow]
-    notes: list[str]
+def make_plan(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> Plan:
+    planner = _Planner(config, model, data)  # 1. setup
+    max_seq_length = planner.truncation()  # 2. truncation
+    throughput = planner.throughput(max_seq_length)  # 3. throughput
+    fit = planner.window(throughput, max_seq_length)  # 4. window
+    estimate = planner.estimate(throughput, fit)  # 5. estimate
+    return planner.plan(throughput, fit, estimate)  # 6. plan
 
 
 class _Throughput(BaseModel):
@@ -109,220 +77,259 @@ class _Throughput(BaseModel):
     calibration: Calibration | None = None
 
 
-def make_plan(config: Phase1aConfig, model_dir: Path, data: TokenizedData, model_fingerprint: str = "",
-              history_path: Path | None = None) -> Plan:
-    notes: list[str] = []
-    policy, method = config.plan, config.method
-    facts = model_facts(model_dir)
-    target = target_accelerator(config.hardware.target)
-    detected_key, detected = detect()
-    present = detected_key == config.hardware.target
-    if not present:
-        notes.append(f"target {config.hardware.target} ({target.name}) is not present; this machine has {detected.name}")
-    dtype = training_dtype(training_device()) if present else torch.bfloat16
-    attention = attention_implementation(method, training_device(), dtype)
-    shape = TrainingShape(full=method.kind == "full", weight_bytes=torch.finfo(dtype).bits // 8,
-                          base_bits=4 if method.base_precision == "4bit" else 16, optimizer=method.optimizer,
-                          shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1,
-                          dense_mask=attention == "sdpa")
-    trainable = facts.parameters if shape.full else lora_parameters(facts, method.lora.r, method.lora.target_modules)
-    available = int(target.memory_bytes * (1 - config.hardware.memory_headroom))
+@dataclass
+class _Fit:
+    """What the window fit decided, and what it was decided from."""
 
-    lengths = TokenRows.from_arrow(data.train_path).lengths()
-    max_seq_length = data.max_seq_length
-    # fast: the longest 0.1 % of examples are truncated rather than sizing every batch; balanced: only when a few
-    # far-out examples would size every row.
-    if policy.profile == "fast" or (policy.profile == "balanced" and data.outliers):
-        capped = min(max_seq_length, right_size(lengths, FAST_PERCENTILE, data.model_max_length, None))
-        if policy.profile == "balanced":
-            notes.append(_outlier_note(data.outliers, max_seq_length, capped, int((lengths > capped).sum())))
-        max_seq_length = capped
-    start = _start_candidate(policy, facts, trainable, shape, method.batch_size, max_seq_length, available)
-    train_tokens = int(np.minimum(lengths, max_seq_length).sum() * method.epochs)
+    epochs: float
+    max_seq_length: int
+    profile: str
+    adjustments: list[Adjustment]
+    window: float | None  # seconds
+    evaluation_seconds: float
+    before_window: int  # max_seq_length the memory and FLOPs were sized at
 
-    def fits(candidate: Candidate) -> bool:
-        return method.batch_size % candidate.micro_batch_size == 0 and micro_batch_memory(
-            facts, trainable, shape, candidate.micro_batch_size, max_seq_length, candidate.gradient_checkpointing,
-            available).total_gib <= available / GIB
 
-    remembered = history_path and latest_run(history_path, model_fingerprint, config.hardware.target, method.kind)
-    sweeps = policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
-    if remembered and fits(candidate := _candidate_of(remembered)) and (sweeps or candidate == start):
-        throughput = _from_history(remembered, candidate, facts, trainable, shape)
-        notes.append(f"throughput {remembered.tokens_per_second:.0f} tokens/s and knobs from the last run of this "
-                     f"model on {config.hardware.target} ({remembered.timestamp:%Y-%m-%d %H:%M})")
-    elif present and config.hardware.calibration_steps > 0:
-        calibration = calibrate(
-            config, model_dir, data.train_path, max_seq_length, start,
-            _alternatives(facts, trainable, shape, method.batch_size, max_seq_length, available) if sweeps else _none,
-            train_tokens, config.work_dir / config.name, validation_path=data.validation_path)
+class _Planner:
+    """One plan's facts, gathered once (phase 1), and the phases that read them."""
+
+    def __init__(self, config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> None:
+        self.config, self.model, self.data, self.notes = config, model, data, []
+        self.policy, self.method = config.plan, config.method
+        self.facts = model_facts(Path(model.path))
+        self.target = target_accelerator(config.hardware.target)
+        detected_key, self.detected = detect()
+        self.present = detected_key == config.hardware.target
+        if not self.present:
+            self.notes.append(f"target {config.hardware.target} ({self.target.name}) is not present; this machine "
+                              f"has {self.detected.name}")
+        self.dtype = training_dtype(training_device()) if self.present else torch.bfloat16
+        self.attention = attention_implementation(self.method, training_device(), self.dtype)
+        self.shape = TrainingShape(
+            full=self.method.kind == "full", weight_bytes=torch.finfo(self.dtype).bits // 8,
+            base_bits=4 if self.method.base_precision == "4bit" else 16, optimizer=self.method.optimizer,
+            shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1,
+            dense_mask=self.attention == "sdpa")
+        trainable = (self.facts.parameters if self.shape.full
+                     else lora_parameters(self.facts, self.method.lora.r, self.method.lora.target_modules))
+        self.memory = MemoryModel(self.facts, self.shape, trainable,
+                                  int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
+        self.lengths = TokenRows.from_arrow(data.train_path).lengths()
+
+    # ---- 2. truncation -----------------------------------------------------------------------------------
+
+    def truncation(self) -> int:
+        """fast: the longest 0.1 % of examples are truncated rather than sizing every batch; balanced: only
+        when a few far-out examples would size every row."""
+        data, profile = self.data, self.policy.profile
+        if not (profile == "fast" or (profile == "balanced" and data.outliers)):
+            return data.max_seq_length
+        capped = min(data.max_seq_length, right_size(self.lengths, FAST_PERCENTILE, data.model_max_length, None))
+        if profile == "balanced":
+            truncated = int((self.lengths > capped).sum())
+            self.notes.append(_outlier_note(data.outliers, data.max_seq_length, capped, truncated))
+        return capped
+
+    # ---- 3. throughput -----------------------------------------------------------------------------------
+
+    def throughput(self, max_seq_length: int) -> _Throughput:
+        start = self._start_candidate(max_seq_length)
+        sweeps = self.policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
+        config = self.config
+        remembered = latest_run(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
+                                self.method.kind)
+        if remembered and self._fits(candidate := _candidate_of(remembered), max_seq_length) and (
+                sweeps or candidate == start):
+            self.notes.append(f"throughput {remembered.tokens_per_second:.0f} tokens/s and knobs from the last run "
+                              f"of this model on {config.hardware.target} ({remembered.timestamp:%Y-%m-%d %H:%M})")
+            return self._from_history(remembered, candidate)
+        if self.present and config.hardware.calibration_steps > 0:
+            return self._calibrated(start, max_seq_length, sweeps)
+        flops = flops_per_token(self.facts, self.shape.full, start.gradient_checkpointing,
+                                _mean(self.lengths, max_seq_length))
+        self.notes.append(f"throughput assumed at {self.policy.assumed_mfu:.0%} MFU of {self.target.name}'s peak, "
+                          f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
+        return _Throughput(chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
+                           warmup_seconds=0.0, startup_seconds=self._assumed_startup(),
+                           checkpoint_seconds_each=self._assumed_checkpoint(), source="assumed")
+
+    def _calibrated(self, start: Candidate, max_seq_length: int, sweeps: bool) -> _Throughput:
+        config = self.config
+        job = CalibrationJob(
+            train_path=self.data.train_path, max_seq_length=max_seq_length, start=start,
+            train_tokens=int(np.minimum(self.lengths, max_seq_length).sum() * self.method.epochs),
+            work_dir=config.work_dir / config.name, validation_path=self.data.validation_path,
+            alternatives=memory_alternatives(self.memory, self.method.batch_size, max_seq_length) if sweeps
+            else no_alternatives)
+        calibration = calibrate(config, Path(self.model.path), job)
         release_device_memory()  # the calibration's model: training builds its own
-        throughput = _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
-                                 warmup_seconds=calibration.warmup_excess_seconds,
-                                 startup_seconds=calibration.startup_seconds,
-                                 checkpoint_seconds_each=calibration.checkpoint_seconds, source="measured",
-                                 calibration=calibration)
-    else:
-        flops = flops_per_token(facts, shape.full, start.gradient_checkpointing, _mean(lengths, max_seq_length))
-        throughput = _Throughput(chosen=start, seconds_per_token=flops / (_peak_flops(target) * policy.assumed_mfu),
-                                 warmup_seconds=0.0, startup_seconds=_assumed_startup(facts, shape),
-                                 checkpoint_seconds_each=_assumed_checkpoint(trainable, shape), source="assumed")
-        notes.append(f"throughput assumed at {policy.assumed_mfu:.0%} MFU of {target.name}'s peak, not measured; "
-                     f"start-up and checkpoint writes assumed at 1 GiB/s")
-    chosen = throughput.chosen
-    memory = micro_batch_memory(facts, trainable, shape, chosen.micro_batch_size, max_seq_length,
-                                chosen.gradient_checkpointing, available)
-    flops = flops_per_token(facts, shape.full, chosen.gradient_checkpointing, _mean(lengths, max_seq_length))
-    spt = throughput.seconds_per_token
+        return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
+                           warmup_seconds=calibration.warmup_excess_seconds, startup_seconds=calibration.startup_seconds,
+                           checkpoint_seconds_each=calibration.checkpoint_seconds, source="measured",
+                           calibration=calibration)
 
-    evaluation = _validation_estimate(config, data, facts, shape, spt * (2 * facts.parameters) / flops, target,
-                                      throughput)
-    interval = parse_interval(config.checkpoint.interval)
-    tokens_per_step = float(np.minimum(lengths, max_seq_length).sum()) / max(1, math.ceil(len(lengths) / method.batch_size))
-    # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
-    work = Workload(lengths=lengths, epochs=method.epochs, max_seq_length=max_seq_length,
-                    model_max_length=data.model_max_length,
-                    seconds_per_token=spt + _checkpoint_cost_per_token(interval, throughput.checkpoint_seconds_each,
-                                                                       spt, tokens_per_step),
-                    fixed_seconds=throughput.startup_seconds + throughput.warmup_seconds + evaluation)
+    def _start_candidate(self, max_seq_length: int) -> Candidate:
+        """memory_efficient: one example with checkpointing; custom: the user's knobs, checked; else the memory
+        model's pick (the largest micro-batch that fits, checkpointing only when needed)."""
+        policy, batch_size = self.policy, self.method.batch_size
+        if policy.profile == "memory_efficient":
+            candidate = Candidate(micro_batch_size=1, gradient_checkpointing=True)
+        elif policy.profile == "custom":
+            if policy.micro_batch_size is None or policy.gradient_checkpointing is None:
+                raise ValueError("plan.profile custom needs plan.micro_batch_size and plan.gradient_checkpointing")
+            if batch_size % policy.micro_batch_size:
+                raise ValueError(f"plan.micro_batch_size {policy.micro_batch_size} must divide method.batch_size "
+                                 f"{batch_size}")
+            candidate = Candidate(micro_batch_size=policy.micro_batch_size,
+                                  gradient_checkpointing=policy.gradient_checkpointing,
+                                  compile=bool(policy.compile), dataloader_workers=policy.dataloader_workers or 0)
+        else:
+            micro, checkpointing, _ = self.memory.choose(batch_size, max_seq_length)
+            return Candidate(micro_batch_size=micro, gradient_checkpointing=checkpointing)
+        memory = self.memory.micro_batch(candidate.micro_batch_size, max_seq_length, candidate.gradient_checkpointing)
+        if memory.total_gib > memory.available_gib:
+            raise MemoryError(f"plan.profile {policy.profile}: micro-batch {candidate.micro_batch_size} needs "
+                              f"{memory.total_gib:.1f} GiB, {memory.available_gib:.1f} GiB are available")
+        return candidate
 
-    epochs, profile, adjustments, window = method.epochs, policy.profile, [], None
-    if config.window.max_duration:
-        window = parse_duration_seconds(config.window.max_duration)
-        budget = window - parse_duration_seconds(config.window.safety_margin)
-        epochs, max_seq_length, profile, adjustments = fit_window(work, budget, policy.profile, policy.min_epochs)
-    total_examples = max(1, round(len(lengths) * epochs))
-    steps = -(-total_examples // method.batch_size)
-    train_tokens = int(round(np.minimum(lengths, max_seq_length).sum() * epochs))
-    steady = train_tokens * spt
-    checkpoints = _checkpoint_count(interval, steps, steady)
-    train_seconds = steady + throughput.warmup_seconds + checkpoints * throughput.checkpoint_seconds_each
-    estimate = Estimate(
-        startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
-        checkpoints=checkpoints, checkpoint_seconds=checkpoints * throughput.checkpoint_seconds_each,
-        evaluation_seconds=evaluation, train_seconds=train_seconds,
-        total_seconds=throughput.startup_seconds + train_seconds + evaluation)
-    price = config.hardware.price_per_gpu_hour or target.price_per_hour
+    def _fits(self, candidate: Candidate, max_seq_length: int) -> bool:
+        memory = self.memory.micro_batch(candidate.micro_batch_size, max_seq_length, candidate.gradient_checkpointing)
+        return self.method.batch_size % candidate.micro_batch_size == 0 and memory.total_gib <= memory.available_gib
 
-    # The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
-    # else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU).
-    reference = config.hardware.target if config.hardware.target in CATALOGUE else "h100"
-    reference_tps = 1.0 / spt if reference == config.hardware.target else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops
-    options = option_rows(
-        train_tokens, flops, reference, reference_tps, memory.total_gib * GIB, (memory.weights_gib + memory.trainable_gib) * GIB,
-        method.batch_size, method.learning_rate, scaling_efficiency=policy.scaling_efficiency,
-        prices={config.hardware.target: config.hardware.price_per_gpu_hour} if config.hardware.price_per_gpu_hour else None,
-        fixed_overhead_seconds=estimate.total_seconds - steady, lr_rule=policy.lr_rule,
-        memory_headroom=config.hardware.memory_headroom)
-    return Plan(
-        profile=profile, epochs=epochs, adjustments=adjustments, target=config.hardware.target, detected=detected.name,
-        calibrated=throughput.source == "measured", precision=str(dtype).removeprefix("torch."),
-        base_precision=method.base_precision, optimizer=method.optimizer, attention=attention,
-        micro_batch_size=chosen.micro_batch_size, gradient_accumulation=method.batch_size // chosen.micro_batch_size,
-        gradient_checkpointing=chosen.gradient_checkpointing, compile=chosen.compile,
-        dataloader_workers=chosen.dataloader_workers, max_seq_length=max_seq_length, model=facts,
-        trainable_parameters=trainable, memory=memory,
-        measured_peak_memory_gib=throughput.calibration.peak_memory_gib if throughput.calibration else None,
-        flops_per_token=flops, tokens_per_second=1.0 / spt,
-        model_flops_per_token=flops_per_token(facts, shape.full, False, _mean(lengths, max_seq_length)), steps=steps, train_tokens=train_tokens, estimate=estimate,
-        estimated_train_seconds=train_seconds, estimated_total_seconds=estimate.total_seconds,
-        estimated_cost_usd=None if price is None else price * config.hardware.num_gpus * estimate.total_seconds / 3600,
-        window_seconds=window, fits_in_window=None if window is None else True, throughput_source=throughput.source,
-        calibration=throughput.calibration, options=options, notes=notes,
-    )
+    def _from_history(self, record: RunRecord, candidate: Candidate) -> _Throughput:
+        return _Throughput(
+            chosen=candidate, seconds_per_token=1.0 / record.tokens_per_second, warmup_seconds=0.0,
+            startup_seconds=record.startup_seconds if record.startup_seconds is not None else self._assumed_startup(),
+            checkpoint_seconds_each=(record.checkpoint_seconds_each if record.checkpoint_seconds_each is not None
+                                     else self._assumed_checkpoint()),
+            source="history")
 
+    def _assumed_startup(self) -> float:
+        return (_ASSUMED_STARTUP_SECONDS
+                + self.facts.parameters * self.shape.weight_bytes / _ASSUMED_DISK_BYTES_PER_SECOND)
 
-def _start_candidate(policy, facts: ModelFacts, trainable: int, shape: TrainingShape, batch_size: int,
-                     max_seq_length: int, available: int) -> Candidate:
-    """memory_efficient: one example with checkpointing; custom: the user's knobs, checked; else the memory
-    model's pick (the largest micro-batch that fits, checkpointing only when needed)."""
-    if policy.profile == "memory_efficient":
-        candidate = Candidate(micro_batch_size=1, gradient_checkpointing=True)
-    elif policy.profile == "custom":
-        if policy.micro_batch_size is None or policy.gradient_checkpointing is None:
-            raise ValueError("plan.profile custom needs plan.micro_batch_size and plan.gradient_checkpointing")
-        if batch_size % policy.micro_batch_size:
-            raise ValueError(f"plan.micro_batch_size {policy.micro_batch_size} must divide method.batch_size {batch_size}")
-        candidate = Candidate(micro_batch_size=policy.micro_batch_size, gradient_checkpointing=policy.gradient_checkpointing,
-                              compile=bool(policy.compile), dataloader_workers=policy.dataloader_workers or 0)
-    else:
-        micro, checkpointing, _ = choose_micro_batch(facts, trainable, shape, batch_size, max_seq_length, available)
-        return Candidate(micro_batch_size=micro, gradient_checkpointing=checkpointing)
-    memory = micro_batch_memory(facts, trainable, shape, candidate.micro_batch_size, max_seq_length,
-                                candidate.gradient_checkpointing, available)
-    if memory.total_gib > memory.available_gib:
-        raise MemoryError(f"plan.profile {policy.profile}: micro-batch {candidate.micro_batch_size} needs "
-                          f"{memory.total_gib:.1f} GiB, {memory.available_gib:.1f} GiB are available")
-    return candidate
+    def _assumed_checkpoint(self) -> float:
+        per_parameter = 4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer]
+        return self.memory.trainable * per_parameter / _ASSUMED_DISK_BYTES_PER_SECOND
 
+    # ---- 4. window ---------------------------------------------------------------------------------------
 
-def _alternatives(facts: ModelFacts, trainable: int, shape: TrainingShape, batch_size: int, max_seq_length: int,
-                  available: int):
-    """The candidates calibration tries for each knob, from the best so far; only ones the memory model admits."""
+    def window(self, throughput: _Throughput, max_seq_length: int) -> _Fit:
+        config, spt = self.config, throughput.seconds_per_token
+        evaluation = self._validation_estimate(throughput, max_seq_length)
+        steps_per_epoch = max(1, math.ceil(len(self.lengths) / self.method.batch_size))
+        tokens_per_step = float(np.minimum(self.lengths, max_seq_length).sum()) / steps_per_epoch
+        # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
+        checkpoints_per_token = parse_interval(config.checkpoint.interval).rate(
+            Clock(seconds=spt, steps=1 / tokens_per_step, tokens=1))
+        work = Workload(lengths=self.lengths, epochs=self.method.epochs, max_seq_length=max_seq_length,
+                        model_max_length=self.data.model_max_length,
+                        seconds_per_token=spt + checkpoints_per_token * throughput.checkpoint_seconds_each,
+                        fixed_seconds=throughput.startup_seconds + throughput.warmup_seconds + evaluation)
+        fit = _Fit(self.method.epochs, max_seq_length, self.policy.profile, [], None, evaluation, max_seq_length)
+        if config.window.max_duration:
+            fit.window = parse_duration_seconds(config.window.max_duration)
+            budget = fit.window - parse_duration_seconds(config.window.safety_margin)
+            fit.epochs, fit.max_seq_length, fit.profile, fit.adjustments = fit_window(
+                work, budget, self.policy.profile, self.policy.min_epochs)
+        return fit
 
-    def alternatives(best: Candidate, knob: str) -> list[Candidate]:
-        def fitting(checkpointing: bool) -> list[int]:
-            return [m for m, _ in fitting_micro_batches(facts, trainable, shape, batch_size, max_seq_length,
-                                                        available, checkpointing)]
+    def _validation_estimate(self, throughput: _Throughput, max_seq_length: int) -> float:
+        """The validate stage as it will run: it scores the base, the trained and a promoted baseline's model
+        (phase1a.evaluation.validation_seconds each) and loads the trained model, the base of a full fine-tune
+        and a promoted baseline anew. Measured costs where the calibration timed them, else a forward pass at
+        2N of the step's FLOPs a token and a greedy step at the weights' read from memory (or, with no
+        bandwidth catalogued, one forward token per row of the generation batch)."""
+        settings, facts = self.config.validation, self.facts
+        promoted = settings.baseline == "promoted"
+        loads = 1 + (self.method.kind == "full") + promoted
+        rows = TokenRows.from_arrow(self.data.validation_path)
+        indices = np.arange(min(len(rows), settings.max_examples))
+        speed = throughput.calibration.validation if throughput.calibration is not None else None
+        if speed is None:
+            flops = flops_per_token(facts, self.shape.full, throughput.chosen.gradient_checkpointing,
+                                    _mean(self.lengths, max_seq_length))
+            forward = throughput.seconds_per_token * (2 * facts.parameters) / flops
+            step = (facts.parameters * self.shape.weight_bytes / self.target.memory_bandwidth
+                    if self.target.memory_bandwidth else forward * settings.generation_batch_size)
+            speed = ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
+        return loads * throughput.startup_seconds + validation_seconds(speed, rows, indices, settings, 2 + promoted)
 
-        if knob == "micro_batch":  # smaller rows: sometimes faster on CPUs and small GPUs (cache, kernels)
-            return [best.model_copy(update={"micro_batch_size": m}) for m in fitting(best.gradient_checkpointing)
-                    if m < best.micro_batch_size]
-        if knob == "gradient_checkpointing":  # on: more recompute, but maybe a larger micro-batch fits
-            other = fitting(not best.gradient_checkpointing)
-            return [best.model_copy(update={"gradient_checkpointing": not best.gradient_checkpointing,
-                                            "micro_batch_size": other[0]})] if other else []
-        if knob == "dataloader_workers":
-            return [best.model_copy(update={"dataloader_workers": 0 if best.dataloader_workers else default_workers()})]
-        return [best.model_copy(update={"compile": not best.compile})]
+    # ---- 5. estimate -------------------------------------------------------------------------------------
 
-    return alternatives
+    def estimate(self, throughput: _Throughput, fit: _Fit) -> Estimate:
+        steps = self._steps(fit.epochs)
+        train_tokens = self._train_tokens(fit)
+        steady = train_tokens * throughput.seconds_per_token
+        checkpoints = parse_interval(self.config.checkpoint.interval).count(
+            Clock(seconds=steady, steps=steps, tokens=train_tokens))
+        checkpoint_seconds = checkpoints * throughput.checkpoint_seconds_each
+        train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds
+        return Estimate(
+            startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
+            checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
+            train_seconds=train_seconds, total_seconds=throughput.startup_seconds + train_seconds + fit.evaluation_seconds)
 
+    def _steps(self, epochs: float) -> int:
+        total_examples = max(1, round(len(self.lengths) * epochs))
+        return -(-total_examples // self.method.batch_size)
 
-def _none(best: Candidate, knob: str) -> list[Candidate]:
-    return []
+    def _train_tokens(self, fit: _Fit) -> int:
+        return int(round(np.minimum(self.lengths, fit.max_seq_length).sum() * fit.epochs))
+
+    # ---- 6. plan -----------------------------------------------------------------------------------------
+
+    def plan(self, throughput: _Throughput, fit: _Fit, estimate: Estimate) -> Plan:
+        chosen, hardware = throughput.chosen, self.config.hardware
+        # Memory and FLOPs as sized for the calibrated knobs, before the window fit; MFU counts the final length.
+        memory = self.memory.micro_batch(chosen.micro_batch_size, fit.before_window, chosen.gradient_checkpointing)
+        flops = flops_per_token(self.facts, self.shape.full, chosen.gradient_checkpointing,
+                                _mean(self.lengths, fit.before_window))
+        price = hardware.price_per_gpu_hour or self.target.price_per_hour
+        return Plan(
+            profile=fit.profile, epochs=fit.epochs, adjustments=fit.adjustments, target=hardware.target,
+            detected=self.detected.name, calibrated=throughput.source == "measured",
+            precision=str(self.dtype).removeprefix("torch."), base_precision=self.method.base_precision,
+            optimizer=self.method.optimizer, attention=self.attention, micro_batch_size=chosen.micro_batch_size,
+            gradient_accumulation=self.method.batch_size // chosen.micro_batch_size,
+            gradient_checkpointing=chosen.gradient_checkpointing, compile=chosen.compile,
+            dataloader_workers=chosen.dataloader_workers, max_seq_length=fit.max_seq_length, model=self.facts,
+            trainable_parameters=self.memory.trainable, memory=memory,
+            measured_peak_memory_gib=throughput.calibration.peak_memory_gib if throughput.calibration else None,
+            flops_per_token=flops, tokens_per_second=1.0 / throughput.seconds_per_token,
+            model_flops_per_token=flops_per_token(self.facts, self.shape.full, False,
+                                                  _mean(self.lengths, fit.max_seq_length)),
+            steps=self._steps(fit.epochs), train_tokens=self._train_tokens(fit), estimate=estimate,
+            estimated_train_seconds=estimate.train_seconds, estimated_total_seconds=estimate.total_seconds,
+            estimated_cost_usd=None if price is None else price * hardware.num_gpus * estimate.total_seconds / 3600,
+            window_seconds=fit.window, fits_in_window=None if fit.window is None else True,
+            throughput_source=throughput.source, calibration=throughput.calibration,
+            options=self._options(throughput, fit, estimate, flops, memory), notes=self.notes,
+        )
+
+    def _options(self, throughput: _Throughput, fit: _Fit, estimate: Estimate, flops: float,
+                 memory: MemoryEstimate) -> list[OptionRow]:
+        """The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
+        else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU)."""
+        hardware, policy = self.config.hardware, self.policy
+        reference = hardware.target if hardware.target in CATALOGUE else "h100"
+        reference_tps = (1.0 / throughput.seconds_per_token if reference == hardware.target
+                         else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops)
+        job = OptionsJob(
+            train_tokens=self._train_tokens(fit), flops_per_token=flops,
+            reference=reference, reference_tokens_per_second=reference_tps,
+            memory_needed_bytes_per_gpu=memory.total_gib * GIB,
+            weights_and_state_bytes=(memory.weights_gib + memory.trainable_gib) * GIB,
+            global_batch=self.method.batch_size, learning_rate=self.method.learning_rate,
+            fixed_overhead_seconds=estimate.total_seconds - estimate.steady_seconds)
+        prices = {hardware.target: hardware.price_per_gpu_hour} if hardware.price_per_gpu_hour else None
+        return option_rows(job, OptionsPolicy(scaling_efficiency=policy.scaling_efficiency, prices=prices,
+                                              lr_rule=policy.lr_rule, memory_headroom=hardware.memory_headroom))
 
 
 def _candidate_of(record: RunRecord) -> Candidate:
     return Candidate(micro_batch_size=record.micro_batch_size, gradient_checkpointing=record.gradient_checkpointing,
                      compile=record.compile, dataloader_workers=record.dataloader_workers)
-
-
-def _from_history(record: RunRecord, candidate: Candidate, facts: ModelFacts, trainable: int,
-                  shape: TrainingShape) -> _Throughput:
-    return _Throughput(
-        chosen=candidate, seconds_per_token=1.0 / record.tokens_per_second, warmup_seconds=0.0,
-        startup_seconds=record.startup_seconds if record.startup_seconds is not None else _assumed_startup(facts, shape),
-        checkpoint_seconds_each=(record.checkpoint_seconds_each if record.checkpoint_seconds_each is not None
-                                 else _assumed_checkpoint(trainable, shape)),
-        source="history")
-
-
-def _assumed_startup(facts: ModelFacts, shape: TrainingShape) -> float:
-    return _ASSUMED_STARTUP_SECONDS + facts.parameters * shape.weight_bytes / _ASSUMED_DISK_BYTES_PER_SECOND
-
-
-def _assumed_checkpoint(trainable: int, shape: TrainingShape) -> float:
-    return trainable * (4 + OPTIMIZER_STATE_BYTES[shape.optimizer]) / _ASSUMED_DISK_BYTES_PER_SECOND
-
-
-def _checkpoint_cost_per_token(interval: Interval, each: float, seconds_per_token: float, tokens_per_step: float) -> float:
-    rates = []
-    if interval.seconds:
-        rates.append(each / interval.seconds * seconds_per_token)
-    if interval.steps:
-        rates.append(each / (interval.steps * tokens_per_step))
-    return max(rates, default=0.0)
-
-
-def _checkpoint_count(interval: Interval, steps: int, steady_seconds: float) -> int:
-    """Checkpoints written during training: none after the last step (the final save replaces it)."""
-    counts = []
-    if interval.steps:
-        counts.append((steps - 1) // interval.steps)
-    if interval.seconds:
-        counts.append(int(steady_seconds // interval.seconds))
-    return max(counts, default=0)
 
 
 def _mean(lengths: np.ndarray, max_seq_length: int) -> float:
@@ -334,6 +341,15 @@ def _peak_flops(accelerator: Accelerator) -> float:
         raise ValueError(f"no peak FLOP/s is known for {accelerator.name}; calibrate on the hardware itself")
     return accelerator.peak_flops
 
+
+def _outlier_note(outliers: Outliers, max_seq_length: int, capped: int, truncated: int) -> str:
+    where, tokens = outliers.longest[0]
+    return (f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
+            f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
+            f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
+
+
+# ---- reading a plan ------------------------------------------------------------------------------------------
 
 def publish_plan(plan: Plan, run_dir: Path) -> Path:
     """plan.json in the run directory, and the plan as a Prefect table artifact."""
@@ -352,33 +368,6 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
         rows.append({"setting": f"calibration: {trial.candidate.label()}", "value": _trial_result(trial)})
     create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window, calibration")
     return path
-
-
-def _validation_estimate(config: Phase1aConfig, data: TokenizedData, facts: ModelFacts, shape: TrainingShape,
-                         forward_seconds_per_token: float, target, throughput: _Throughput) -> float:
-    """The validate stage as it will run: it scores the base, the trained and a promoted baseline's model
-    (phase1a.evaluation.validation_seconds each) and loads the trained model, the base of a full fine-tune and
-    a promoted baseline anew. Measured costs where the calibration timed them, else a forward pass at 2N of the
-    step's FLOPs a token and a greedy step at the weights' read from memory (or, with no bandwidth catalogued,
-    one forward token per row of the generation batch)."""
-    settings = config.validation
-    promoted = settings.baseline == "promoted"
-    loads = 1 + (config.method.kind == "full") + promoted
-    rows = TokenRows.from_arrow(data.validation_path)
-    indices = np.arange(min(len(rows), settings.max_examples))
-    speed = throughput.calibration.validation if throughput.calibration is not None else None
-    if speed is None:
-        step = (facts.parameters * shape.weight_bytes / target.memory_bandwidth if target.memory_bandwidth
-                else forward_seconds_per_token * settings.generation_batch_size)
-        speed = ValidationSpeed(forward_seconds_per_token=forward_seconds_per_token, decode_seconds_per_step=step)
-    return loads * throughput.startup_seconds + validation_seconds(speed, rows, indices, settings, 2 + promoted)
-
-
-def _outlier_note(outliers: Outliers, max_seq_length: int, capped: int, truncated: int) -> str:
-    where, tokens = outliers.longest[0]
-    return (f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
-            f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
-            f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
 
 
 def format_plan(plan: Plan) -> str:
@@ -414,13 +403,17 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def plan_fingerprint(config: Phase1aConfig, model_fingerprint: str, data: TokenizedData) -> str:
-    """Everything a plan depends on, including the hardware it would calibrate on."""
+# ---- the task ------------------------------------------------------------------------------------------------
+
+def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> str:
+    """The plan stage's key, from its own inputs: the sections it reads, the model, the data, and the device it
+    would calibrate on."""
     sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "checkpoint", "validation"})
-    return hash_json({"config": sections, "model": model_fingerprint, "data": data.fingerprint, "device": detect()[1].name})
+    return hash_json({"config": sections, "model": model.fingerprint, "data": data.fingerprint,
+                      "device": detect()[1].name})
 
 
-@task(name="plan", cache_policy=FingerprintCache(), persist_result=True, result_serializer="json")
-def plan_task(config: Phase1aConfig, model_dir: str, data: TokenizedData, fingerprint: str,
-              model_fingerprint: str = "", history_path: str | None = None) -> Plan:
-    return make_plan(config, Path(model_dir), data, model_fingerprint, Path(history_path) if history_path else None)
+@task(name="plan", cache_policy=StageCache(fingerprint=plan_fingerprint), persist_result=True,
+      result_serializer="json")
+def plan_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> Plan:
+    return make_plan(config, model, data)

@@ -1,23 +1,23 @@
 """Train: LoRA (or full) fine-tuning on packed rows, sparse checkpoints, exact resume, honest progress.
 
-Read top to bottom, `train()` is the whole recipe:
-  1. a finished run is reused; otherwise build the model and optimizer the plan chose (`phase1a/modeling.py`)
-  2. resume from the latest complete checkpoint of this run: weights, optimizer, scheduler, RNG, step. The
-     data position is the step number itself (`StepBatches` is a pure function of the step), so nothing is
-     re-iterated
-  3. each optimizer step: this rank's packed rows, the loss normalised over the whole step's supervised
-     tokens, clip, step. Out of memory: halve the row's token budget (accumulation doubles, the global batch
-     and the gradient stay the same), restore the step's RNG, redo the step
-  4. checkpoint when the interval (wall time and/or steps) fires, and on SIGTERM/SIGINT before exiting
-  5. save the adapter in peft's format, with `result.json`, marked complete last
+The recipe, `train()`, in named phases (torchtune's setup / train / save):
+  0. reuse     a run with the same training key that finished is returned as it is
+  1. setup     build the model and optimizer the plan chose (`phase1a/modeling.py`); resume from the latest
+               complete checkpoint of this run: weights, optimizer, scheduler, RNG, step. The data position is
+               the step number itself (`StepBatches` is a pure function of the step), so nothing is re-iterated
+  2. train     each optimizer step: this rank's packed rows, the loss normalised over the whole step's
+               supervised tokens, clip, step (`phase1a/steps.py`). Out of memory: halve the row's token budget
+               (accumulation doubles, the global batch and the gradient stay the same), restore the step's
+               RNG, redo the step. Checkpoint when the interval fires (`phase1a/units.py`), and on
+               SIGTERM/SIGINT before exiting
+  3. save      the adapter in peft's format, with `result.json`, marked complete last
 
-Several GPUs: `train_task` launches `torchrun` over this module's `__main__`; see `phase1a/distributed.py`.
+Several GPUs: `run` launches `torchrun` over this module's `__main__`; see `phase1a/distributed.py`.
 Imports without Prefect, so the same loop runs on a bare GPU host.
 """
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,16 +27,22 @@ import torch
 from pydantic import BaseModel
 
 from phase1a import distributed
+from phase1a.atomic import atomic_path, write_atomically
 from phase1a.checkpoints import (TrainingState, list_checkpoints, load_checkpoint, load_optimizer_state,
                                  optimizer_state_dict, save_checkpoint, trainable_state_dict)
-from phase1a.config import MethodConfig
+from phase1a.config import MethodConfig, Phase1aConfig
 from phase1a.fingerprint import hash_json
+from phase1a.hardware import detect
+from phase1a.history import history_path, record_run
+from phase1a.locks import exclusive
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
-from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, summed_loss, token_budget
+from phase1a.models import ResolvedModel
+from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.preemption import Preempted, StopSignals
-from phase1a.locks import write_atomically
-from phase1a.progress import ProgressReporter, append_event
-from phase1a.units import parse_interval
+from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
+from phase1a.results import Plan, TokenizedData, TrainResult
+from phase1a.steps import optimizer_step
+from phase1a.units import Clock, parse_interval
 from tasks.caching import task
 
 
@@ -61,41 +67,20 @@ class TrainSettings(BaseModel):
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
 
 
-class TrainResult(BaseModel):
-    adapter_dir: str
-    output_dir: str
-    steps: int
-    resumed_from_step: int | None
-    reused_completed_run: bool
-    wall_seconds: float
-    train_tokens: int
-    tokens_per_second: float
-    final_loss: float | None
-    checkpoints_written: int
-    checkpoint_seconds: float
-    startup_seconds: float = 0.0  # model load, adapter, optimizer, resume: before the first step
-    checkpoint_share: float = 0.0  # checkpoint writes as a share of the wall time
-    micro_batch_size: int = 0  # at the end: smaller than planned after out-of-memory back-offs
-    out_of_memory_backoffs: int = 0
-    padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
-    mean_mfu: float | None = None
-
-
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int) -> str:
-    """What makes two runs the same run: same data, weights and training semantics (not micro-batching)."""
+    """What makes two runs the same run: same data, weights and training semantics (not micro-batching). The
+    code is left out on purpose: a run preempted before a fix resumes from its checkpoints after it."""
     return hash_json({"data": tokenized_fingerprint, "model": model_fingerprint, "method": method.model_dump(),
                       "max_seq_length": max_seq_length})[:16]
 
 
-def train_settings(config, plan, data, model_dir: Path, model_fingerprint: str) -> TrainSettings:
+def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel) -> TrainSettings:
     """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
     them), its truncation; the output directory is keyed by what makes two runs the same run."""
-    from phase1a.hardware import detect
-
     method = config.method.model_copy(update={"epochs": plan.epochs})
-    run_key = training_key(data.fingerprint, model_fingerprint, method, plan.max_seq_length)
+    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length)
     return TrainSettings(
-        model_dir=str(model_dir), train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
+        model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
         output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
@@ -107,171 +92,209 @@ def train_settings(config, plan, data, model_dir: Path, model_fingerprint: str) 
     )
 
 
-def train_step(model, micro_batches: list[dict[str, torch.Tensor]], supervised: int, weight: float = 1.0,
-               world_size: int = 1) -> tuple[float, int]:
-    """Forward and backward over one rank's rows of an optimizer step; the loss is normalised over the whole
-    step's supervised tokens, so accumulation (and DDP's average, undone by `world_size`) gives the gradient of
-    one big batch. Gradients are all-reduced once, on the last row. Returns (this rank's loss, tokens)."""
-    device = next(model.parameters()).device
-    scale = weight * world_size / max(1, supervised)
-    total_loss, tokens = 0.0, 0
-    for index, micro in enumerate(micro_batches):
-        batch = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
-        last = index == len(micro_batches) - 1
-        with distributed.gradient_sync(model, enabled=last):
-            loss, _, _ = summed_loss(model, batch)
-            (loss * scale).backward()
-        total_loss += loss.item() * weight
-        tokens += batch["input_ids"].numel() if weight else 0
-    return total_loss / max(1, supervised), tokens
-
-
-def optimizer_step(model, optimizer, step_batch: dict, world_size: int = 1) -> tuple[float, int, float]:
-    """One whole optimizer step as training runs it, shared with calibration so both time the same work."""
-    loss, tokens = train_step(model, step_batch["micro_batches"], step_batch["supervised"],
-                              step_batch.get("weight", 1.0), world_size)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm over all shards, a distributed tensor
-        grad_norm = grad_norm.full_tensor()
-    return loss, tokens, float(grad_norm)
-
-
 def train(settings: TrainSettings, on_model=None) -> TrainResult:
     """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection."""
-    output_dir = Path(settings.output_dir)
+    if (finished := finished_run(Path(settings.output_dir))) is not None:  # 0. reuse
+        return finished
+    recipe = TrainRecipe(settings)
+    recipe.setup(on_model)  # 1. setup
+    recipe.train()  # 2. train
+    return recipe.save()  # 3. save
+
+
+def finished_run(output_dir: Path) -> TrainResult | None:
     final_dir = output_dir / "final"
-    if (final_dir / "COMPLETE").is_file():  # this exact run already finished: nothing to redo
-        summary = TrainResult.model_validate_json((final_dir / "result.json").read_text())
-        return summary.model_copy(update={"reused_completed_run": True})
+    if not (final_dir / "COMPLETE").is_file():
+        return None
+    summary = TrainResult.model_validate_json((final_dir / "result.json").read_text())
+    return summary.model_copy(update={"reused_completed_run": True})
 
-    world = distributed.init_world()
-    method = settings.method
-    began = time.perf_counter()
-    torch.manual_seed(method.seed)
-    num_examples = len(TokenRows.from_arrow(settings.train_path))
-    max_length = settings.max_seq_length or int(TokenRows.from_arrow(settings.train_path).lengths().max())
-    order, total_examples = example_stream(num_examples, method.epochs, method.seed)
-    micro = settings.micro_batch_size
 
-    def batches_for(micro_batch_size: int) -> StepBatches:
-        return StepBatches(settings.train_path, settings.max_seq_length, order, method.batch_size, total_examples,
-                           token_budget(micro_batch_size, max_length), world.rank, world.size)
+class _Progress:
+    """Where the loop is, in every unit that checkpoint intervals and the result count."""
 
-    total_steps = len(batches_for(micro))
-    sharded = settings.strategy == "fsdp" and world.size > 1
-    # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
-    model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing, settings.trust_remote_code,
-                        settings.compile and not sharded)
-    if on_model is not None:
-        on_model(model)
-    model = distributed.wrap(model, world, settings.strategy)
-    optimizer = make_optimizer(model, method)
-    scheduler = make_scheduler(optimizer, round(method.warmup_fraction * total_steps), total_steps)
+    def __init__(self, start_step: int, prior_seconds: float) -> None:
+        self.step, self.prior_seconds, self.tokens, self.loss, self.backoffs = start_step, prior_seconds, 0, None, 0
+        self.checkpoints, self.checkpoint_seconds, self.mfus = 0, 0.0, []
+        self.started = self.saved_at = time.perf_counter()
+        self.saved_step, self.saved_tokens = start_step, 0
 
-    checkpoint_root = output_dir / "checkpoints"
-    start_step, resumed_from, prior_seconds = 0, None, 0.0
-    if existing := list_checkpoints(checkpoint_root):
-        state = load_checkpoint(existing[-1], distributed.unwrap(model))
-        load_optimizer_state(distributed.unwrap(model), optimizer, state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
+    def since_save(self) -> Clock:
+        return Clock(seconds=time.perf_counter() - self.saved_at, steps=self.step - self.saved_step,
+                     tokens=self.tokens - self.saved_tokens)
+
+    def saved(self) -> None:
+        self.saved_at, self.saved_step, self.saved_tokens = time.perf_counter(), self.step, self.tokens
+
+
+class TrainRecipe:
+    def __init__(self, settings: TrainSettings) -> None:
+        self.settings, self.method = settings, settings.method
+        self.output_dir = Path(settings.output_dir)
+        self.world = distributed.init_world()
+        self.began = time.perf_counter()
+        torch.manual_seed(self.method.seed)
+        rows = TokenRows.from_arrow(settings.train_path)
+        self.max_length = settings.max_seq_length or int(rows.lengths().max())
+        self.order, self.total_examples = example_stream(len(rows), self.method.epochs, self.method.seed)
+        self.micro = settings.micro_batch_size
+        self.total_steps = len(self._batches(self.micro))
+        self.sharded = settings.strategy == "fsdp" and self.world.size > 1
+
+    # ---- 1. setup ----------------------------------------------------------------------------------------
+
+    def setup(self, on_model=None) -> None:
+        settings, method = self.settings, self.method
+        # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
+        model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
+                            settings.trust_remote_code, settings.compile and not self.sharded)
+        if on_model is not None:
+            on_model(model)
+        self.model = distributed.wrap(model, self.world, settings.strategy)
+        self.optimizer = make_optimizer(self.model, method)
+        self.scheduler = make_scheduler(self.optimizer, round(method.warmup_fraction * self.total_steps),
+                                        self.total_steps)
+        resumed_from = self._resume()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.world.main:
+            _trim_metrics(self.output_dir / "metrics.jsonl", self.progress.step)  # later steps are redone
+        yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
+        self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,
+                                         show_progress=settings.show_progress and self.world.main,
+                                         enabled=self.world.main)
+        if resumed_from is not None:
+            self.reporter.event("resumed", from_step=self.progress.step, checkpoint=resumed_from.name)
+        self.model.train()
+        self.startup = time.perf_counter() - self.began
+
+    def _resume(self) -> Path | None:
+        """Load the latest complete checkpoint of this run, if any; the progress starts where it left off."""
+        existing = list_checkpoints(self.output_dir / "checkpoints")
+        self.resumed_from_step = None
+        if not existing:
+            self.progress = _Progress(0, 0.0)
+            return None
+        model = distributed.unwrap(self.model)
+        state = load_checkpoint(existing[-1], model)
+        load_optimizer_state(model, self.optimizer, state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
         torch.set_rng_state(state.torch_rng)
         if state.cuda_rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state.cuda_rng)
-        start_step = resumed_from = state.step
-        prior_seconds = state.elapsed_seconds
+        self.progress = _Progress(state.step, state.elapsed_seconds)
+        self.resumed_from_step = state.step
+        return existing[-1]
 
-    interval = parse_interval(settings.checkpoint_interval)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if world.main:
-        _trim_metrics(output_dir / "metrics.jsonl", start_step)  # steps after the checkpoint are redone
-    reporter = ProgressReporter(output_dir, total_steps, start_step, model_flops_per_token=settings.model_flops_per_token,
-                                peak_flops=settings.peak_flops, planned_seconds=settings.planned_seconds,
-                                show_progress=settings.show_progress and world.main, enabled=world.main)
-    if resumed_from is not None:
-        reporter.event("resumed", from_step=resumed_from, checkpoint=existing[-1].name)
-    model.train()
-    started = last_save = time.perf_counter()
-    startup = started - began
-    last_save_step, checkpoints, checkpoint_seconds, tokens_done, loss, backoffs, mfus = start_step, 0, 0.0, 0, None, 0, []
+    def _batches(self, micro_batch_size: int) -> StepBatches:
+        settings, world = self.settings, self.world
+        return StepBatches(settings.train_path, settings.max_seq_length, self.order, self.method.batch_size,
+                           self.total_examples, token_budget(micro_batch_size, self.max_length), world.rank, world.size)
 
-    def checkpoint(step: int) -> Path:
-        nonlocal checkpoints, checkpoint_seconds
-        began_save = time.perf_counter()
-        path = checkpoint_root / f"step-{step:08d}"
-        weights = trainable_state_dict(distributed.unwrap(model))  # every rank: FSDP gathers the shards
-        optimizer_state = optimizer_state_dict(distributed.unwrap(model), optimizer)
+    def _loader(self, from_step: int):
+        return iter(step_loader(self._batches(self.micro), range(from_step, self.total_steps),
+                                self.settings.dataloader_workers, pin_memory=torch.cuda.is_available()))
+
+    # ---- 2. train ----------------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        progress, world = self.progress, self.world
+        interval = parse_interval(self.settings.checkpoint_interval)
+        progress.started = progress.saved_at = time.perf_counter()
+        loader = self._loader(progress.step)
+        with StopSignals() as stop:
+            while progress.step < self.total_steps:
+                step_batch, rng = next(loader), torch.get_rng_state()
+                outcome = self._step(step_batch, rng)
+                if outcome is None:  # out of memory: the same step again, in smaller rows
+                    loader = self._loader(progress.step)
+                    continue
+                self._record(*outcome)
+                if distributed.any_rank(stop.requested is not None, world):
+                    path = self._checkpoint()
+                    self.reporter.event("preempted", signal=stop.requested or "peer", step=progress.step,
+                                        checkpoint=path.name)
+                    self.reporter.close()
+                    raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path))
+                due = interval.due(progress.since_save())
+                if progress.step < self.total_steps and distributed.any_rank(due, world):
+                    self._checkpoint()
+                    progress.saved()
+        self.reporter.close()
+
+    def _step(self, step_batch: dict, rng: torch.Tensor) -> tuple[float, int, float] | None:
+        """One optimizer step: (loss, tokens, grad norm), or None after an out-of-memory back-off."""
+        try:
+            return optimizer_step(self.model, self.optimizer, step_batch, self.world.size)
+        except torch.OutOfMemoryError:
+            step = self.progress.step
+            if self.micro == 1:
+                raise  # a row of one example has nowhere to go
+            if self.world.size > 1:
+                # One rank cannot back off alone: its peers wait in a collective. It leaves a note and fails;
+                # `run` relaunches every rank with half the budget, resuming from the last checkpoint.
+                note = self.output_dir / f"out_of_memory.rank{self.world.rank}.json"
+                note.write_text(json.dumps({"step": step + 1}))
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            torch.set_rng_state(rng)
+            self.micro, self.progress.backoffs = self.micro // 2, self.progress.backoffs + 1
+            self.reporter.event("out_of_memory", step=step + 1, micro_batch_size=self.micro,
+                                token_budget=token_budget(self.micro, self.max_length))
+            return None
+
+    def _record(self, loss: float, tokens: int, grad_norm: float) -> None:
+        progress = self.progress
+        self.scheduler.step()
+        progress.step += 1
+        progress.tokens += tokens
+        progress.loss = loss
+        stats = StepStats(loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=tokens)
+        record = self.reporter.step(progress.step, stats, time.perf_counter() - progress.started, progress.prior_seconds)
+        if record.get("mfu") is not None:
+            progress.mfus.append(record["mfu"])
+
+    def _checkpoint(self) -> Path:
+        progress, world = self.progress, self.world
+        began = time.perf_counter()
+        root = self.output_dir / "checkpoints"
+        path = root / f"step-{progress.step:08d}"
+        model = distributed.unwrap(self.model)
+        weights = trainable_state_dict(model)  # every rank: FSDP gathers the shards
+        optimizer_state = optimizer_state_dict(model, self.optimizer)
         if world.main:
             cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-            state = TrainingState(step, optimizer_state, scheduler.state_dict(), torch.get_rng_state(), cuda_rng,
-                                  prior_seconds + began_save - started)
-            path = save_checkpoint(checkpoint_root, weights, state, settings.keep_last)
+            state = TrainingState(progress.step, optimizer_state, self.scheduler.state_dict(), torch.get_rng_state(),
+                                  cuda_rng, progress.prior_seconds + began - progress.started)
+            path = save_checkpoint(root, weights, state, self.settings.keep_last)
         distributed.barrier(world)
-        checkpoints += 1
-        checkpoint_seconds += time.perf_counter() - began_save
+        progress.checkpoints += 1
+        progress.checkpoint_seconds += time.perf_counter() - began
         return path
 
-    loader = iter(step_loader(batches_for(micro), range(start_step, total_steps), settings.dataloader_workers,
-                              pin_memory=torch.cuda.is_available()))
-    step = start_step
-    with StopSignals() as stop:
-        while step < total_steps:
-            step_batch, rng = next(loader), torch.get_rng_state()
-            try:
-                loss, tokens, grad_norm = optimizer_step(model, optimizer, step_batch, world.size)
-            except torch.OutOfMemoryError:
-                if micro == 1:
-                    raise  # a row of one example has nowhere to go
-                if world.size > 1:
-                    # One rank cannot back off alone: its peers wait in a collective. It leaves a note and fails;
-                    # `run` relaunches every rank with half the budget, resuming from the last checkpoint.
-                    (output_dir / f"out_of_memory.rank{world.rank}.json").write_text(json.dumps({"step": step + 1}))
-                    raise
-                optimizer.zero_grad(set_to_none=True)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                torch.set_rng_state(rng)
-                micro, backoffs = micro // 2, backoffs + 1
-                reporter.event("out_of_memory", step=step + 1, micro_batch_size=micro,
-                               token_budget=token_budget(micro, max_length))
-                loader = iter(step_loader(batches_for(micro), range(step, total_steps), settings.dataloader_workers,
-                                          pin_memory=torch.cuda.is_available()))
-                continue
-            scheduler.step()
-            step += 1
-            tokens_done += tokens
-            record = reporter.step(step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=tokens,
-                                   elapsed=time.perf_counter() - started, prior_seconds=prior_seconds)
-            if record.get("mfu") is not None:
-                mfus.append(record["mfu"])
-            due = interval.due(time.perf_counter() - last_save, step - last_save_step)
-            if distributed.any_rank(stop.requested is not None, world):
-                path = checkpoint(step)
-                reporter.event("preempted", signal=stop.requested or "peer", step=step, checkpoint=path.name)
-                reporter.close()
-                raise Preempted(stop.requested or "a signal to another rank", step, str(path))
-            if step < total_steps and distributed.any_rank(due, world):
-                checkpoint(step)
-                last_save, last_save_step = time.perf_counter(), step
-    reporter.close()
-    wall = time.perf_counter() - started
-    tokens_done = distributed.sum_over_ranks(tokens_done, world)
+    # ---- 3. save -----------------------------------------------------------------------------------------
 
-    result = TrainResult(
-        adapter_dir=str(final_dir), output_dir=str(output_dir), steps=total_steps, resumed_from_step=resumed_from,
-        reused_completed_run=False, wall_seconds=round(wall, 3), train_tokens=tokens_done,
-        tokens_per_second=round(tokens_done / max(wall, 1e-9), 2), final_loss=loss,
-        checkpoints_written=checkpoints, checkpoint_seconds=round(checkpoint_seconds, 3),
-        startup_seconds=round(startup, 3), checkpoint_share=round(checkpoint_seconds / max(wall, 1e-9), 5),
-        micro_batch_size=micro, out_of_memory_backoffs=backoffs,
-        mean_mfu=round(sum(mfus) / len(mfus), 4) if mfus else None,
-    )
-    weights = trainable_state_dict(model) if sharded else None  # every rank: FSDP gathers the shards
-    if world.main:
-        _save_final(distributed.unwrap(model), final_dir, result, weights)
-    distributed.barrier(world)
-    return result
+    def save(self) -> TrainResult:
+        progress, world = self.progress, self.world
+        wall = time.perf_counter() - progress.started
+        tokens = distributed.sum_over_ranks(progress.tokens, world)
+        final_dir = self.output_dir / "final"
+        result = TrainResult(
+            adapter_dir=str(final_dir), output_dir=str(self.output_dir), steps=self.total_steps,
+            resumed_from_step=self.resumed_from_step, reused_completed_run=False, wall_seconds=round(wall, 3),
+            train_tokens=tokens, tokens_per_second=round(tokens / max(wall, 1e-9), 2), final_loss=progress.loss,
+            checkpoints_written=progress.checkpoints, checkpoint_seconds=round(progress.checkpoint_seconds, 3),
+            startup_seconds=round(self.startup, 3),
+            checkpoint_share=round(progress.checkpoint_seconds / max(wall, 1e-9), 5), micro_batch_size=self.micro,
+            out_of_memory_backoffs=progress.backoffs,
+            mean_mfu=round(sum(progress.mfus) / len(progress.mfus), 4) if progress.mfus else None,
+        )
+        weights = trainable_state_dict(self.model) if self.sharded else None  # every rank: FSDP gathers the shards
+        if world.main:
+            _save_final(distributed.unwrap(self.model), final_dir, result, weights)
+        distributed.barrier(world)
+        return result
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -286,33 +309,13 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 def _save_final(model, final_dir: Path, result: TrainResult, weights: dict | None = None) -> None:
     """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last. `weights`:
     the trainable tensors gathered whole, when the model holds only its shards (FSDP)."""
-    partial = final_dir.with_name("final.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, **({"state_dict": weights} if weights is not None else {}))
-    (partial / "result.json").write_text(result.model_dump_json(indent=2))
-    (partial / "COMPLETE").write_text("ok\n")
-    shutil.rmtree(final_dir, ignore_errors=True)
-    partial.rename(final_dir)
+    with atomic_path(final_dir) as partial:
+        model.save_pretrained(partial, **({"state_dict": weights} if weights is not None else {}))
+        (partial / "result.json").write_text(result.model_dump_json(indent=2))
+        (partial / "COMPLETE").write_text("ok\n")
 
 
-def record_run(history: Path, plan, result: TrainResult, model_fingerprint: str, config):
-    """Measured against estimated, appended to the history that the next plan of this model reads; the record."""
-    from phase1a.history import RunRecord, append_run
-
-    record = RunRecord(
-        model_fingerprint=model_fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
-        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
-        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
-        # Steady speed: checkpoint writes are estimated separately, from their own measured cost.
-        tokens_per_second=result.train_tokens / max(result.wall_seconds - result.checkpoint_seconds, 1e-9),
-        startup_seconds=result.startup_seconds,
-        checkpoint_seconds_each=result.checkpoint_seconds / result.checkpoints_written if result.checkpoints_written else None,
-        estimated_train_seconds=plan.estimated_train_seconds, actual_train_seconds=result.wall_seconds,
-    )
-    append_run(history, record)
-    return record
-
+# ---- several processes ---------------------------------------------------------------------------------------
 
 def run(settings: TrainSettings) -> TrainResult:
     """One process, or `num_processes` ranks under torchrun; the result is rank 0's, read from the run."""
@@ -324,7 +327,7 @@ def run(settings: TrainSettings) -> TrainResult:
     _out_of_memory_notes(output_dir)  # a crashed launcher's leftovers do not count for this launch
     backoffs = 0
     while True:
-        settings_path.write_text(settings.model_dump_json(indent=2))
+        write_atomically(settings_path, settings.model_dump_json(indent=2))
         try:
             distributed.launch(settings.num_processes, settings_path, cwd=Path(__file__).resolve().parents[1])
             break
@@ -353,16 +356,22 @@ def _out_of_memory_notes(output_dir: Path) -> list[int]:
     return steps
 
 
+# ---- the task ------------------------------------------------------------------------------------------------
+
 @task(name="train")
-def train_task(settings: TrainSettings) -> TrainResult:
+def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, plan: Plan) -> TrainResult:
+    """Trains what the plan chose, then appends the run's measured speed to the history the next plan reads."""
+    settings = train_settings(config, plan, data, model)
     # Two runs with the same training key share output_dir (a duplicate manual run, or one during the nightly
     # run): training side by side would interleave metrics, race on checkpoint renames and write one
     # final.partial. The second waits, then reuses the finished run, or resumes if the first one died. The
     # launching process holds the lock for all its torchrun ranks.
-    from phase1a.locks import exclusive
-
     with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
-        return run(settings)
+        result = run(settings)
+    if result.reused_completed_run:
+        return result
+    record = record_run(history_path(config.cache_dir), config, model, plan, result)
+    return result.model_copy(update={"recorded": record})
 
 
 if __name__ == "__main__":  # a torchrun rank: python -m tasks.train SETTINGS.json

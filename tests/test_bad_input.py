@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from conftest import date_records
+from helpers import date_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def plan(config_tree: dict, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     config_path = tmp_path / "job.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
-    command = [sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path)]
+    command = [sys.executable, "-m", "flows.cli", "plan", "--config", str(config_path)]
     for override in overrides:
         command += ["--set", override]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

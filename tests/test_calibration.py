@@ -3,20 +3,19 @@ import re
 
 import pytest
 
+from helpers import FACTS_8B, date_records, make_tokenizer, write_jsonl
+from phase1a.calibration import _MIN_GAIN, CalibrationJob, Candidate, calibrate, memory_alternatives
 from phase1a.config import Phase1aConfig
-from phase1a.cost_model import GIB, TrainingShape, micro_batch_memory
-from tasks.calibration import _MIN_GAIN, Candidate, calibrate
-from tasks.plan import _alternatives
+from phase1a.cost_model import MemoryModel, TrainingShape
+from phase1a.units import GIB
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from test_cost_model import FACTS_8B
-from conftest import date_records, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def train_path(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("calibration")
     data = write_jsonl(root / "d.jsonl", date_records(64))
-    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
 def config(tmp_path, tiny_model_dir, **plan) -> Phase1aConfig:
@@ -37,8 +36,8 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
                 "dataloader_workers": [best.model_copy(update={"dataloader_workers": 1})]}[knob]
 
     start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
-    result = calibrate(settings, tiny_model_dir, train_path, 256, start, alternatives, train_tokens=10**9,
-                       work_dir=tmp_path / "run")
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run", alternatives=alternatives)
+    result = calibrate(settings, tiny_model_dir, job)
     *sweep, confirmation = result.trials
     measured = [t for t in sweep if t.status == "measured"]
     assert sweep[0].candidate == start and len(measured) >= 2
@@ -55,17 +54,18 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
 def test_a_spent_budget_skips_the_remaining_candidates(tmp_path, tiny_model_dir, train_path):
     settings = config(tmp_path, tiny_model_dir, calibration_share=0.0)
     start = Candidate(micro_batch_size=4, gradient_checkpointing=False)
-    result = calibrate(settings, tiny_model_dir, train_path, 256, start,
-                       lambda best, knob: [best.model_copy(update={"compile": True})] if knob == "compile" else [],
-                       train_tokens=1000, work_dir=tmp_path)
+    job = CalibrationJob(train_path, 256, start, train_tokens=1000, work_dir=tmp_path,
+                         alternatives=lambda best, knob: [best.model_copy(update={"compile": True})]
+                         if knob == "compile" else [])
+    result = calibrate(settings, tiny_model_dir, job)
     assert result.chosen == start and result.budget_seconds == 0.0
     assert [(t.candidate.compile, t.status) for t in result.trials] == [(False, "measured"), (True, "skipped")]
     assert "budget" in result.trials[1].note
 
 
 def test_alternatives_offer_only_what_the_memory_model_admits():
-    shape, available = TrainingShape(weight_bytes=2), 50 * GIB
-    propose = _alternatives(FACTS_8B, 20_000_000, shape, 16, 2048, available)
+    memory = MemoryModel(FACTS_8B, TrainingShape(weight_bytes=2), trainable=20_000_000, available=50 * GIB)
+    propose = memory_alternatives(memory, 16, 2048)
     start = Candidate(micro_batch_size=2, gradient_checkpointing=False)
     smaller = propose(start, "micro_batch")
     assert [c.micro_batch_size for c in smaller] == [1]
@@ -74,9 +74,8 @@ def test_alternatives_offer_only_what_the_memory_model_admits():
     # Checkpointing frees activations, so a larger micro-batch fits: the toggle takes the largest one.
     assert toggled[0].micro_batch_size > 2
     for candidate in smaller + toggled:
-        memory = micro_batch_memory(FACTS_8B, 20_000_000, shape, candidate.micro_batch_size, 2048,
-                                    candidate.gradient_checkpointing, available)
-        assert memory.total_gib <= 50
+        estimate = memory.micro_batch(candidate.micro_batch_size, 2048, candidate.gradient_checkpointing)
+        assert estimate.total_gib <= 50
     assert propose(start, "dataloader_workers")[0].dataloader_workers >= 1
     assert propose(start, "compile")[0].compile
 
@@ -88,14 +87,14 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     from phase1a.config import MethodConfig
     from phase1a.modeling import build_model, make_optimizer
     from phase1a.packing import StepBatches, example_stream, token_budget
-    from tasks.calibration import _WARMUP_STEPS, _trial
+    from phase1a.calibration import _WARMUP_STEPS, _Steps, _trial
 
     method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
     model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
     order, total = example_stream(64, 1.0, seed=0)
     batches = StepBatches(train_path, 256, order, 8, total, token_budget(4, 256))
     candidate = Candidate(micro_batch_size=4, gradient_checkpointing=False)
-    trial = _trial(model, make_optimizer(model, method), batches, candidate, steps=3, deadline=time.perf_counter())
+    trial = _trial(model, make_optimizer(model, method), batches, candidate, _Steps(3, deadline=time.perf_counter()))
     assert trial.status == "measured" and trial.tokens_per_second > 0
     assert trial.note == f"cut at the budget after 1 of {_WARMUP_STEPS + 3} steps; speed from warm-up steps"
     assert trial.warmup_excess_seconds == 0.0
@@ -106,9 +105,9 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     line per trial."""
     settings = config(tmp_path, tiny_model_dir, calibration_budget="1s", calibration_share=1.0)
     start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
-    result = calibrate(settings, tiny_model_dir, train_path, 256, start,
-                       lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})], train_tokens=10**9,
-                       work_dir=tmp_path / "run")
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
+                         alternatives=lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})])
+    result = calibrate(settings, tiny_model_dir, job)
     assert {t.status for t in result.trials} <= {"measured", "skipped"}
     one_step = max(t.seconds for t in result.trials)  # a trial's time bounds each of its steps
     budget_from = max(1.0, result.startup_seconds)  # a start-up past the budget leaves the first trial one step

@@ -6,7 +6,7 @@ import yaml
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 from phase1a.config import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
-from phase1a.units import Interval, parse_duration_seconds, parse_interval
+from phase1a.units import Interval, parse_interval
 
 
 def write(tmp_path: Path, tree: dict) -> Path:
@@ -131,15 +131,3 @@ def test_shipped_example_jobs():
 def test_schema_is_shared_and_serialisable():
     config = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}})
     assert Phase1aConfig.model_validate(config.model_dump(mode="json")) == config
-
-
-def test_time_units():
-    assert parse_interval("30m") == Interval(seconds=1800)
-    assert parse_interval("2h,100steps") == Interval(seconds=7200, steps=100)
-    assert parse_interval("30m").due(seconds_since=1800, steps_since=0)
-    assert not parse_interval("500steps").due(seconds_since=1e9, steps_since=499)
-    assert parse_duration_seconds("12h") == 43200
-    with pytest.raises(ValueError):
-        parse_duration_seconds("500steps")
-    with pytest.raises(ValueError):
-        parse_interval("1.5steps")

@@ -3,15 +3,12 @@ forward/backward allocates on this CPU (torch profiler)."""
 import pytest
 import torch
 
+from helpers import FACTS_8B
 from phase1a.config import Phase1aConfig
-from phase1a.cost_model import (
-    GIB, NF4_BYTES, ModelFacts, TrainingShape, choose_micro_batch, flops_per_token, lora_parameters,
-    memory_estimate, model_facts,
-)
+from phase1a.cost_model import (NF4_BYTES, MemoryModel, ModelFacts, TrainingShape, flops_per_token, lora_parameters,
+                                model_facts)
 from phase1a.packing import summed_loss
-
-FACTS_8B = ModelFacts(parameters=8_030_000_000, layers=32, hidden=4096, intermediate=14336, vocab=128256,
-                      max_positions=8192, heads=32, kv_heads=8, head_dim=128)
+from phase1a.units import GIB
 LORA = TrainingShape(weight_bytes=2)
 FULL = TrainingShape(full=True, weight_bytes=2)
 
@@ -25,32 +22,32 @@ def test_model_facts_count_parameters_without_weights(tiny_model_dir):
 
 
 def test_memory_model_matches_the_textbook_numbers():
-    lora = memory_estimate(FACTS_8B, 20_000_000, LORA, 4096, False, 80 * GIB)
+    lora = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(4096, False)
     assert lora.weights_gib == pytest.approx(8.03e9 * 2 / GIB)
     assert lora.trainable_gib == pytest.approx(20e6 * 16 / GIB)  # fp32 adapter, gradient, two Adam moments
-    full = memory_estimate(FACTS_8B, FACTS_8B.parameters, FULL, 4096, False, 80 * GIB)
+    full = MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 80 * GIB).estimate(4096, False)
     assert full.weights_gib + full.trainable_gib == pytest.approx(8.03e9 * 16 / GIB)  # mixed-precision Adam
-    checkpointed = memory_estimate(FACTS_8B, 20_000_000, LORA, 4096, True, 80 * GIB)
+    checkpointed = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(4096, True)
     assert checkpointed.activations_gib < lora.activations_gib / 10
 
 
 def test_a_4bit_base_and_8bit_optimizer_shrink_what_they_should():
-    qlora = memory_estimate(FACTS_8B, 20_000_000, TrainingShape(weight_bytes=2, base_bits=4), 4096, False, 80 * GIB)
+    qlora = MemoryModel(FACTS_8B, TrainingShape(weight_bytes=2, base_bits=4), 20_000_000, 80 * GIB).estimate(4096, False)
     projections = FACTS_8B.projection_parameters
     assert projections == 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)  # Llama-3-8B's layers
     expected = projections * NF4_BYTES + (FACTS_8B.parameters - projections) * 2
     assert qlora.weights_gib == pytest.approx(expected / GIB)
     assert 5.0 < qlora.weights_gib < 6.0  # the QLoRA paper's ~5.7 GB for an 8B base
-    eight_bit = memory_estimate(FACTS_8B, FACTS_8B.parameters, TrainingShape(full=True, optimizer="adamw_8bit"), 1, False, GIB)
-    fused = memory_estimate(FACTS_8B, FACTS_8B.parameters, TrainingShape(full=True, optimizer="adamw_fused"), 1, False, GIB)
-    unfused = memory_estimate(FACTS_8B, FACTS_8B.parameters, TrainingShape(full=True, optimizer="adamw"), 1, False, GIB)
+    eight_bit = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw_8bit"), FACTS_8B.parameters, GIB).estimate(1, False)
+    fused = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw_fused"), FACTS_8B.parameters, GIB).estimate(1, False)
+    unfused = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw"), FACTS_8B.parameters, GIB).estimate(1, False)
     assert fused.trainable_gib - eight_bit.trainable_gib == pytest.approx(8.03e9 * 6 / GIB)
     assert unfused.trainable_gib - fused.trainable_gib == pytest.approx(8.03e9 * 4 / GIB)
 
 
 def test_fsdp_shards_weights_and_state_but_not_activations():
-    whole = memory_estimate(FACTS_8B, FACTS_8B.parameters, FULL, 4096, True, 80 * GIB)
-    sharded = memory_estimate(FACTS_8B, FACTS_8B.parameters, FULL.model_copy(update={"shards": 4}), 4096, True, 80 * GIB)
+    whole = MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 80 * GIB).estimate(4096, True)
+    sharded = MemoryModel(FACTS_8B, FULL.model_copy(update={"shards": 4}), FACTS_8B.parameters, 80 * GIB).estimate(4096, True)
     assert sharded.weights_gib == pytest.approx(whole.weights_gib / 4 + 2 * whole.weights_gib / 32)  # + 2 layers gathered
     assert sharded.trainable_gib == pytest.approx(whole.trainable_gib / 4)
     assert (sharded.activations_gib, sharded.logits_gib) == (whole.activations_gib, whole.logits_gib)
@@ -58,14 +55,14 @@ def test_fsdp_shards_weights_and_state_but_not_activations():
 
 
 def test_micro_batch_choice_prefers_no_checkpointing_then_falls_back():
-    micro, checkpointing, estimate = choose_micro_batch(FACTS_8B, 20_000_000, LORA, 16, 1024, 80 * GIB)
+    micro, checkpointing, estimate = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).choose(16, 1024)
     assert 16 % micro == 0 and not checkpointing and estimate.total_gib <= 80
-    bigger = memory_estimate(FACTS_8B, 20_000_000, LORA, 2 * micro * 1024, False, 80 * GIB)
+    bigger = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(2 * micro * 1024, False)
     assert micro == 16 or bigger.total_gib > 80  # the largest divisor that fits
-    micro, checkpointing, _ = choose_micro_batch(FACTS_8B, 20_000_000, LORA, 16, 4096, 24 * GIB)
+    micro, checkpointing, _ = MemoryModel(FACTS_8B, LORA, 20_000_000, 24 * GIB).choose(16, 4096)
     assert checkpointing
     with pytest.raises(MemoryError, match="does not fit"):
-        choose_micro_batch(FACTS_8B, FACTS_8B.parameters, FULL, 16, 8192, 24 * GIB)
+        MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 24 * GIB).choose(16, 8192)
 
 
 def test_lora_parameter_count_matches_peft(tiny_model_dir):
@@ -133,7 +130,6 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     facts = ModelFacts(parameters=0, layers=3, hidden=256, intermediate=688, vocab=2000, max_positions=2048,
                        heads=4, kv_heads=2, head_dim=64)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    estimate = memory_estimate(facts, trainable, TrainingShape(weight_bytes=4, dense_mask=attention == "sdpa"), tokens,
-                               checkpointing, GIB)
+    estimate = MemoryModel(facts, TrainingShape(weight_bytes=4, dense_mask=attention == "sdpa"), trainable, GIB).estimate(tokens, checkpointing)
     modelled = (estimate.activations_gib + estimate.logits_gib + estimate.mask_gib) * GIB + trainable * 4  # + gradients
     assert measured <= modelled <= 1.2 * measured, (measured, modelled)

@@ -14,13 +14,14 @@ import lzma
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 from phase1a.datasource import DataLocation, file_format, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json
-from tasks.stage import source_fingerprint, stage_dataset
-from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+from phase1a.staging import source_fingerprint, stage_dataset
+from helpers import read_arrow
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)
 FLAT = [{"prompt": r["messages"][1]["content"], "completion": r["messages"][2]["content"]} for r in RECORDS]
@@ -35,7 +36,7 @@ def tokenized(tmp_path, tokenizer, source: str, name: str, **options):
     """Stage `source` like the flow does, then tokenize it; rows of train and validation, in order."""
     staged = stage_dataset(source, tmp_path / "staging")
     result = tokenize_dataset(staged, tokenizer, 256, TokenizeOptions(validation_count=4, **options),
-                              tmp_path / "cache", name)
+                              tmp_path / "cache" / name)
     return result, [read_arrow(result.train_path).to_pylist(), read_arrow(result.validation_path).to_pylist()]
 
 
@@ -163,9 +164,9 @@ def test_validation_source_is_the_held_out_set(tmp_path, tokenizer):
     train = write_parquet(tmp_path / "train.parquet", RECORDS[:24])
     held_out = write_jsonl(tmp_path / "held-out.jsonl", RECORDS[24:])
     result = tokenize_dataset(stage_dataset(str(train), tmp_path / "s"), tokenizer, 256, TokenizeOptions(),
-                              tmp_path / "cache", "vs", validation=stage_dataset(str(held_out), tmp_path / "s"))
+                              tmp_path / "cache" / "vs", validation=stage_dataset(str(held_out), tmp_path / "s"))
     assert (result.train_examples, result.validation_examples, result.shards) == (24, 6, 2)
-    alone = tokenize_dataset(held_out, tokenizer, 256, TokenizeOptions(validation_fraction=0.5), tmp_path / "c", "h")
+    alone = tokenize_dataset(held_out, tokenizer, 256, TokenizeOptions(validation_fraction=0.5), tmp_path / "c" / "h")
     held_out_rows = read_arrow(alone.train_path).to_pylist() + read_arrow(alone.validation_path).to_pylist()
     assert sorted(map(str, read_arrow(result.validation_path).to_pylist())) == sorted(map(str, held_out_rows))
 
@@ -175,12 +176,12 @@ def test_a_bad_row_names_its_shard_and_row(tmp_path, tokenizer):
     records[13]["completion"] = None
     path = write_parquet(tmp_path / "bad.parquet", records)
     with pytest.raises(DataError, match=r"bad.parquet:row 13: field 'completion' is missing"):
-        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "c1", "bad")
-    skipped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c2", "skip")
+        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "c1" / "bad")
+    skipped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c2" / "skip")
     assert skipped.skipped == {"bad_field:completion": 1} and "bad.parquet:row 13" in skipped.skipped_examples[0]
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(DataError, match=r"broken.parquet: cannot read as parquet"):
-        tokenize_dataset(tmp_path / "broken.parquet", tokenizer, 256, TokenizeOptions(), tmp_path / "c3", "broken")
+        tokenize_dataset(tmp_path / "broken.parquet", tokenizer, 256, TokenizeOptions(), tmp_path / "c3" / "broken")
 
 
 def test_the_fingerprint_is_the_content(tmp_path):
@@ -227,4 +228,4 @@ def test_byte_order_marks_and_invalid_utf8_in_text_formats(tmp_path, tokenizer):
     broken.write_bytes(json.dumps(FLAT, indent=1).encode().replace(b'"prompt"', b'"pr\xffompt"', 1))
     with pytest.raises(DataError, match=r"broken.json:3: invalid UTF-8 at byte 6 of the line \(0xff\); a JSON array "
                                         r"is read whole"):
-        tokenize_dataset(broken, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c4", "broken")
+        tokenize_dataset(broken, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c4" / "broken")

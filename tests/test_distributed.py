@@ -15,8 +15,9 @@ from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.distributed import torchrun_command
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.train import TrainResult, TrainSettings, run
-from conftest import date_records, make_tokenizer, write_jsonl
+from phase1a.results import TrainResult
+from tasks.train import TrainSettings, run
+from helpers import date_records, make_tokenizer, write_jsonl
 
 # On CUDA the ranks join with NCCL, which takes one GPU a rank: a one-GPU host runs this on neither backend.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_
 def one_process(tiny_model_dir, tmp_path_factory) -> tuple[callable, TrainResult]:
     root = tmp_path_factory.mktemp("distributed")
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(45)), make_tokenizer(), 256,
-                            TokenizeOptions(), root / "cache", "fp")
+                            TokenizeOptions(), root / "cache" / "fp")
 
     def settings(name: str, processes: int, strategy: str = "ddp") -> TrainSettings:
         # 45 examples in steps of 8: the last step has 5, so one rank gets 3 and the other 2.

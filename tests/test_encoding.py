@@ -7,7 +7,7 @@ from itertools import count
 from pathlib import Path
 
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 from phase1a import encoding
 from phase1a.datasource import DataLocation, SourceRecord, resolve_shards
@@ -38,7 +38,7 @@ def mixed_records(total: int) -> list:
 
 
 def tokenize_with(workers: int, data: Path, tokenizer, cache: Path, **options):
-    return tokenize_dataset(data, tokenizer, 256, TokenizeOptions(tokenize_workers=workers, **options), cache, "fp")
+    return tokenize_dataset(data, tokenizer, 256, TokenizeOptions(tokenize_workers=workers, **options), Path(cache) / "fp")
 
 
 def digest(path: str) -> str:

@@ -12,7 +12,7 @@ from phase1a.config import Phase1aConfig
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from conftest import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
+from helpers import date_records, make_tiny_model_dir, make_tokenizer, resolved, write_jsonl
 
 
 @pytest.fixture
@@ -28,9 +28,9 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
     # Large enough that a step (~0.1 s) is mostly arithmetic rather than Python overhead.
     model_dir = make_tiny_model_dir(root / "model", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(400, seed=3)), make_tokenizer(), 256,
-                            TokenizeOptions(), root / "cache", "fp")
+                            TokenizeOptions(), root / "cache" / "fp")
     config = Phase1aConfig.model_validate({
-        "name": "accuracy", "work_dir": str(root / "runs"), "data": {"source": "unused"},
+        "name": "accuracy", "work_dir": str(root / "runs"), "cache_dir": str(root / "cache"), "data": {"source": "unused"},
         "model": {"name_or_path": str(model_dir)},
         "method": {"batch_size": 8, "epochs": 1, "learning_rate": 1e-3, "lora": {"r": 8, "alpha": 16}},
         "hardware": {"target": "cpu", "calibration_steps": 10},
@@ -38,7 +38,7 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
         "plan": {"sweep": ["micro_batch", "gradient_checkpointing"], "calibration_share": 1.0},
         "checkpoint": {"interval": "20steps"},
     })
-    plan = make_plan(config, model_dir, data)
+    plan = make_plan(config, resolved(config), data)
     assert plan.calibrated and plan.calibration is not None and plan.estimate.checkpoints == (plan.steps - 1) // 20
 
     result = train(TrainSettings(

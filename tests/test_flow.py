@@ -11,7 +11,7 @@ import yaml
 
 from flows.phase1a import phase1a
 from phase1a.config import Phase1aConfig
-from conftest import date_records, write_jsonl
+from helpers import date_records, write_jsonl
 
 
 def run_flow(tree: dict) -> tuple[object, dict]:
@@ -99,7 +99,7 @@ def test_missing_data_path_fails_clearly(config_tree, tmp_path):
 def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
-    cli = [sys.executable, "-m", "phase1a.cli", "run", "--config", str(config_path)]
+    cli = [sys.executable, "-m", "flows.cli", "run", "--config", str(config_path)]
     done = subprocess.run(cli + ["--set", "method.epochs=0.5"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report_line = [line for line in done.stdout.splitlines() if line.startswith("report: ")][-1]
@@ -116,7 +116,7 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
     # Two tokenize processes, forked from the thread Prefect runs the task in, beside its event loop's threads.
-    done = subprocess.run([sys.executable, "-m", "phase1a.cli", "plan", "--config", str(config_path),
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", str(config_path),
                            "--set", "data.tokenize_workers=2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "estimate: start-up" in done.stdout and "micro-batch" in done.stdout and "calibration (" in done.stdout

@@ -16,7 +16,7 @@ from phase1a.modeling import build_model, make_optimizer
 from phase1a.packing import TokenRows, pack, summed_loss
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2, liger="off")
@@ -31,7 +31,7 @@ def _needs(package: str):
 def train_path(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("gpu-paths")
     data = write_jsonl(root / "d.jsonl", date_records(48))
-    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
 def _on_cuda(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,13 +8,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
-from hub_cache import cache_repo, unique_repo
+from helpers import date_records, make_tokenizer, write_jsonl
+from helpers.hub_cache import cache_repo, unique_repo
 
 from phase1a.errors import DataError
 from phase1a.hub import repo_cache_dir
-from tasks.stage import _staged_copy_present, source_fingerprint, stage_dataset
-from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+from phase1a.config import Phase1aConfig
+from phase1a.staging import source_fingerprint, stage_dataset
+from tasks.stage import staged_copy
+from helpers import read_arrow
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 README = b"""---
 configs:
@@ -54,20 +57,21 @@ def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_pat
     fingerprint = source_fingerprint(repo_id)
     staged = stage_dataset(repo_id, tmp_path / "staging")
     assert staged.fingerprint == fingerprint and Path(staged.path).resolve().name == commit
-    assert _staged_copy_present({"source": repo_id, "staging_dir": str(tmp_path / "staging"), "fingerprint": fingerprint})
+    config = Phase1aConfig.model_validate({"data": {"source": repo_id, "staging_dir": str(tmp_path / "staging")}})
+    assert staged_copy(fingerprint, config).exists()
 
-    from_hub = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "cache", "hub")
+    from_hub = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "cache" / "hub")
     jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records[:24]), tokenizer, 256, options,
-                             tmp_path / "cache", "jsonl")
+                             tmp_path / "cache" / "jsonl")
     for split in ("train_path", "validation_path"):
         assert read_arrow(getattr(from_hub, split)).to_pylist() == read_arrow(getattr(jsonl, split)).to_pylist()
 
     held_out = tokenize_dataset(staged, tokenizer, 256, TokenizeOptions(split="train_sft", validation_split="test_sft"),
-                                tmp_path / "cache", "held-out", validation=staged)
+                                tmp_path / "cache" / "held-out", validation=staged)
     assert (held_out.train_examples, held_out.validation_examples) == (24, 6)
 
     flat = tokenize_dataset(stage_dataset(repo_id, tmp_path / "staging", config="flat"), tokenizer, 256,
-                            TokenizeOptions(config="flat", validation_count=1), tmp_path / "cache", "flat")
+                            TokenizeOptions(config="flat", validation_count=1), tmp_path / "cache" / "flat")
     assert flat.train_examples + flat.validation_examples == 6
 
 
@@ -90,6 +94,6 @@ def test_unknown_config_split_and_uncached_repository(tmp_path, hub_dates):
         stage_dataset(repo_id, tmp_path / "staging", config="nope")
     staged = stage_dataset(repo_id, tmp_path / "staging")
     with pytest.raises(DataError, match=r"data.split: 'train' is not a split of .*splits: train_sft, test_sft"):
-        tokenize_dataset(staged, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache", "bad-split")
+        tokenize_dataset(staged, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache" / "bad-split")
     with pytest.raises(DataError, match=r"data.source"):
         source_fingerprint("org/never-cached-dataset")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_model_dir
-from hub_cache import LFS_SUFFIXES, cache_repo, git_blob_id, unique_repo
+from helpers import make_tiny_model_dir
+from helpers.hub_cache import LFS_SUFFIXES, cache_repo, git_blob_id, unique_repo
 from phase1a.config import ConfigError, ModelConfig, validate_config
 from phase1a.hub import HubError, repo_cache_dir, resolve_commit, snapshot
 from phase1a.models import load_model, load_tokenizer, model_fingerprint, resolve_model

@@ -28,7 +28,7 @@ import boto3
 import pytest
 
 from phase1a.config import ConfigError, load_config, validate_config
-from prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants, dump, flow_run_logs, free_port,
+from helpers.prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants, dump, flow_run_logs, free_port,
                            kill9, states, stop_group, wait_for)
 
 PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"

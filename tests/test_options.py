@@ -2,8 +2,10 @@ import math
 
 import pytest
 
-from phase1a.hardware import CATALOGUE, GIB
-from phase1a.options import DEFAULT_OPTIONS, OptionSpec, format_options, option_rows, scaling_factor
+from phase1a.hardware import CATALOGUE
+from phase1a.options import (DEFAULT_OPTIONS, OptionsJob, OptionSpec, OptionsPolicy, format_options, option_rows,
+                              scaling_factor)
+from phase1a.units import GIB
 
 TOKENS = 36_000_000
 JOB = dict(train_tokens=TOKENS, flops_per_token=6 * 1e9, reference="h100", reference_tokens_per_second=10_000.0,
@@ -16,6 +18,11 @@ def by_label(rows):
     return {row.label: row for row in rows}
 
 
+def priced(job: dict | None = None, **policy):
+    """The options table for JOB with `job`'s fields changed, under a policy of `policy`'s fields."""
+    return option_rows(OptionsJob(**{**JOB, **(job or {})}), OptionsPolicy(**policy))
+
+
 def test_scaling_efficiency_per_doubling():
     assert scaling_factor(1) == 1.0
     assert scaling_factor(2) == pytest.approx(0.9)
@@ -24,7 +31,7 @@ def test_scaling_efficiency_per_doubling():
 
 
 def test_hours_and_dollars_arithmetic():
-    rows = by_label(option_rows(**JOB, options=H100x, fixed_overhead_seconds=600))
+    rows = by_label(priced({"fixed_overhead_seconds": 600}, options=H100x))
     one, four = rows["1x H100"], rows["4x H100"]
     assert one.tokens_per_second == pytest.approx(10_000)
     assert one.hours == pytest.approx(TOKENS / 10_000 / 3600 + 600 / 3600)
@@ -37,22 +44,22 @@ def test_hours_and_dollars_arithmetic():
 
 def test_throughput_scales_by_peak_flops_between_kinds():
     spec = [OptionSpec(label="1x A100", gpus=1, kind="a100-80gb", strategy="single")]
-    (row,) = option_rows(**JOB, options=spec)
+    (row,) = priced(options=spec)
     assert row.tokens_per_second == pytest.approx(10_000 * 312e12 / 989e12)
     assert "scaled from h100" in row.note
 
 
 def test_learning_rate_rules_and_global_batch():
-    sqrt = by_label(option_rows(**JOB, options=H100x))
+    sqrt = by_label(priced(options=H100x))
     assert sqrt["2x H100"].learning_rate == pytest.approx(1e-4 * math.sqrt(2))
     assert sqrt["4x H100"].learning_rate == pytest.approx(2e-4)
     assert sqrt["4x H100"].global_batch == 64
     assert sqrt["1x H100"].learning_rate == 1e-4 and sqrt["1x H100"].global_batch == 16
-    linear = by_label(option_rows(**JOB, options=H100x, lr_rule="linear"))
+    linear = by_label(priced(options=H100x, lr_rule="linear"))
     assert linear["4x H100"].learning_rate == pytest.approx(4e-4)
-    none = by_label(option_rows(**JOB, options=H100x, lr_rule="none"))
+    none = by_label(priced(options=H100x, lr_rule="none"))
     assert none["4x H100"].learning_rate == 1e-4 and none["4x H100"].global_batch == 64
-    kept = by_label(option_rows(**JOB, options=H100x, keep_global_batch=True))
+    kept = by_label(priced(options=H100x, keep_global_batch=True))
     assert kept["4x H100"].learning_rate == 1e-4 and kept["4x H100"].global_batch == 16
     assert "accumulation / 4" in kept["4x H100"].note
 
@@ -64,30 +71,30 @@ def test_sharding_fits_where_ddp_does_not():
     specs = [OptionSpec(label="4x A100-40GB ZeRO-3", gpus=4, kind="a100-40gb", strategy="zero3"),
              OptionSpec(label="4x A100-40GB DDP", gpus=4, kind="a100-40gb", strategy="ddp"),
              OptionSpec(label="4x A100-40GB FSDP", gpus=4, kind="a100-40gb", strategy="fsdp")]
-    rows = by_label(option_rows(**{**JOB, "memory_needed_bytes_per_gpu": state + activations,
-                                   "weights_and_state_bytes": state}, options=specs))
+    rows = by_label(priced({"memory_needed_bytes_per_gpu": state + activations, "weights_and_state_bytes": state},
+                            options=specs))
     zero3, ddp = rows["4x A100-40GB ZeRO-3"], rows["4x A100-40GB DDP"]
     assert zero3.fits and rows["4x A100-40GB FSDP"].fits and not ddp.fits
     assert zero3.memory_per_gpu_gib == pytest.approx((state / 4 + activations) / GIB)
     assert ddp.memory_per_gpu_gib == pytest.approx((state + activations) / GIB)
     assert "needs" in ddp.note
     # Headroom can tip a tight fit over.
-    tight = by_label(option_rows(**{**JOB, "memory_needed_bytes_per_gpu": state + activations,
-                                    "weights_and_state_bytes": state}, options=specs, memory_headroom=0.5))
+    tight = by_label(priced({"memory_needed_bytes_per_gpu": state + activations, "weights_and_state_bytes": state},
+                             options=specs, memory_headroom=0.5))
     assert not tight["4x A100-40GB ZeRO-3"].fits
 
 
 def test_price_override_is_respected_and_missing_kind_is_refused():
-    rows = by_label(option_rows(**JOB, options=H100x, prices={"h100": 1.0}))
+    rows = by_label(priced(options=H100x, prices={"h100": 1.0}))
     assert rows["2x H100"].dollars == pytest.approx(2 * 1.0 * rows["2x H100"].hours)
     with pytest.raises(ValueError, match="not in the hardware catalogue"):
-        option_rows(**{**JOB, "reference": "cpu"})
+        priced({"reference": "cpu"})
     with pytest.raises(ValueError, match="exactly one GPU"):
-        option_rows(**JOB, options=[OptionSpec(label="bad", gpus=2, kind="h100", strategy="single")])
+        priced(options=[OptionSpec(label="bad", gpus=2, kind="h100", strategy="single")])
 
 
 def test_default_options_and_text_table():
-    rows = option_rows(**JOB)
+    rows = priced()
     assert [row.label for row in rows] == [spec.label for spec in DEFAULT_OPTIONS]
     table = format_options(rows)
     for spec in DEFAULT_OPTIONS:

@@ -4,13 +4,19 @@ from phase1a.config import Phase1aConfig
 from phase1a.window import WindowError
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
+
+
+def planned(config_tree: dict, data):
+    config = Phase1aConfig.model_validate(config_tree)
+    return make_plan(config, resolved(config), data)
+
 
 def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, tmp_path, config_tree):
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
-                            TokenizeOptions(), tmp_path / "cache", "fp")
+                            TokenizeOptions(), tmp_path / "cache" / "fp")
     config_tree["window"] = {"max_duration": "1h", "safety_margin": "30m"}
-    plan = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    plan = planned(config_tree, data)
     assert plan.calibrated and plan.precision == "float32" and plan.notes == []
     assert plan.micro_batch_size * plan.gradient_accumulation == 8
     assert plan.steps == -(-data.train_examples // 8) and plan.train_tokens > 0 and plan.estimated_train_seconds > 0
@@ -18,7 +24,7 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
 
     config_tree["hardware"] = {"target": "h100"}
     config_tree["window"] = {"max_duration": "40m", "safety_margin": "30m"}
-    remote = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    remote = planned(config_tree, data)
     assert not remote.calibrated and remote.precision == "bfloat16" and any("not present" in n for n in remote.notes)
     assert remote.estimated_cost_usd == pytest.approx(2.50 * remote.estimated_total_seconds / 3600)
     assert remote.fits_in_window is True and remote.throughput_source == "assumed"
@@ -26,27 +32,27 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     assert remote.options[0].hours * 3600 == pytest.approx(remote.estimated_total_seconds, rel=1e-6)
 
     # A run recorded on the target hardware replaces the assumption for the next plan of the same model.
-    from phase1a.history import RunRecord, append_run
+    from phase1a.history import RunRecord, append_run, history_path
 
-    history = tmp_path / "history.jsonl"
-    append_run(history, RunRecord(model_fingerprint="fp-model", model_name="tiny", hardware="h100", device_name="H100",
+    config = Phase1aConfig.model_validate(config_tree)
+    append_run(history_path(config.cache_dir), RunRecord(model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
                                   precision="bfloat16", micro_batch_size=remote.micro_batch_size,
                                   gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
                                   tokens_per_second=12345.0, estimated_train_seconds=1.0, actual_train_seconds=1.1))
-    learned = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data, "fp-model", history)
+    learned = planned(config_tree, data)
     assert learned.throughput_source == "history" and learned.tokens_per_second == pytest.approx(12345.0)
 
     config_tree["window"] = {"max_duration": "30m", "safety_margin": "30m"}
     with pytest.raises(WindowError, match="nothing fits the time window"):
-        make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+        planned(config_tree, data)
 
     config_tree["window"] = {}
     config_tree["plan"] = {"profile": "memory_efficient"}
-    lean = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    lean = planned(config_tree, data)
     assert (lean.micro_batch_size, lean.gradient_checkpointing, lean.gradient_accumulation) == (1, True, 8)
     config_tree["plan"] = {"profile": "custom", "micro_batch_size": 3, "gradient_checkpointing": False}
     with pytest.raises(ValueError, match="must divide method.batch_size 8"):
-        make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+        planned(config_tree, data)
 
 
 def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(tiny_model_dir, tmp_path, config_tree,
@@ -55,16 +61,16 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
     records[700]["messages"][2]["content"] = " ".join(["12/31/1999"] * 200)  # one answer 40x the others
     path = write_jsonl(tmp_path / "d.jsonl", records)
     with caplog.at_level("WARNING", logger="phase1a"):
-        data = tokenize_dataset(path, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache", "fp")
+        data = tokenize_dataset(path, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache" / "fp")
     assert data.outliers and data.outliers.count == 1 and data.outliers.longest[0][0] == f"{path}:701"
     assert f"the longest {data.outliers.longest[0][1]} tokens at {path}:701" in caplog.text
     assert data.max_seq_length == 256  # tokenize sizes for it (length_percentile 100), up to the model's positions
 
-    balanced = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    balanced = planned(config_tree, data)
     assert balanced.max_seq_length == 64
     assert any(note.startswith("balanced: max_seq_length 64 (the p99.9 length) instead of 256") and f"{path}:701" in note
                and "1 training example(s) truncated" in note for note in balanced.notes), balanced.notes
 
     config_tree["plan"] = {"profile": "quality"}
-    quality = make_plan(Phase1aConfig.model_validate(config_tree), tiny_model_dir, data)
+    quality = planned(config_tree, data)
     assert quality.max_seq_length == 256 and not any(note.startswith("balanced:") for note in quality.notes)

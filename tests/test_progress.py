@@ -3,18 +3,18 @@ import json
 
 import pytest
 
-from phase1a.progress import ProgressReporter
+from phase1a.progress import ProgressReporter, StepStats, Yardstick
 
 
 def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
-    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, model_flops_per_token=1e9, peak_flops=1e12,
-                                planned_seconds=100.0, show_progress=False)
-    first = reporter.step(3, loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000, elapsed=4.0, prior_seconds=50.0)
+    yardstick = Yardstick(model_flops_per_token=1e9, peak_flops=1e12, planned_seconds=100.0)
+    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick, show_progress=False)
+    first = reporter.step(3, StepStats(loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000), elapsed=4.0, prior_seconds=50.0)
     # 1000 tokens in 4 s: 250 tokens/s x 1 GFLOP = 0.25 TFLOP/s of a 1 TFLOP/s peak.
     assert first["mfu"] == pytest.approx(0.25) and first["tokens_per_s"] == pytest.approx(250.0)
     assert first["remaining_s"] == pytest.approx(7 * 4.0)  # seven steps left at four seconds a step
     assert first["projected_s"] == pytest.approx(50 + 4 + 28) and first["on_track"] is True
-    late = reporter.step(4, loss=1.5, lr=1e-3, grad_norm=0.4, tokens=1000, elapsed=40.0, prior_seconds=50.0)
+    late = reporter.step(4, StepStats(loss=1.5, lr=1e-3, grad_norm=0.4, tokens=1000), elapsed=40.0, prior_seconds=50.0)
     assert late["on_track"] is False  # 90 s projected past the plan's 100 s + 10 %
     reporter.event("out_of_memory", step=5, micro_batch_size=2)
     reporter.close()
@@ -32,9 +32,8 @@ def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    reporter = ProgressReporter(tmp_path, 4, 0, model_flops_per_token=None, peak_flops=None, planned_seconds=None,
-                                show_progress=False, enabled=False)
-    record = reporter.step(1, loss=1.0, lr=0.1, grad_norm=1.0, tokens=10, elapsed=1.0)
+    reporter = ProgressReporter(tmp_path, 4, 0, show_progress=False, enabled=False)
+    record = reporter.step(1, StepStats(loss=1.0, lr=0.1, grad_norm=1.0, tokens=10), elapsed=1.0)
     reporter.event("resumed", from_step=0)
     reporter.close()
     assert record["mfu"] is None and record["on_track"] is None and list(tmp_path.iterdir()) == []

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +12,17 @@ import torch
 from phase1a.config import ValidationConfig
 from phase1a.fingerprint import sha256_tree
 from phase1a.packing import TokenRows
-from phase1a.promotion import POINTER, PromotionConflict, PromotionError, PromotionRecord, promote, read_pointer
+from phase1a.promotion import (POINTER, Promotion, PromotionConflict, PromotionError, PromotionRecord, promote,
+                               read_pointer)
+from helpers import CHATML, date_records, make_tokenizer, write_jsonl
+from helpers.servers import s3_client
+from phase1a.evaluation import evaluate
+from phase1a.models import load_for_eval
+from tasks.promote import merge_adapter
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.validate import evaluate, load_for_eval, merge_adapter, promoted_baseline
-from conftest import date_records, make_tokenizer, write_jsonl
-from test_stage_s3 import _client, _start_moto, _stop, aws_env  # noqa: F401 - aws_env is an autouse fixture
+from tasks.validate import PromotedSource, Scoring, promoted_baseline
+
+pytestmark = pytest.mark.usefixtures("aws_env")
 
 
 @pytest.fixture(scope="module")
@@ -61,31 +66,31 @@ class FailAfter:
 
 def test_local_promotion_versions_the_adapter_and_moves_the_pointer(adapters, tmp_path):
     root = tmp_path / "promoted"
-    first = promote({"adapter": adapters[0]}, str(root), "v1", record(adapters[0]))
+    first = promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), str(root))
     assert first.promoted and first.pointer.version == "v1"
     assert files_of(root / "versions" / "v1" / "adapter") == files_of(adapters[0])
     assert json.loads((root / POINTER).read_text())["artifacts"]["adapter"] == str(root / "versions" / "v1" / "adapter")
     assert read_pointer(str(root)) == first.pointer
 
     # The same adapter again (a re-run of a cached verdict) copies nothing and keeps the pointer.
-    again = promote({"adapter": adapters[0]}, str(root), "v1-again", record(adapters[0]))
+    again = promote(Promotion({"adapter": adapters[0]}, "v1-again", record(adapters[0])), str(root))
     assert not again.promoted and again.pointer.version == "v1" and not (root / "versions" / "v1-again").exists()
 
-    second = promote({"adapter": adapters[1]}, str(root), "v2", record(adapters[1]), expected_version="v1")
+    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"), str(root))
     assert second.promoted and read_pointer(str(root)).version == "v2"
     assert (root / "versions" / "v1" / "adapter").is_dir()  # old versions stay, for rollback
     with pytest.raises(PromotionError, match="version v2 already exists"):
-        promote({"adapter": adapters[0]}, str(root), "v2", record(adapters[0]))
+        promote(Promotion({"adapter": adapters[0]}, "v2", record(adapters[0])), str(root))
 
 
 def test_a_failure_mid_copy_leaves_the_old_pointer_and_no_half_version(adapters, tmp_path):
     root = tmp_path / "promoted"
-    promote({"adapter": adapters[0]}, str(root), "v1", record(adapters[0]))
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), str(root))
     before = (root / POINTER).read_bytes()
     assert len(files_of(adapters[1])) >= 2  # so the failure really comes mid-way
     failing = FailAfter(1, shutil.copyfile)
     with pytest.raises(OSError, match="No space left"):
-        promote({"adapter": adapters[1]}, str(root), "v2", record(adapters[1]), copy_file=failing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), str(root), copy_file=failing)
     assert failing.done == 1
     assert (root / POINTER).read_bytes() == before
     assert sorted(p.name for p in (root / "versions").iterdir()) == ["v1"]  # the partial copy is gone
@@ -93,56 +98,41 @@ def test_a_failure_mid_copy_leaves_the_old_pointer_and_no_half_version(adapters,
 
 def test_a_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters, tmp_path):
     root = tmp_path / "promoted"
-    promote({"adapter": adapters[0]}, str(root), "v1", record(adapters[0]))
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), str(root))
     other = record(adapters[1], "other").model_copy(update={"adapter_sha256": "other-adapter"})
 
     def copy_racing(source, target):
         if not (root / "versions" / "other").exists():  # another run promotes while this one copies
-            promote({"adapter": adapters[1]}, str(root), "other", other)
+            promote(Promotion({"adapter": adapters[1]}, "other", other), str(root))
         shutil.copyfile(source, target)
 
     with pytest.raises(PromotionConflict, match="moved to other while v2 was copied"):
-        promote({"adapter": adapters[1]}, str(root), "v2", record(adapters[1]), copy_file=copy_racing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), str(root), copy_file=copy_racing)
     assert read_pointer(str(root)).version == "other"
     assert (root / "versions" / "v2").is_dir()  # stored, reported, but not pointed at
 
     # A run validated against v1 refuses to promote over a pointer that is no longer v1.
     with pytest.raises(PromotionConflict, match="validated against v1"):
-        promote({"adapter": adapters[1]}, str(root), "v3", record(adapters[1]), expected_version="v1")
+        promote(Promotion({"adapter": adapters[1]}, "v3", record(adapters[1]), expected_version="v1"), str(root))
     assert read_pointer(str(root)).version == "other"
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    proc, url = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
-    yield url
-    _stop(proc)
-
-
-@pytest.fixture
-def bucket(endpoint) -> str:
-    name = f"p-{uuid.uuid4().hex[:12]}"
-    _client(endpoint).create_bucket(Bucket=name)
-    return name
-
-
 def s3_keys(endpoint: str, bucket: str) -> list[str]:
-    return sorted(item["Key"] for item in _client(endpoint).list_objects_v2(Bucket=bucket).get("Contents", []))
+    return sorted(item["Key"] for item in s3_client(endpoint).list_objects_v2(Bucket=bucket).get("Contents", []))
 
 
 def test_s3_promotion_uploads_the_version_then_the_pointer(adapters, endpoint, bucket):
     destination = f"s3://{bucket}/models/dates/"
-    first = promote({"adapter": adapters[0]}, destination, "v1", record(adapters[0]), endpoint_url=endpoint)
+    first = promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
     assert first.promoted and first.pointer.artifacts["adapter"] == f"s3://{bucket}/models/dates/versions/v1/adapter/"
     expected = sorted(f"models/dates/versions/v1/adapter/{name}" for name in files_of(adapters[0]))
     assert s3_keys(endpoint, bucket) == sorted(expected + ["models/dates/promoted.json",
                                                            "models/dates/versions/v1/version.json"])
-    body = _client(endpoint).get_object(Bucket=bucket, Key="models/dates/versions/v1/adapter/adapter_model.safetensors")
+    body = s3_client(endpoint).get_object(Bucket=bucket, Key="models/dates/versions/v1/adapter/adapter_model.safetensors")
     assert body["Body"].read() == (adapters[0] / "adapter_model.safetensors").read_bytes()
     assert read_pointer(destination, endpoint).version == "v1"
 
-    second = promote({"adapter": adapters[1]}, destination, "v2", record(adapters[1]), endpoint_url=endpoint,
-                     expected_version="v1")
+    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"), destination, endpoint_url=endpoint)
     assert second.promoted and read_pointer(destination, endpoint).version == "v2"
 
 
@@ -150,14 +140,13 @@ def test_s3_failure_mid_upload_leaves_the_old_pointer(adapters, endpoint, bucket
     from phase1a.promotion import _upload
 
     destination = f"s3://{bucket}/m/"
-    promote({"adapter": adapters[0]}, destination, "v1", record(adapters[0]), endpoint_url=endpoint)
-    before = _client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read()
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
+    before = s3_client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read()
     failing = FailAfter(1, _upload)
     with pytest.raises(OSError, match="No space left"):
-        promote({"adapter": adapters[1]}, destination, "v2", record(adapters[1]), endpoint_url=endpoint,
-                upload_file=failing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint, upload_file=failing)
     assert failing.done == 1
-    assert _client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read() == before
+    assert s3_client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read() == before
     assert not [key for key in s3_keys(endpoint, bucket) if "/v2/" in key]  # the uploaded part was cleaned up
 
 
@@ -165,32 +154,32 @@ def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters,
     from phase1a.promotion import _upload
 
     destination = f"s3://{bucket}/m/"
-    promote({"adapter": adapters[0]}, destination, "v1", record(adapters[0]), endpoint_url=endpoint)
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
     other = record(adapters[1], "other").model_copy(update={"adapter_sha256": "other-adapter"})
 
     def upload_racing(client, path, bucket_name, key):
         if read_pointer(destination, endpoint).version == "v1":  # another run lands its pointer mid-upload
-            promote({"adapter": adapters[1]}, destination, "other", other, endpoint_url=endpoint)
+            promote(Promotion({"adapter": adapters[1]}, "other", other), destination, endpoint_url=endpoint)
         _upload(client, path, bucket_name, key)
 
     with pytest.raises(PromotionConflict, match="moved while v2 was uploaded"):
-        promote({"adapter": adapters[1]}, destination, "v2", record(adapters[1]), endpoint_url=endpoint,
-                upload_file=upload_racing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint, upload_file=upload_racing)
     assert read_pointer(destination, endpoint).version == "other"
 
 
 def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir, adapters, endpoint, bucket, tmp_path):
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
-                            TokenizeOptions(validation_fraction=0.2), tmp_path / "cache", "fp")
+                            TokenizeOptions(validation_fraction=0.2), tmp_path / "cache" / "fp")
     rows = TokenRows.from_arrow(data.validation_path)
     indices = np.arange(4)
     settings = ValidationConfig(max_examples=4, baseline="promoted", promote_to=f"s3://{bucket}/m/")
-    promote({"adapter": adapters[0]}, settings.promote_to, "v1", record(adapters[0]), endpoint_url=endpoint)
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), settings.promote_to, endpoint_url=endpoint)
     pointer = read_pointer(settings.promote_to, endpoint)
     assert pointer.sample_fingerprint == "sample-fp"  # scored on some other sample: must be scored again here
 
-    baseline = promoted_baseline(pointer, tiny_model_dir, make_tokenizer(), rows, indices, settings, tmp_path / "cache",
-                                 "model-fp", torch.device("cpu"), staging_dir=tmp_path / "staging", endpoint_url=endpoint)
+    scoring = Scoring(make_tokenizer(), rows, indices, settings, tmp_path / "cache", "model-fp")
+    source = PromotedSource(tiny_model_dir, tmp_path / "staging", endpoint)
+    baseline = promoted_baseline(pointer, scoring, source, torch.device("cpu"))
     local = evaluate(load_for_eval(tiny_model_dir, adapters[0], torch.device("cpu")), make_tokenizer(), rows, indices,
                      settings)
     assert "scored on this sample" in baseline.source
@@ -198,14 +187,12 @@ def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir
     assert baseline.metrics["exact_match"] == local.exact_match
 
     with pytest.raises(Exception, match="trained from another base model"):
-        promoted_baseline(pointer.model_copy(update={"base_model_fingerprint": "another"}), tiny_model_dir,
-                          make_tokenizer(), rows, indices, settings, tmp_path / "cache", "model-fp",
-                          torch.device("cpu"), staging_dir=tmp_path / "staging", endpoint_url=endpoint)
+        promoted_baseline(pointer.model_copy(update={"base_model_fingerprint": "another"}), scoring, source,
+                          torch.device("cpu"))
 
 
 def test_a_chat_template_override_travels_with_the_merged_model(tiny_model_dir, adapters, tmp_path):
     """Data rendered with `data.chat_template` trains a model that expects that format: serving must get it."""
-    from conftest import CHATML
     from transformers import AutoTokenizer
 
     template = tmp_path / "plain.jinja"
@@ -220,7 +207,7 @@ def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     merged = merge_adapter(tiny_model_dir, adapters[0], tmp_path / "merged")
-    outcome = promote({"adapter": adapters[0], "merged": merged}, str(tmp_path / "promoted"), "v1", record(adapters[0]))
+    outcome = promote(Promotion({"adapter": adapters[0], "merged": merged}, "v1", record(adapters[0])), str(tmp_path / "promoted"))
     stored = Path(outcome.pointer.artifacts["merged"])
     assert not (stored / "adapter_config.json").exists() and (stored / "tokenizer.json").is_file()
     ids = AutoTokenizer.from_pretrained(stored)("write 2020-03 in us format", return_tensors="pt")["input_ids"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHATML, make_tokenizer, write_jsonl
+from helpers import CHATML, make_tokenizer, write_jsonl
 
 from phase1a.config import ConfigError, validate_config
 from phase1a.errors import DataError
@@ -14,7 +14,8 @@ from phase1a.packing import TokenRows
 from phase1a.records import RECORD_FORMATS, RecordError, to_conversation
 from phase1a.render import IGNORE_INDEX, Renderer, render_segments
 from phase1a.templates import CHAT_TEMPLATES, apply_chat_template_setting, template_fingerprint
-from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset, tokenize_fingerprint
+from helpers import read_arrow
+from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # A small tool-capable template in the style of Qwen2.5's: schemas in a system block, calls as JSON in tags.
@@ -36,7 +37,7 @@ def tokenizer():
 def tokenize_records(path: Path, tokenizer, records: list, **options) -> list[dict]:
     path.mkdir(parents=True, exist_ok=True)
     result = tokenize_dataset(write_jsonl(path / "d.jsonl", records), tokenizer, 4096,
-                              TokenizeOptions(validation_count=1, **options), path / "cache", "fp")
+                              TokenizeOptions(validation_count=1, **options), path / "cache" / "fp")
     return read_arrow(result.train_path).to_pylist() + read_arrow(result.validation_path).to_pylist()
 
 
@@ -254,7 +255,7 @@ def test_bad_records_skipped_are_counted_by_reason(tmp_path, tokenizer):
            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]}]
     path = tmp_path / "d.jsonl"
     result = tokenize_dataset(write_jsonl(path, good + bad), tokenizer, 256, TokenizeOptions(bad_records="skip"),
-                              tmp_path / "cache", "fp")
+                              tmp_path / "cache" / "fp")
     assert result.skipped == {"unknown_role": 1, "last_turn_not_assistant": 1, "empty_turn": 1}
     assert result.skipped_examples[0].startswith(f"{path}:5: messages[0].role: unknown role")
 
@@ -324,7 +325,7 @@ def test_end_of_turn_token_of_the_override_stops_generation(tmp_path):
     assert llama3.eos_token == "<|im_end|>"  # not the template's end of turn
     path = tmp_path / "d.jsonl"
     data = tokenize_dataset(write_jsonl(path, [_chat(n)[0] for n in range(6)]), llama3, 256,
-                            TokenizeOptions(validation_count=2), tmp_path / "cache", "fp")
+                            TokenizeOptions(validation_count=2), tmp_path / "cache" / "fp")
     rows = TokenRows.from_arrow(data.validation_path)
     examples = generation_examples(rows, np.arange(len(rows)))
     eot = llama3.convert_tokens_to_ids("<|eot_id|>")

@@ -17,8 +17,8 @@ from phase1a.config import MethodConfig
 from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
-from tasks.train import train_step
-from conftest import date_records, make_tokenizer, write_jsonl
+from phase1a.steps import train_step
+from helpers import date_records, make_tokenizer, write_jsonl
 
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
 
@@ -27,7 +27,7 @@ METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-
 def train_path(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("speedups")
     data = write_jsonl(root / "d.jsonl", date_records(48))
-    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
 def packed_batch(train_path: str, count: int = 6) -> dict[str, torch.Tensor]:

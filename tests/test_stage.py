@@ -1,6 +1,7 @@
 import pytest
 
-from tasks.stage import DataError, source_fingerprint, stage_dataset
+from phase1a.errors import DataError
+from phase1a.staging import source_fingerprint, stage_dataset
 
 
 def test_copies_verifies_and_skips_identical(tmp_path, dataset):
@@ -40,20 +41,22 @@ def test_missing_empty_and_unsupported_sources(tmp_path):
 
 
 def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, dataset):
-    from tasks.stage import _staged_copy_present, staged_location
+    from phase1a.config import Phase1aConfig
+    from phase1a.staging import staged_location
+    from tasks.stage import staged_copy
 
     staging = tmp_path / "staging"
     fingerprint = source_fingerprint(str(dataset))
-    inputs = {"source": f"file://{dataset}", "staging_dir": str(staging), "fingerprint": fingerprint}
-    assert not _staged_copy_present(inputs)
+    config = Phase1aConfig.model_validate({"data": {"source": f"file://{dataset}", "staging_dir": str(staging)}})
+    assert not staged_copy(fingerprint, config).exists()
     staged = stage_dataset(str(dataset), staging)
     assert staged.path == str(staged_location(staging, fingerprint, dataset.name))
-    assert _staged_copy_present(inputs)
+    assert staged_copy(fingerprint, config).exists()
 
 
 def test_a_local_model_directory_on_slow_storage_is_copied_once(tmp_path, tiny_model_dir):
     from phase1a.fingerprint import sha256_tree
-    from tasks.stage import stage_model
+    from phase1a.staging import stage_model
 
     assert stage_model(str(tiny_model_dir), tmp_path / "models") == tiny_model_dir  # default: used in place
     staged = stage_model(str(tiny_model_dir), tmp_path / "models", copy_local=True)

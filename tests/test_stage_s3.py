@@ -5,111 +5,42 @@ import gzip
 import hashlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 import traceback
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import boto3
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-import tasks.stage as stage_module
-from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
-from tasks.stage import (
-    DataError,
-    _staged_copy_present,
-    source_fingerprint,
-    stage_dataset,
-    stage_model,
-    staged_location,
-    verify_download,
-)
-from conftest import date_records
+import phase1a.staging as staging_module
+from helpers import date_records
+from helpers.servers import free_port, s3_client, start_moto, stop
 from phase1a.datasource import describe, iter_records, resolve_shards
+from phase1a.errors import DataError
+from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
+from phase1a.staging import source_fingerprint, stage_dataset, stage_model, staged_location, verify_download
+from phase1a.config import Phase1aConfig
+from tasks.stage import staged_copy
 
 MiB = 1024 * 1024
 PLANTED_KEY_ID = "AKIDPLANTEDKEYID0001"
 PLANTED_SECRET = "planted-secret-7Qx9ZkR2vW"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+pytestmark = pytest.mark.usefixtures("aws_env")
 
 
-def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited: {log_path.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-            return proc, url
-        except urllib.error.HTTPError:  # an HTTP error status is still an answer
-            return proc, url
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-@pytest.fixture(scope="session")
-def endpoint(tmp_path_factory):
-    proc, url = _start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
-    yield url
-    _stop(proc)
-
-
-@pytest.fixture(autouse=True)
-def aws_env(monkeypatch, tmp_path):
-    """Dummy credentials only, and nothing from the host's AWS config or instance metadata."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    empty = tmp_path / "aws-empty"
-    empty.write_text("")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(empty))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-def _client(endpoint: str, **credentials):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
-
-
-@pytest.fixture
-def bucket(endpoint) -> str:
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    _client(endpoint).create_bucket(Bucket=name)
-    return name
+def copy_present(source: str, staging: Path, fingerprint: str) -> bool:
+    """What the stage task's cache asks before it reuses a result: is the staged copy still there?"""
+    config = Phase1aConfig.model_validate({"data": {"source": source, "staging_dir": str(staging)}})
+    return staged_copy(fingerprint, config).exists()
 
 
 def _put(endpoint: str, bucket: str, key: str, body: bytes) -> None:
-    _client(endpoint).put_object(Bucket=bucket, Key=key, Body=body)
+    s3_client(endpoint).put_object(Bucket=bucket, Key=key, Body=body)
 
 
 def _jsonl(count: int, seed: int) -> bytes:
@@ -129,7 +60,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
                                                                  hashlib.md5(data).hexdigest())]
     # The stage cache finds the copy from its inputs alone, without touching S3.
     assert Path(first.path) == staged_location(staging, fingerprint, "dates.jsonl")
-    assert _staged_copy_present({"source": source, "staging_dir": str(staging), "fingerprint": fingerprint})
+    assert copy_present(source, staging, fingerprint)
 
     again = stage_dataset(source, staging, endpoint)
     assert not again.copied and again.path == first.path and again.fingerprint == first.fingerprint
@@ -156,7 +87,7 @@ def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tm
     # A multipart upload's ETag is not an MD5 ("<hash>-<parts>"): verified by size, then hashed.
     multipart = os.urandom(6 * MiB)
     (tmp_path / "mp.bin").write_bytes(multipart)
-    _client(endpoint).upload_file(str(tmp_path / "mp.bin"), bucket, "mp.bin",
+    s3_client(endpoint).upload_file(str(tmp_path / "mp.bin"), bucket, "mp.bin",
                                   Config=TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
     staged = stage_dataset(f"s3://{bucket}/mp.bin", tmp_path / "staging", endpoint, transfer=small_parts)
     assert staged.objects[0].etag.endswith("-2")
@@ -188,8 +119,7 @@ def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_pat
     again = stage_dataset(source, staging, endpoint)
     assert not again.copied and again.path == staged.path and again.fingerprint == staged.fingerprint
     assert Path(staged.path) == staged_location(staging, source_fingerprint(source, endpoint), "shards")
-    assert _staged_copy_present({"source": source, "staging_dir": str(staging),
-                                 "fingerprint": source_fingerprint(source, endpoint)})
+    assert copy_present(source, staging, source_fingerprint(source, endpoint))
 
 
 def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
@@ -213,9 +143,11 @@ def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
 def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoint, bucket):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from conftest import make_tokenizer, write_jsonl
+    from helpers import make_tokenizer, write_jsonl
 
-    from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+    from helpers import read_arrow
+
+    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     records = date_records(40, seed=3)
     for index in range(2):  # two shards under a prefix
@@ -224,8 +156,8 @@ def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoi
         _put(endpoint, bucket, f"pq/train-{index:05d}.parquet", buffer.getvalue().to_pybytes())
     staged = stage_dataset(f"s3://{bucket}/pq/", tmp_path / "staging", endpoint)
     tokenizer, options = make_tokenizer(), TokenizeOptions(validation_count=5)
-    from_s3 = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "c1", "parquet")
-    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 256, options, tmp_path / "c2", "jsonl")
+    from_s3 = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "c1" / "parquet")
+    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 256, options, tmp_path / "c2" / "jsonl")
     for split in ("train_path", "validation_path"):
         assert read_arrow(getattr(from_s3, split)).to_pylist() == read_arrow(getattr(jsonl, split)).to_pylist()
     assert from_s3.shards == 2 and from_s3.train_examples == 35
@@ -281,7 +213,7 @@ def test_no_credentials_is_named(tmp_path, endpoint, bucket, monkeypatch):
 
 
 def test_endpoint_down_fails_fast_and_says_which(tmp_path):
-    down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     with pytest.raises(DataError, match=rf"s3://b/a.jsonl: cannot connect to the S3 endpoint {down}"):
         stage_dataset("s3://b/a.jsonl", tmp_path / "staging", down)
@@ -307,7 +239,7 @@ def test_verify_download_deletes_a_corrupted_file(tmp_path):
 def test_a_download_corrupted_before_verification_is_never_staged(tmp_path, endpoint, bucket, monkeypatch, damage):
     data = _jsonl(16, seed=3)
     _put(endpoint, bucket, "d.jsonl", data)
-    real_download = stage_module.download_objects
+    real_download = staging_module.download_objects
 
     def corrupting(client, bucket_name, items, transfer):
         md5s = real_download(client, bucket_name, items, transfer)
@@ -316,7 +248,7 @@ def test_a_download_corrupted_before_verification_is_never_staged(tmp_path, endp
             path.write_bytes(b"#" + raw[1:] if damage == "flip" else raw[:-5])
         return md5s
 
-    monkeypatch.setattr(stage_module, "download_objects", corrupting)
+    monkeypatch.setattr(staging_module, "download_objects", corrupting)
     staging = tmp_path / "staging"
     with pytest.raises(DataError, match=rf"s3://{bucket}/d.jsonl: download failed verification"):
         stage_dataset(f"s3://{bucket}/d.jsonl", staging, endpoint)
@@ -325,8 +257,8 @@ def test_a_download_corrupted_before_verification_is_never_staged(tmp_path, endp
 
 def test_staging_disk_too_small(tmp_path, endpoint, bucket, monkeypatch):
     _put(endpoint, bucket, "d.jsonl", _jsonl(8, seed=4))
-    real = stage_module.shutil.disk_usage
-    monkeypatch.setattr(stage_module.shutil, "disk_usage", lambda path: real(path)._replace(free=10))
+    real = staging_module.shutil.disk_usage
+    monkeypatch.setattr(staging_module.shutil, "disk_usage", lambda path: real(path)._replace(free=10))
     with pytest.raises(DataError, match=rf"staging dir .*: 10 bytes free, s3://{bucket}/d.jsonl needs \d+"):
         stage_dataset(f"s3://{bucket}/d.jsonl", tmp_path / "staging", endpoint)
     assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
@@ -340,7 +272,7 @@ def test_credentials_never_reach_manifests_reports_or_errors(tmp_path, endpoint,
     staged = stage_dataset(f"s3://{bucket}/s/", tmp_path / "staging", endpoint)
     texts = [staged.model_dump_json(), Path(staged.path + ".manifest.json").read_text()]
     for source, where in [(f"s3://{bucket}/nope.jsonl", endpoint), ("s3://no-bucket-zz/p/", endpoint),
-                          (f"s3://{bucket}/s/", f"http://{PLANTED_SECRET}@127.0.0.1:{_free_port()}")]:
+                          (f"s3://{bucket}/s/", f"http://{PLANTED_SECRET}@127.0.0.1:{free_port()}")]:
         with pytest.raises(DataError) as caught:
             stage_dataset(source, tmp_path / "staging", where)
         texts += [str(caught.value), "".join(traceback.format_exception(caught.value))]
@@ -380,12 +312,12 @@ def test_model_directory_staged_from_a_prefix(tmp_path, endpoint, bucket):
 @pytest.fixture(scope="session")
 def auth_endpoint(tmp_path_factory):
     """A second moto server that enforces IAM: a user with no policy, then auth switched on."""
-    proc, url = _start_moto(tmp_path_factory.mktemp("moto-auth") / "moto.log")
+    proc, url = start_moto(tmp_path_factory.mktemp("moto-auth") / "moto.log")
     dummy = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
     iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", **dummy)
     iam.create_user(UserName="reader")
     key = iam.create_access_key(UserName="reader")["AccessKey"]
-    s3 = _client(url, **dummy)
+    s3 = s3_client(url, **dummy)
     s3.create_bucket(Bucket="locked")
     s3.put_object(Bucket="locked", Key="d.jsonl", Body=_jsonl(2, 0))
     # text/plain, or Flask parses the body as a form and moto reads an empty count.
@@ -393,7 +325,7 @@ def auth_endpoint(tmp_path_factory):
                                        headers={"Content-Type": "text/plain"})
     urllib.request.urlopen(switch_on, timeout=10).close()
     yield url, key["AccessKeyId"], key["SecretAccessKey"]
-    _stop(proc)
+    stop(proc)
 
 
 def test_access_denied_and_rejected_credentials(tmp_path, auth_endpoint, monkeypatch):

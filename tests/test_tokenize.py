@@ -2,14 +2,15 @@ import json
 
 import numpy as np
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 from phase1a.packing import TokenRows
-from tasks.stage import DataError
+from phase1a.errors import DataError
 from phase1a.lengths import right_size
 from phase1a.records import to_conversation
 from phase1a.render import IGNORE_INDEX, render_segments
-from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+from helpers import read_arrow
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def tokenizer():
 def run(tmp_path, tokenizer, records, **options):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = write_jsonl(tmp_path / "data.jsonl", records)
-    return tokenize_dataset(path, tokenizer, 256, TokenizeOptions(**options), tmp_path / "cache", "fp")
+    return tokenize_dataset(path, tokenizer, 256, TokenizeOptions(**options), tmp_path / "cache" / "fp")
 
 
 def supervised_text(tokenizer, input_ids, labels):
@@ -95,7 +96,7 @@ def test_overlong_examples_are_truncated_and_counted(tmp_path, tokenizer):
 def test_reuses_a_complete_output(tmp_path, tokenizer):
     first = run(tmp_path, tokenizer, date_records(10))
     (tmp_path / "data.jsonl").write_text("")  # would fail if it were read again
-    again = tokenize_dataset(tmp_path / "data.jsonl", tokenizer, 256, TokenizeOptions(), tmp_path / "cache", "fp")
+    again = tokenize_dataset(tmp_path / "data.jsonl", tokenizer, 256, TokenizeOptions(), tmp_path / "cache" / "fp")
     assert again == first
 
 

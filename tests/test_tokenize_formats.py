@@ -5,11 +5,12 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 from phase1a.render import IGNORE_INDEX, Renderer, render_segments
-from tasks.stage import DataError
-from tasks.tokenize import TokenizeOptions, read_arrow, tokenize_dataset
+from phase1a.errors import DataError
+from helpers import read_arrow
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def tokenizer():
 
 
 def run(path: Path, tokenizer, **options):
-    return tokenize_dataset(path, tokenizer, 256, TokenizeOptions(**options), path.parent / "cache", "fp")
+    return tokenize_dataset(path, tokenizer, 256, TokenizeOptions(**options), path.parent / "cache" / "fp")
 
 
 def rows(result) -> list[dict]:
@@ -83,20 +84,20 @@ def test_overlong_policies(tmp_path, tokenizer):
     records[3]["messages"][-1]["content"] = "01/01/2001 " * 40
     path = write_jsonl(tmp_path / "d.jsonl", records)
     dropped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(overlong="drop", max_seq_length=64),
-                               tmp_path / "c1", "fp")
+                               tmp_path / "c1" / "fp")
     assert dropped.dropped_overlong == 1 and dropped.train_examples + dropped.validation_examples == 9
     with pytest.raises(DataError, match=r"d.jsonl:4: \d+ tokens exceed max_seq_length 64 \(1 examples do"):
-        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(overlong="fail", max_seq_length=64), tmp_path / "c2", "fp")
-    truncated = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(length_percentile=50), tmp_path / "c3", "fp")
+        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(overlong="fail", max_seq_length=64), tmp_path / "c2" / "fp")
+    truncated = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(length_percentile=50), tmp_path / "c3" / "fp")
     assert truncated.max_seq_length == 64 and truncated.truncated_examples == 1 and truncated.lengths.max == 64
 
 
 def test_duplicates_are_counted_and_optionally_dropped(tmp_path, tokenizer):
     records = date_records(8)
     path = write_jsonl(tmp_path / "d.jsonl", records + records[:3])
-    counted = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "c1", "fp")
+    counted = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "c1" / "fp")
     assert counted.duplicates == 3 and counted.duplicates_dropped == 0 and counted.lengths.count == 11
-    dropped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(drop_duplicates=True), tmp_path / "c2", "fp")
+    dropped = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(drop_duplicates=True), tmp_path / "c2" / "fp")
     assert dropped.duplicates_dropped == 3 and dropped.lengths.count == 8
 
 
@@ -125,7 +126,7 @@ def test_template_shapes_fall_back_when_the_template_edits_content(tokenizer):
 
 
 def _race(path: str, cache: str, out) -> None:
-    out.put(tokenize_dataset(Path(path), make_tokenizer(), 256, TokenizeOptions(), Path(cache), "same").model_dump())
+    out.put(tokenize_dataset(Path(path), make_tokenizer(), 256, TokenizeOptions(), Path(cache) / "same").model_dump())
 
 
 def test_two_runs_racing_on_one_fingerprint(tmp_path):
@@ -140,11 +141,11 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
         worker.join(timeout=30)
     assert first == second
     assert read_arrow(first["train_path"]).num_rows == first["train_examples"]
-    assert sorted(p.name for p in (tmp_path / "cache" / "tokenized").iterdir()) == ["same", "same.lock"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["same", "same.lock"]
 
 
 def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
-    from conftest import make_tiny_model_dir
+    from helpers import make_tiny_model_dir
 
     from phase1a.models import tokenizer_fingerprint
     from tasks.tokenize import tokenize_fingerprint

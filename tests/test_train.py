@@ -11,14 +11,14 @@ from phase1a.config import MethodConfig
 from phase1a.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def train_path(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("train-data")
     data = write_jsonl(root / "d.jsonl", date_records(48))
-    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache", "fp").train_path
+    return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
 def settings(tiny_model_dir, train_path, output_dir: Path, **overrides) -> TrainSettings:

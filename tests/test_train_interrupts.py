@@ -20,7 +20,7 @@ from phase1a.config import MethodConfig
 from phase1a.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from conftest import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
+from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def job(tmp_path_factory) -> dict:
     # Big enough that a step takes tens of milliseconds: the test can stop the run between checkpoints.
     model_dir = make_tiny_model_dir(root / "model", hidden_size=192, intermediate_size=384, num_hidden_layers=3)
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(96)), make_tokenizer(), 256,
-                            TokenizeOptions(), root / "cache", "fp")
+                            TokenizeOptions(), root / "cache" / "fp")
     return {"model_dir": str(model_dir), "train_path": data.train_path, "root": root}
 
 

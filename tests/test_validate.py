@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from phase1a.answers import extract_answer, normalise
-from phase1a.config import GateTolerances, MethodConfig, ValidationConfig
+from phase1a.config import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
 from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
@@ -18,11 +18,24 @@ from phase1a.packing import TokenRows
 from phase1a.promotion import PromotionError, read_pointer
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from tasks.validate import (base_model_metrics, for_scoring, format_table, load_for_eval, promote_candidate,
-                            validate)
-from conftest import date_records, make_tokenizer, write_jsonl
+from phase1a.models import for_scoring, load_for_eval
+from tasks.promote import promote_candidate
+from tasks.validate import Scoring, base_model_metrics, format_table, validate
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
 
 SPECIALS = ["<|im_end|>", "</s>"]
+
+
+def job(model_dir: Path, cache: Path, settings: ValidationConfig, chat_template: str | None = None):
+    """A run's config for validating (and promoting) a model of `model_dir` under `settings`, and its model."""
+    config = Phase1aConfig(data=DataConfig(source="unused", chat_template=chat_template),
+                           model=ModelConfig(name_or_path=str(model_dir)), cache_dir=cache, validation=settings)
+    return config, resolved(config)
+
+
+def validated(model_dir: Path, adapter_dir, validation_path, settings: ValidationConfig, cache: Path):
+    config, model = job(model_dir, cache, settings)
+    return validate(config, model, Path(validation_path), Path(adapter_dir))
 
 
 @pytest.mark.parametrize("extractor, pattern, text, answer", [
@@ -119,7 +132,7 @@ def test_baseline_file_round_trip_and_clear_errors(tmp_path):
 def split(tmp_path_factory):
     root = tmp_path_factory.mktemp("validate-data")
     return tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(80)), make_tokenizer(), 256,
-                            TokenizeOptions(validation_fraction=0.2), root / "cache", "fp")
+                            TokenizeOptions(validation_fraction=0.2), root / "cache" / "fp")
 
 
 def test_prompt_ends_where_the_answer_starts_and_the_reference_is_the_answer(split):
@@ -135,7 +148,7 @@ def test_prompt_ends_where_the_answer_starts_and_the_reference_is_the_answer(spl
 
 def test_train_on_inputs_leaves_no_prompt_and_says_so(tmp_path):
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(20)), make_tokenizer(), 256,
-                            TokenizeOptions(validation_fraction=0.2, train_on_inputs=True), tmp_path / "cache", "fp")
+                            TokenizeOptions(validation_fraction=0.2, train_on_inputs=True), tmp_path / "cache" / "fp")
     reason = generation_examples(TokenRows.from_arrow(data.validation_path), np.arange(2))
     assert isinstance(reason, str) and "no prompt" in reason
 
@@ -167,20 +180,21 @@ def test_base_model_metrics_are_computed_once_per_model_sample_and_settings(tiny
     settings = ValidationConfig(max_examples=6, batch_size=4)
     indices = np.arange(6)
 
-    first, cached = base_model_metrics(model, tokenizer, rows, indices, settings, tmp_path, "model-fp")
+    first, cached = base_model_metrics(model, Scoring(tokenizer, rows, indices, settings, tmp_path, "model-fp"))
     assert not cached and forwards and list((tmp_path / "metrics").glob("*.json"))
     calls = len(forwards)
-    again, cached = base_model_metrics(model, tokenizer, rows, indices, settings, tmp_path, "model-fp")
+    again, cached = base_model_metrics(model, Scoring(tokenizer, rows, indices, settings, tmp_path, "model-fp"))
     assert cached and again == first and len(forwards) == calls  # not one forward pass
 
     # The adapter really was off: the same numbers as the bare base model.
-    bare, _ = base_model_metrics(load_for_eval(tiny_model_dir, None, torch.device("cpu")), tokenizer, rows, indices,
-                                 settings, tmp_path / "other", "model-fp")
+    bare, _ = base_model_metrics(load_for_eval(tiny_model_dir, None, torch.device("cpu")),
+                                 Scoring(tokenizer, rows, indices, settings, tmp_path / "other", "model-fp"))
     assert bare.loss == pytest.approx(first.loss, rel=1e-5) and bare.exact_match == first.exact_match
 
     # Another sample or other scoring is another entry.
-    base_model_metrics(model, tokenizer, rows, np.arange(5), settings, tmp_path, "model-fp")
-    base_model_metrics(model, tokenizer, rows, indices, settings.model_copy(update={"ece_bins": 5}), tmp_path, "model-fp")
+    base_model_metrics(model, Scoring(tokenizer, rows, np.arange(5), settings, tmp_path, "model-fp"))
+    rescored = settings.model_copy(update={"ece_bins": 5})
+    base_model_metrics(model, Scoring(tokenizer, rows, indices, rescored, tmp_path, "model-fp"))
     assert len(list((tmp_path / "metrics").glob("*.json"))) == 3
     assert sample_fingerprint(rows, indices) != sample_fingerprint(rows, np.arange(5))
 
@@ -209,7 +223,7 @@ def test_trained_adapter_beats_the_base_on_held_out_data(tiny_model_dir, split, 
         micro_batch_size=8, gradient_checkpointing=False, show_progress=False,
     ))
     settings = ValidationConfig(max_examples=8)
-    verdict = validate(tiny_model_dir, result.adapter_dir, split.validation_path, settings, tmp_path / "cache")
+    verdict = validated(tiny_model_dir, result.adapter_dir, split.validation_path, settings, tmp_path / "cache")
     assert verdict.base.examples == verdict.candidate.examples == 8 and not verdict.base_cached
     assert verdict.candidate.loss < verdict.base.loss and verdict.passed
     assert verdict.candidate.exact_match is not None and verdict.candidate.ece is not None
@@ -217,17 +231,17 @@ def test_trained_adapter_beats_the_base_on_held_out_data(tiny_model_dir, split, 
     table = format_table(verdict)
     assert "exact_match" in table and "gate: PASS" in table
 
-    again = validate(tiny_model_dir, result.adapter_dir, split.validation_path, settings, tmp_path / "cache")
+    again = validated(tiny_model_dir, result.adapter_dir, split.validation_path, settings, tmp_path / "cache")
     assert again.base_cached and again.base == verdict.base and again.candidate == verdict.candidate
 
 
 def test_a_missing_baseline_is_a_clear_error_before_any_model_loads(tiny_model_dir, split, tmp_path):
     missing_file = ValidationConfig(baseline="file", baseline_file=tmp_path / "reference.json")
     with pytest.raises(BaselineError, match=f"no such file: {tmp_path / 'reference.json'}"):
-        validate(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, missing_file, tmp_path / "cache")
+        validated(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, missing_file, tmp_path / "cache")
     nothing_promoted = ValidationConfig(baseline="promoted", promote_to=str(tmp_path / "promoted"))
     with pytest.raises(BaselineError, match=f"nothing is promoted at {tmp_path / 'promoted'}"):
-        validate(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, nothing_promoted, tmp_path / "cache")
+        validated(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, nothing_promoted, tmp_path / "cache")
 
 
 def with_shuffled_answers(records: list[dict], seed: int) -> list[dict]:
@@ -244,9 +258,9 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     records = date_records(160, seed=3)
     options = TokenizeOptions(validation_fraction=0.1)
     good = tokenize_dataset(write_jsonl(tmp_path / "good.jsonl", records), make_tokenizer(), 256, options,
-                            tmp_path / "tok", "good")
+                            tmp_path / "tok" / "good")
     bad = tokenize_dataset(write_jsonl(tmp_path / "bad.jsonl", with_shuffled_answers(records, seed=0)),
-                           make_tokenizer(), 256, options, tmp_path / "tok", "bad")
+                           make_tokenizer(), 256, options, tmp_path / "tok" / "bad")
     # All weights train: the tiny random-init model learns to copy date digits only with full fine-tuning.
     method = MethodConfig(kind="full", learning_rate=3e-3, batch_size=8, epochs=12)
     runs = {name: train(TrainSettings(model_dir=str(tiny_model_dir), train_path=data.train_path, method=method,
@@ -256,20 +270,20 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     settings = ValidationConfig(max_examples=16, promote_to=str(tmp_path / "promoted"))
     cache = tmp_path / "cache"
 
-    last_night = validate(tiny_model_dir, runs["good"].adapter_dir, good.validation_path, settings, cache)
+    last_night = validated(tiny_model_dir, runs["good"].adapter_dir, good.validation_path, settings, cache)
     assert last_night.passed
     # Trained on data rendered with an overriding template (data.chat_template): the promoted model carries it.
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
-    promoted = promote_candidate(last_night, runs["good"].adapter_dir, tiny_model_dir, settings, "good", "good-run",
-                                 tmp_path, chat_template=str(template))
+    config, model = job(tiny_model_dir, cache, settings, chat_template=str(template))
+    promoted = promote_candidate(config, model, last_night, runs["good"].adapter_dir, tmp_path / "good")
     stored = Path(promoted.pointer.artifacts["adapter"])
     assert AutoTokenizer.from_pretrained(stored).chat_template == template.read_text()
-    assert not (tmp_path / "adapter.tmp").exists()
+    assert not (tmp_path / "good" / "adapter.tmp").exists()
 
     # Tonight's run trained on shuffled labels, held out on the same (correct) validation examples.
     nightly = settings.model_copy(update={"baseline": "promoted"})
-    tonight = validate(tiny_model_dir, runs["shuffled"].adapter_dir, good.validation_path, nightly, cache)
+    tonight = validated(tiny_model_dir, runs["shuffled"].adapter_dir, good.validation_path, nightly, cache)
     assert tonight.baseline.source == "promoted good" and tonight.base_cached
     assert not tonight.passed
     failed = {check.metric for check in tonight.checks if not check.passed}
@@ -277,6 +291,6 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     # Against the untrained base it would have looked like progress: the promoted baseline is what catches it.
     assert tonight.candidate.loss < tonight.base.loss
     with pytest.raises(PromotionError, match="failed the gate: loss"):
-        promote_candidate(tonight, runs["shuffled"].adapter_dir, tiny_model_dir, nightly, "shuffled", "bad-run",
-                          tmp_path)
+        promote_candidate(*job(tiny_model_dir, cache, nightly), tonight, runs["shuffled"].adapter_dir,
+                          tmp_path / "shuffled")
     assert read_pointer(settings.promote_to).version == "good"

@@ -1,7 +1,7 @@
 """The validate stage's estimate: greedy steps per generation batch, and the costs measured on a model."""
 import numpy as np
 import pytest
-from conftest import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, make_tokenizer, write_jsonl
 
 from phase1a.config import ValidationConfig
 from phase1a.evaluation import ValidationSpeed, time_validation, validation_seconds
@@ -25,7 +25,7 @@ def test_a_batch_runs_until_its_longest_answer_and_the_stop_token():
 def rows(tmp_path_factory) -> TokenRows:
     root = tmp_path_factory.mktemp("validation")
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(60)), make_tokenizer(), 256,
-                            TokenizeOptions(validation_count=20), root / "cache", "fp")
+                            TokenizeOptions(validation_count=20), root / "cache" / "fp")
     return TokenRows.from_arrow(data.validation_path)
 
 

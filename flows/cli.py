@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from phase1a.config import ConfigError, config_from
+from phase1a.results import Plan, ValidationResult
 
 
 def _summary(report_path: Path) -> str:
@@ -25,7 +26,7 @@ def _summary(report_path: Path) -> str:
         lines.append(f"validate: {validation['actual_seconds']:.1f} s; plan estimated {validation['estimated_seconds']:.1f} s")
     verdict = report["stages"].get("validate", {}).get("result")
     if verdict:
-        from tasks.validate import ValidationResult, format_table
+        from tasks.validate import format_table
 
         lines += ["", "validation (held-out):", format_table(ValidationResult.model_validate(verdict))]
         promotion = report.get("validation", {}).get("promotion")
@@ -33,7 +34,7 @@ def _summary(report_path: Path) -> str:
             lines.append(f"promoted: {promotion['version']} at {promotion['path']}"
                          + ("" if promotion["promoted"] else " (already the promoted model)"))
     if plan and not verdict:
-        from tasks.plan import Plan, format_plan
+        from tasks.plan import format_plan
 
         lines += ["", "plan:", format_plan(Plan.model_validate(plan))]
     lines += ["", f"status: {report['status']}, wall {report['wall_seconds']:.1f} s", f"report: {report_path}"]
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's 20 s default; and there is no network to send telemetry to.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.phase1a import phase1a
+    from flows.phase1a import phase1a  # after those: Prefect reads its settings when it is first imported
 
     state = phase1a(config, plan_only=args.command == "plan", return_state=True)
     report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else _latest_report(config)

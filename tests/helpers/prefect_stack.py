@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from uuid import UUID
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 PREFECT = Path(sys.executable).parent / "prefect"  # the venv's CLI, whatever is on PATH
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, chars: int = 4000) -> str:

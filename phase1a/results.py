@@ -1,0 +1,126 @@
+"""What each stage hands the next: the results the flow passes between tasks, which report.json records and
+the task caches store. Stages read each other's results from here, never from each other's modules."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from phase1a.calibration import Calibration
+from phase1a.cost_model import MemoryEstimate, ModelFacts
+from phase1a.evaluation import Metrics
+from phase1a.gate import Baseline, GateCheck
+from phase1a.history import RunRecord
+from phase1a.lengths import LengthStats, Outliers, WasteRow
+from phase1a.options import OptionRow
+from phase1a.window import Adjustment
+
+
+class TokenizedData(BaseModel):
+    fingerprint: str
+    dir: str
+    train_path: str
+    validation_path: str
+    histogram_path: str
+    train_examples: int
+    validation_examples: int
+    shards: int  # data files read, the validation source's included
+    workers: int = 1  # processes that encoded the records
+    template: Literal["chat_template", "fallback"]
+    lengths: LengthStats
+    outliers: Outliers | None = None  # examples far longer than the rest, named by file and line
+    max_seq_length: int
+    model_max_length: int
+    waste: list[WasteRow]
+    skipped: dict[str, int]
+    skipped_examples: list[str]
+    duplicates: int
+    duplicates_dropped: int
+    truncated_examples: int
+    dropped_overlong: int
+    dropped_without_labels: int
+
+
+class Estimate(BaseModel):
+    startup_seconds: float
+    steady_seconds: float  # train tokens at the measured steady-state speed
+    warmup_seconds: float
+    checkpoints: int
+    checkpoint_seconds: float  # all checkpoints together
+    evaluation_seconds: float
+    train_seconds: float  # steady + warm-up + checkpoints: what the train stage's loop takes
+    total_seconds: float
+
+
+class Plan(BaseModel):
+    profile: str
+    epochs: float
+    adjustments: list[Adjustment]
+    target: str
+    detected: str
+    calibrated: bool
+    precision: str
+    base_precision: str
+    optimizer: str
+    attention: str = "sdpa"  # the implementation training runs (phase1a/modeling.py: attention_implementation)
+    micro_batch_size: int
+    gradient_accumulation: int
+    gradient_checkpointing: bool
+    compile: bool
+    dataloader_workers: int
+    max_seq_length: int
+    model: ModelFacts
+    trainable_parameters: int
+    memory: MemoryEstimate
+    measured_peak_memory_gib: float | None
+    flops_per_token: float  # what a step computes, recompute included
+    model_flops_per_token: float  # what MFU counts: no recompute
+    tokens_per_second: float
+    steps: int
+    train_tokens: int
+    estimate: Estimate
+    estimated_train_seconds: float
+    estimated_total_seconds: float
+    estimated_cost_usd: float | None
+    window_seconds: float | None
+    fits_in_window: bool | None
+    throughput_source: str
+    calibration: Calibration | None
+    options: list[OptionRow]
+    notes: list[str]
+
+
+class TrainResult(BaseModel):
+    adapter_dir: str
+    output_dir: str
+    steps: int
+    resumed_from_step: int | None
+    reused_completed_run: bool
+    wall_seconds: float
+    train_tokens: int
+    tokens_per_second: float
+    final_loss: float | None
+    checkpoints_written: int
+    checkpoint_seconds: float
+    startup_seconds: float = 0.0  # model load, adapter, optimizer, resume: before the first step
+    checkpoint_share: float = 0.0  # checkpoint writes as a share of the wall time
+    micro_batch_size: int = 0  # at the end: smaller than planned after out-of-memory back-offs
+    out_of_memory_backoffs: int = 0
+    padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
+    mean_mfu: float | None = None
+    recorded: RunRecord | None = None  # the history line this run appended (None when a finished run was reused)
+
+
+class ValidationResult(BaseModel):
+    base: Metrics
+    candidate: Metrics
+    baseline: Baseline
+    checks: list[GateCheck]
+    passed: bool
+    reasons: list[str]
+    sample_fingerprint: str
+    metric_settings: str
+    model_fingerprint: str
+    adapter_sha256: str
+    base_cached: bool
+    promoted_seen: str | None = None  # the pointer's version the gate compared against (baseline: promoted)

@@ -1,0 +1,417 @@
+"""Staging: copy a dataset (and, on request, a model directory) to fast local disk, verified, skipped when
+already identical. The stage task (tasks/stage.py) runs it for datasets; model resolution and the validate
+stage (a promoted baseline on S3) for model directories.
+
+Dataset sources: a local file, directory or glob, a file:// URL, s3://bucket/key (one object),
+s3://bucket/prefix/ (every object under the prefix, as a directory of shards in key order), or a Hub dataset
+id (its files for `data.config`, downloaded into HF_HOME's cache at one commit). Everything lands at
+`staging_dir/<fingerprint[:16]>/<name>`, where the fingerprint is `source_fingerprint`: the sha256 of a local
+file's bytes (of every file's, for a directory or glob), for S3 the hash of its keys, sizes and ETags, for the
+Hub the resolved commit. So the stage cache can tell from its inputs alone whether the staged copy still
+exists, and two sources never share a location. A Hub dataset's staged location is a link to its snapshot in
+the Hugging Face cache, which other tools share.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from contextlib import ExitStack, contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from boto3.s3.transfer import TransferConfig
+from pydantic import BaseModel, ValidationError
+
+from phase1a import hub
+from phase1a.atomic import atomic_path, write_atomically
+from phase1a.datasource import DataLocation, download_hub_dataset, is_data_file
+from phase1a.errors import DataError
+from phase1a.fingerprint import READ_CHUNK, hash_json, sha256_file
+from phase1a.s3 import (
+    DEFAULT_TRANSFER,
+    S3Error,
+    S3Object,
+    S3Url,
+    download_objects,
+    is_s3_url,
+    list_objects,
+    make_client,
+    parse_s3_url,
+)
+
+
+class StagedData(DataLocation):
+    """A staged dataset: `path` a file or directory on local disk, `files` a directory's shards when the source
+    named them (a glob, an S3 prefix)."""
+
+    source: str
+    fingerprint: str  # of the staged content (sha256 of a file, of every file's, or the Hub commit): tokenize keys on it
+    size_bytes: int
+    copied: bool
+    objects: list[S3Object] = []  # S3 sources: the objects staged, with size and ETag
+
+
+class StageManifest(BaseModel):
+    """Written next to a staged S3 copy once it is verified; a re-stage compares it with a fresh listing."""
+
+    source: str
+    objects: list[S3Object]
+    sha256: str = ""  # dataset: of the staged file
+    size_bytes: int = 0
+    file_sha256: dict[str, str] = {}  # model directory: relative path -> sha256
+
+
+@contextmanager
+def _data_errors() -> Iterator[None]:
+    try:
+        yield
+    except S3Error as error:
+        raise DataError(str(error)) from None
+
+
+def local_source_path(source: str, field: str = "data.source") -> Path:
+    """A local path or file:// URL as a Path (a file or a directory); other schemes are refused."""
+    parsed = urlparse(source)
+    if parsed.scheme == "file":
+        path = Path(parsed.path)
+    elif parsed.scheme in ("", None) or len(parsed.scheme) == 1:  # len 1: a Windows drive letter
+        path = Path(source)
+    else:
+        raise DataError(f"{field}: scheme {parsed.scheme!r} of {source!r} is not supported "
+                        "(use a local path, file://, s3:// or a Hub dataset id org/name)")
+    path = path.expanduser()
+    if not path.exists():
+        raise DataError(f"{field}: no such file: {path}")
+    if not (path.is_file() or path.is_dir()):
+        raise DataError(f"{field}: not a regular file or directory: {path}")
+    return path
+
+
+def is_glob(source: str) -> bool:
+    return "://" not in source and any(char in source for char in "*?[")
+
+
+def glob_files(source: str, field: str = "data.source") -> tuple[Path, list[str]]:
+    """A glob's base directory (its part before the first wildcard) and its matching data files, relative to
+    that base, sorted: the shards, in order."""
+    pattern = Path(source).expanduser()
+    base = Path(*pattern.parts[: next(i for i, part in enumerate(pattern.parts) if is_glob(part))])
+    relative = str(pattern.relative_to(base))
+    files = sorted(p.relative_to(base).as_posix() for p in base.glob(relative) if p.is_file() and is_data_file(p))
+    if not files:
+        raise DataError(f"{field}: the glob {source} matches no data file")
+    return base, files
+
+
+def _local_files(path: Path) -> list[str]:
+    """Every file of a local dataset directory, relative (README and metadata too: they say what it holds)."""
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
+
+def _content_fingerprint(hashes: list[tuple[str, str]]) -> str:
+    """A directory's content key: each (relative name, sha256) in reading order. Local trees and S3 prefixes
+    share it, so the same files key the same wherever they were staged from."""
+    return hash_json([[name, sha] for name, sha in hashes])
+
+
+def _files_fingerprint(base: Path, files: list[str]) -> str:
+    return _content_fingerprint([(name, sha256_file(base / name)) for name in files])
+
+
+def _s3_fingerprint(url: S3Url, objects: list[S3Object]) -> str:
+    return hash_json(["s3", url.bucket, [[item.key, item.size, item.etag] for item in objects]])
+
+
+def _list(url: S3Url, endpoint_url: str | None, client: Any = None) -> tuple[Any, list[S3Object]]:
+    with _data_errors():
+        client = client or make_client(endpoint_url)
+        return client, list_objects(client, url)
+
+
+def _parse(source: str) -> S3Url:
+    with _data_errors():
+        return parse_s3_url(source)
+
+
+def source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
+                       field: str = "data.source") -> str:
+    """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes (of
+    every file's, for a directory or glob), for S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or
+    listing, for a Hub dataset its id and the commit `revision` resolves to."""
+    if is_s3_url(source):
+        url = _parse(source)
+        return _s3_fingerprint(url, _list(url, endpoint_url)[1])
+    if hub.looks_like_hub_id(source):
+        commit = hub.resolve_commit(source, repo_type="dataset", revision=revision, field=field)
+        return hash_json(["hub-dataset", source, commit])
+    if is_glob(source):
+        return _files_fingerprint(*glob_files(source, field))
+    path = local_source_path(source, field)
+    return _files_fingerprint(path, _local_files(path)) if path.is_dir() else sha256_file(path)
+
+
+def staged_name(source: str) -> str:
+    """The staged file's or directory's name, from the source string alone (the cache's presence check must
+    not list S3 or ask the Hub)."""
+    if is_s3_url(source):
+        url = _parse(source)
+        return (url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket) if url.is_prefix else url.key.rsplit("/", 1)[-1]
+    if hub.looks_like_hub_id(source):
+        return source.replace("/", "--")
+    parsed = urlparse(source)
+    path = Path(parsed.path if parsed.scheme == "file" else source)
+    name = glob_files(source)[0].name if is_glob(source) else path.name
+    if name in ("", ".", ".."):
+        raise DataError(f"data.source: {source!r} does not name a file")
+    return name
+
+
+def staged_location(staging_dir: Path, fingerprint: str, name: str) -> Path:
+    # Content-addressed, so two different sources with the same name never collide.
+    return Path(staging_dir) / fingerprint[:16] / name
+
+
+def _manifest_path(target: Path) -> Path:
+    return target.with_name(f"{target.name}.manifest.json")
+
+
+def _read_manifest(path: Path) -> StageManifest | None:
+    try:
+        return StageManifest.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError, ValueError):  # missing or half-written: stage again
+        return None
+
+
+def _write_manifest(path: Path, manifest: StageManifest) -> None:
+    write_atomically(path, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def _intact(path: Path, size: int, sha256: str) -> bool:
+    # The size is the cheap check; the full hash catches a same-size corruption, at local-disk read speed.
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256
+
+
+def _require_free_space(directory: Path, needed: int, source: str) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise DataError(f"staging dir {directory}: {free} bytes free, {source} needs {needed}")
+
+
+def verify_download(path: Path, expected_size: int, expected_md5: str | None, what: str | None = None) -> str:
+    """Check a downloaded file's size and (where the ETag is one) MD5; return its sha256.
+
+    A file that fails is deleted at once, so it can never be mistaken for a staged copy."""
+    what = what or str(path)
+    size = path.stat().st_size if path.is_file() else -1
+    if size != expected_size:
+        path.unlink(missing_ok=True)
+        raise DataError(f"{what}: download failed verification ({size} bytes, expected {expected_size})")
+    sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(READ_CHUNK):
+            sha.update(chunk)
+            md5.update(chunk)
+    if expected_md5 is not None and md5.hexdigest() != expected_md5:
+        path.unlink(missing_ok=True)
+        raise DataError(f"{what}: download failed verification (md5 {md5.hexdigest()}, ETag {expected_md5})")
+    return sha.hexdigest()
+
+
+def _copy_verified(source: Path, destination: Path) -> str:
+    """Copy one file, hashing it while it is read and again once written; renamed into place only when both
+    agree. Returns its sha256."""
+    digest = hashlib.sha256()
+    with atomic_path(destination) as partial:
+        with open(source, "rb") as reader, open(partial, "wb") as writer:
+            while chunk := reader.read(READ_CHUNK):
+                digest.update(chunk)
+                writer.write(chunk)
+        copied = sha256_file(partial)
+        if copied != digest.hexdigest():
+            raise DataError(f"{source}: staged copy failed verification (sha256 {copied} != {digest.hexdigest()})")
+    return digest.hexdigest()
+
+
+def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"{path}: the file is empty")
+    sha = sha256_file(path)
+    target = staged_location(staging_dir, sha, path.name)
+    copied = not (target.is_file() and target.stat().st_size == size and sha256_file(target) == sha)
+    if copied:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _require_free_space(target.parent, size, str(path))
+        if _copy_verified(path, target) != sha:  # the source changed while it was copied
+            raise DataError(f"{path}: the file changed while it was staged; stage again")
+    return StagedData(source=source, path=str(target), origin=str(path), fingerprint=sha, size_bytes=size,
+                      copied=copied)
+
+
+def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Path, explicit: bool) -> StagedData:
+    """A directory (or a glob's matches) copied file by file under a directory keyed on its content. A file
+    already at its final name was verified before it was renamed there: an interrupted stage resumes."""
+    shas = {name: sha256_file(base / name) for name in files}
+    sizes = {name: (base / name).stat().st_size for name in files}
+    if sum(sizes.values()) == 0:
+        raise DataError(f"data.source: {source}: the data is empty")
+    fingerprint = _content_fingerprint(list(shas.items()))
+    target = staged_location(staging_dir, fingerprint, base.name)
+    pending = [name for name in files if not _intact(target / name, sizes[name], shas[name])]
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(sizes[name] for name in pending), source)
+    for name in pending:
+        if _copy_verified(base / name, target / name) != shas[name]:
+            raise DataError(f"{base / name}: the file changed while it was staged; stage again")
+    return StagedData(source=source, path=str(target), origin=str(base), files=files if explicit else [],
+                      fingerprint=fingerprint, size_bytes=sum(sizes.values()), copied=bool(pending))
+
+
+def _stage_local(source: str, staging_dir: Path) -> StagedData:
+    if is_glob(source):
+        base, files = glob_files(source)
+        return _stage_local_tree(source, base, files, staging_dir, explicit=True)
+    path = local_source_path(source)
+    if path.is_dir():
+        return _stage_local_tree(source, path, _local_files(path), staging_dir, explicit=False)
+    return _stage_local_file(source, path, staging_dir)
+
+
+def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, staging_dir: Path,
+                     transfer: TransferConfig) -> StagedData:
+    target = staged_location(staging_dir, _s3_fingerprint(url, [item]), staged_name(source))
+    manifest_path = _manifest_path(target)
+    recorded = _read_manifest(manifest_path)
+    if recorded and recorded.objects == [item] and _intact(target, recorded.size_bytes, recorded.sha256):
+        return StagedData(source=source, path=str(target), origin=source, fingerprint=recorded.sha256,
+                          size_bytes=item.size, copied=False, objects=[item])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)  # the old record must not vouch for a file about to be replaced
+    _require_free_space(target.parent, item.size, source)
+    with atomic_path(target) as partial:
+        with _data_errors():
+            md5s = download_objects(client, url.bucket, [(item, partial)], transfer)
+        sha = verify_download(partial, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
+    _write_manifest(manifest_path, StageManifest(source=source, objects=[item], sha256=sha, size_bytes=item.size))
+    return StagedData(source=source, path=str(target), origin=source, fingerprint=sha, size_bytes=item.size,
+                      copied=True, objects=[item])
+
+
+def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Object], staging_dir: Path,
+                     transfer: TransferConfig) -> tuple[Path, dict[str, str], bool]:
+    """Every object under the prefix into `staging_dir/<fingerprint[:16]>/<name>/`, each verified and renamed
+    into place; skipped when the manifest matches the listing and every file is intact. Returns the
+    directory, each key's sha256, and whether anything was downloaded."""
+    name = url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket
+    target = staged_location(staging_dir, _s3_fingerprint(url, objects), name)
+    files = [(item, target / _relative_file(url, item.key)) for item in objects]
+    manifest_path = _manifest_path(target)
+    recorded = _read_manifest(manifest_path)
+    if recorded and recorded.objects == objects:
+        damaged = [path for item, path in files
+                   if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""))]
+        if not damaged:
+            return target, recorded.file_sha256, False
+        for path in damaged:  # else the size check below would keep a same-size corruption
+            path.unlink(missing_ok=True)
+    manifest_path.unlink(missing_ok=True)
+
+    # A file already at its final name was verified before it was renamed there, and the directory is keyed
+    # on this exact listing: an interrupted stage resumes instead of starting over.
+    pending = [(item, path) for item, path in files if not (path.is_file() and path.stat().st_size == item.size)]
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(item.size for item, _ in pending), source)
+    shas: dict[str, str] = {}
+    with ExitStack() as renames:  # every verified download takes its name at the end; on an error none does
+        partials = [(item, renames.enter_context(atomic_path(path))) for item, path in pending]
+        with _data_errors():
+            md5s = download_objects(client, url.bucket, partials, transfer)
+        for item, part in partials:
+            shas[item.key] = verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
+    shas.update({item.key: sha256_file(path) for item, path in files if item.key not in shas})
+    _write_manifest(manifest_path, StageManifest(source=source, objects=objects, file_sha256=shas))
+    return target, shas, bool(pending)
+
+
+def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer: TransferConfig) -> StagedData:
+    url = _parse(source)
+    client, objects = _list(url, endpoint_url)
+    if sum(item.size for item in objects) == 0:
+        raise DataError(f"{source}: the data is empty")
+    if not url.is_prefix:
+        return _stage_s3_object(source, url, client, objects[0], staging_dir, transfer)
+    data = [item for item in objects if is_data_file(item.key)]
+    if not data:
+        raise DataError(f"{source}: no data file under the prefix (keys: {', '.join(o.key for o in objects[:5])})")
+    target, shas, copied = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
+    files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
+    return StagedData(source=source, path=str(target), origin=source, files=files,
+                      fingerprint=_content_fingerprint([(name, shas[item.key]) for name, item in zip(files, data)]),
+                      size_bytes=sum(item.size for item in data), copied=copied, objects=objects)
+
+
+def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:
+    """The Hub dataset's files for `config`, in HF_HOME's cache at one commit; the staged location links there."""
+    snapshot = download_hub_dataset(source, revision, config)
+    fingerprint = hash_json(["hub-dataset", source, snapshot.commit])
+    target = staged_location(staging_dir, fingerprint, staged_name(source))
+    if not target.is_dir():
+        with atomic_path(target) as link:
+            link.symlink_to(snapshot.path, target_is_directory=True)
+    size = sum(p.stat().st_size for p in Path(snapshot.path).rglob("*") if p.is_file())
+    return StagedData(source=source, path=str(target), origin=source, fingerprint=fingerprint, size_bytes=size,
+                      copied=False)
+
+
+def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,
+                  transfer: TransferConfig = DEFAULT_TRANSFER, revision: str | None = None,
+                  config: str | None = None) -> StagedData:
+    """Copy `source` under `staging_dir`; every copy is verified before it gets its final name."""
+    staging_dir = Path(staging_dir)
+    if is_s3_url(source):
+        return _stage_s3(source, staging_dir, endpoint_url, transfer)
+    if hub.looks_like_hub_id(source):
+        return _stage_hub(source, staging_dir, revision, config)
+    return _stage_local(source, staging_dir)
+
+
+def _relative_file(url: S3Url, key: str) -> PurePosixPath:
+    # A key like "model/../../etc/x" must not write outside the staging directory.
+    relative = PurePosixPath(key[len(url.key):])
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        raise DataError(f"s3://{url.bucket}/{key}: key does not map to a file inside the staged directory")
+    return relative
+
+
+def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
+    """A model directory on slow storage (a network mount) copied to local disk, each file verified. The
+    listing (names, sizes, mtimes) keys the copy, so an unchanged model is never read from slow storage twice."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    listing = [(p.relative_to(directory).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    target = staged_location(staging_dir, hash_json(listing), directory.name)
+    marker = target / ".phase1a-staged"
+    if marker.is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
+    for relative, _, _ in listing:
+        _copy_verified(directory / relative, target / relative)
+    marker.write_text(json.dumps(listing) + "\n")
+    return target
+
+
+def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
+                transfer: TransferConfig = DEFAULT_TRANSFER, copy_local: bool = False) -> Path:
+    """An s3://bucket/prefix/ model directory downloaded to `staging_dir/<fingerprint[:16]>/<name>/` (verified,
+    renamed into place file by file, skipped when the manifest matches). A local directory is copied the same
+    way when `copy_local` (it lives on slow storage), else returned unchanged; a built-in model name or a Hub
+    id passes through to the model resolver."""
+    if not is_s3_url(source):
+        parsed = urlparse(source)
+        path = Path(parsed.path) if parsed.scheme == "file" else Path(source)
+        return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
+    url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
+    client, objects = _list(url, endpoint_url)
+    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), transfer)[0]

@@ -1,0 +1,96 @@
+"""What the tests build for themselves, never fetched: a BPE tokenizer trained here, a tiny Llama, chat datasets.
+
+Fixtures live in conftest.py; everything a test imports lives here (`from helpers import ...`), and in
+helpers.servers (moto, ports), helpers.hub_cache (a Hugging Face cache laid out by hand) and
+helpers.prefect_stack (a real Prefect server and workers).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = "the a date rewrite write in us format long form european answer with only month day year".split()
+
+
+def _facts_8b():
+    from phase1a.cost_model import ModelFacts
+
+    return ModelFacts(parameters=8_030_000_000, layers=32, hidden=4096, intermediate=14336, vocab=128256,
+                      max_positions=8192, heads=32, kv_heads=8, head_dim=128)
+
+
+FACTS_8B = _facts_8b()  # Llama-3-8B's shape: the memory model's textbook case
+
+
+def make_tokenizer(chat_template: str | None = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(12)) + f" {rng.randint(0, 9999)}-{rng.randint(1, 12):02d}"
+              for _ in range(500)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", pad_token="</s>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def make_tiny_model_dir(target: Path, chat_template: str | None = CHATML, seed: int = 0, **shape) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer(chat_template)
+    torch.manual_seed(seed)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, **shape}
+    config = LlamaConfig(vocab_size=len(tokenizer), **sizes,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def date_records(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        y, m, d = rng.randint(1950, 2049), rng.randint(1, 12), rng.randint(1, 28)
+        out.append({"messages": [
+            {"role": "system", "content": "Rewrite dates."},
+            {"role": "user", "content": f"Write {y}-{m:02d}-{d:02d} in US format."},
+            {"role": "assistant", "content": f"{m:02d}/{d:02d}/{y}"},
+        ]})
+    return out
+
+
+def read_arrow(path: str | Path) -> pa.Table:
+    """A tokenized split, memory-mapped."""
+    return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+
+def resolved(config):
+    """The run's model as the flow prepares it (a local directory: nothing is downloaded)."""
+    from phase1a.models import prepare_model
+
+    return prepare_model(config)
