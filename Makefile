@@ -3,7 +3,7 @@ SHELL := /bin/bash
 UV ?= $(shell command -v uv 2>/dev/null || echo $(CURDIR)/.tools/bin/uv)
 export UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
 
-.PHONY: setup demo test demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
+.PHONY: setup demo test test-fast lint docs demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
 
 $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
@@ -21,7 +21,18 @@ demo: demo-data
 test: setup
 	$(UV) run --frozen pytest -q
 
-# GPU proof (README, "GPU check"). Here, with network: the wheels and tokenizer a bare GPU host lacks, into .gpu/.
+# The inner loop: every test not marked slow, prefect_server, s3 or gpu (pyproject.toml), in under two minutes.
+test-fast: setup
+	$(UV) run --frozen pytest -q -m "not slow and not prefect_server and not s3 and not gpu"
+
+lint: setup
+	$(UV) run --frozen ruff check .
+
+# docs/configuration.md, generated from the config schema (phase1a/config_reference.py); tests/test_docs.py checks it.
+docs: setup
+	$(UV) run --frozen python -m phase1a.config_reference --write
+
+# GPU proof (docs/gpu.md). Here, with network: the wheels and tokenizer a bare GPU host lacks, into .gpu/.
 # There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.
 GPU_PYTHON ?= python3
 gpu-wheels: setup
@@ -30,7 +41,7 @@ gpu-wheels: setup
 gpu-check: $(if $(DRY_RUN),setup)
 	$(if $(DRY_RUN),$(UV) run --frozen python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
-# Operations (README, "Operations"): a local Prefect server, its work pools, the deployments, a worker.
+# Operations (docs/operations.md): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the
 # local server that `make server` starts on PREFECT_PORT with SQLite under PREFECT_HOME (./.prefect).
 # Nothing is exported globally: `make demo` keeps running on Prefect's embedded server.

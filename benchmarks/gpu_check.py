@@ -34,16 +34,20 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(ROOT))
 
-from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json  # noqa: E402
+# Neither imports a third-party package at the top: the host's bare python runs this before installing the wheels.
+from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json
+
+from phase1a.units import GIB, MIB
 
 GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, installed packages, results kept between commands
 WHEELS, TOKENIZER, SITE = GPU_DIR / "wheels", GPU_DIR / "tokenizer", GPU_DIR / "site"
-CARRY_LIMIT = 64 * 1024**2  # what a GPU lease takes along: the working tree and the carried folder together
+CARRY_LIMIT = 64 * MIB  # what a GPU lease takes along: the working tree and the carried folder together
 HOST_PYTHON = "3.12"  # the GPU hosts' interpreter: the wheels are downloaded for it
 # What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them.
 FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
-# The optional GPU packages (README, "GPU hosts"): liger-kernel's Triton kernels, bitsandbytes' NF4 and 8-bit Adam.
+# The optional GPU packages (docs/gpu.md): liger-kernel's Triton kernels, bitsandbytes' NF4 and 8-bit Adam.
 OPTIONAL = {"liger-kernel": "0.8.5", "bitsandbytes": "0.50.2"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -77,7 +81,7 @@ class Run:
 class Part:
     name: str
     what: str
-    seconds: int  # expected on an H100 (README's table); the budget must cover it before the part starts
+    seconds: int  # expected on an H100 (docs/gpu.md's table); the budget must cover it before the part starts
     command: Callable[[Run], list[str]]
     result: str  # the file the part writes, relative to the results folder
     cuda_only: str | None = None  # why the dry run skips it
@@ -264,8 +268,8 @@ def prepare(python_version: str) -> int:
     tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0")
                if name and (ROOT / name).is_file())
     total = carried + tree
-    print(f"{WHEELS.relative_to(ROOT)} and {TOKENIZER.relative_to(ROOT)}: {carried / 1024**2:.1f} MiB; "
-          f"with the tracked tree {total / 1024**2:.1f} MiB of the {CARRY_LIMIT / 1024**2:.0f} MiB a lease carries")
+    print(f"{WHEELS.relative_to(ROOT)} and {TOKENIZER.relative_to(ROOT)}: {carried / MIB:.1f} MiB; "
+          f"with the tracked tree {total / MIB:.1f} MiB of the {CARRY_LIMIT / MIB:.0f} MiB a lease carries")
     return 0 if total <= CARRY_LIMIT else 1
 
 
@@ -291,7 +295,7 @@ def describe_environment(installed: list[str]) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "device": device, "cuda_available": cuda, "driver": _driver() if cuda else None,
         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 1024**3, 1) if cuda else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / GIB, 1) if cuda else None,
         "python": platform.python_version(), "machine": platform.node(), "versions": versions,
         "installed_from_wheels": installed, "commit": commit.stdout.strip() or None,
         "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",

@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tokenize_throughput import generate  # noqa: E402
-from train_throughput import write_json  # noqa: E402
+from tokenize_throughput import generate
+from train_throughput import write_json
 
 BUDGETS = (1, 2, 4, 8, 16)
 ATTENTIONS = ("sdpa", "sdpa_packed")
@@ -50,15 +50,16 @@ def main() -> None:
     from phase1a.modeling import build_model, make_optimizer
     from phase1a.models import load_tokenizer, resolve_model
     from phase1a.packing import StepBatches, token_budget
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from phase1a.steps import optimizer_step
+    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
     data_path = args.work / f"chat_{args.examples}.jsonl"
     if not data_path.is_file():
         generate(data_path, args.examples, seed=1)
-    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache" / f"packed-rows-{data_path.stem}")
+    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(),
+                            args.work / "cache" / f"packed-rows-{data_path.stem}")
     length = data.max_seq_length
     order = np.arange(args.batch * (args.steps + 1))
     models = {}
@@ -71,7 +72,7 @@ def main() -> None:
 
     packed = {}  # budget -> the timed steps, packed once and run by both attentions in every round
     for micro in BUDGETS:
-        batches = StepBatches(data.train_path, length, order, args.batch, len(order), token_budget(micro, length))
+        batches = StepBatches(data.train_path, length, order, args.batch, token_budget(micro, length))
         packed[micro] = [batches[step] for step in range(1, args.steps + 1)]
         if micro == BUDGETS[0]:
             for model, optimizer in models.values():

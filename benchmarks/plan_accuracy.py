@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tokenize_throughput import generate  # noqa: E402
-from train_throughput import SHAPES, SMALL_VOCABULARY, config_target, make_model_dir, write_json  # noqa: E402
+from tokenize_throughput import generate
+from train_throughput import SHAPES, SMALL_VOCABULARY, config_target, make_model_dir, write_json
 
 
 def main() -> None:
@@ -56,12 +56,14 @@ def main() -> None:
     data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
     if not data_path.is_file():
         generate(data_path, args.examples, seed=2, max_answer_words=args.max_answer_words)
-    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(), args.work / "cache" / f"plan-{args.model}-{data_path.stem}")
+    data = tokenize_dataset(data_path, load_tokenizer(model_dir), 8192, TokenizeOptions(),
+                            args.work / "cache" / f"plan-{args.model}-{data_path.stem}")
 
     run_dir = args.work / f"run-{time.time_ns()}"  # a fresh run: train() reuses a finished one of the same key
     window = f"{round(args.minutes * 60)}s"
     config = Phase1aConfig.model_validate({
-        "name": "plan-accuracy", "work_dir": str(run_dir), "cache_dir": str(run_dir), "data": {"source": str(data_path)},
+        "name": "plan-accuracy", "work_dir": str(run_dir), "cache_dir": str(run_dir),
+        "data": {"source": str(data_path)},
         "model": {"name_or_path": str(model_dir)}, "method": {"batch_size": 16, "lora": {"r": 16, "alpha": 32}},
         "hardware": {"target": config_target()},
         "plan": {"calibration_budget": args.calibration_budget, "min_epochs": 1e-6},

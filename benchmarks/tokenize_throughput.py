@@ -24,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from phase1a.labels import IGNORE_INDEX
+from phase1a.units import KIB, MIB
+
 WORDS = ("the of and to in is was for on that with as by at from this are be or an it which have not has "
          "model data train value result answer question number list write explain describe example first "
          "second time people water energy city system process function language history science").split()
@@ -55,8 +58,8 @@ def _peak_rss_mib() -> float:
     across fork and exec, so every spawned measurement would report at least the parent's peak."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            return int(line.split()[1]) * KIB / MIB  # the kernel counts in KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB / MIB
 
 
 class _TreeMemory:
@@ -103,13 +106,14 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     tokenizer = load_tokenizer(Path(model_dir))
     began, cpu = time.perf_counter(), time.process_time()
     with _TreeMemory() as tree:
-        result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers), Path(cache) / "bench")
+        result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers),
+                                  Path(cache) / "bench")
     assert result.skipped == {} and result.lengths.count == result.train_examples + result.validation_examples
     seconds = time.perf_counter() - began
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,
                "tokens_per_s": result.lengths.total_tokens / seconds, "workers": result.workers,
                "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu,
-               "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / 2**20,
+               "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / MIB,
                "train_sha256": _sha256(result.train_path), "validation_sha256": _sha256(result.validation_path)})
 
 
@@ -139,7 +143,7 @@ def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:
         fulls = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
         prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         full_ids = tokenizer(fulls, add_special_tokens=False)["input_ids"]
-        labels = [[-100] * len(p) + ids[len(p):] for p, ids in zip(prompt_ids, full_ids)]
+        labels = [[IGNORE_INDEX] * len(p) + ids[len(p):] for p, ids in zip(prompt_ids, full_ids)]
         return {"input_ids": full_ids, "labels": labels, "length": [len(ids) for ids in full_ids]}
 
     began = time.perf_counter()
@@ -260,8 +264,8 @@ def main() -> None:
     for kind in args.formats:
         for count in args.examples:
             cache = args.work / f"cache_{count}_{time.time_ns()}"
-            record(f"stage_{kind}_{count}", _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache),
-                                                        None, None))
+            record(f"stage_{kind}_{count}",
+                   _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache), None, None))
         measure_scaling(args, kind, data_file(max(args.examples), kind), model_dir, summary, record)
     if args.map:
         for kind in args.formats:
@@ -270,7 +274,8 @@ def main() -> None:
                    _in_process(measure_datasets_map, str(data_file(args.map, kind)), model_dir, str(cache)))
             ours = summary.get(f"stage_{kind}_{args.map}")
             if ours:
-                summary[f"speedup_vs_datasets_map_{kind}"] = ours["tokens_per_s"] / summary[f"datasets_map_{kind}_{args.map}"]["tokens_per_s"]
+                baseline = summary[f"datasets_map_{kind}_{args.map}"]["tokens_per_s"]
+                summary[f"speedup_vs_datasets_map_{kind}"] = ours["tokens_per_s"] / baseline
     if args.onthefly:
         largest = data_file(max(args.examples), "jsonl")
         record("on_the_fly", _in_process(measure_on_the_fly, str(largest), model_dir, args.onthefly))

@@ -46,7 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tokenize_throughput import _in_process, _peak_rss_mib, generate  # noqa: E402  (same data, same process runner)
+from tokenize_throughput import _in_process, _peak_rss_mib, generate  # same data, same process runner
+
+from phase1a.units import GIB, MIB
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the tokenizer's)
     "test": (64, 128, 2, 4, 2, None),  # the test suite's tiny Llama: the GPU check's dry run
@@ -73,7 +75,7 @@ def make_model_dir(shape: str, tokenizer_dir: Path | None, target: Path) -> Path
 
     if tokenizer_dir is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from conftest import make_tokenizer
+        from helpers import make_tokenizer  # the test suite's tokenizer
 
         tokenizer = make_tokenizer()
     else:
@@ -106,8 +108,8 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
     from torch.utils.data import DataLoader
 
     from phase1a.config import MethodConfig
-    from phase1a.modeling import build_model
     from phase1a.labels import IGNORE_INDEX
+    from phase1a.modeling import build_model
     from phase1a.packing import TokenRows
 
     rows = TokenRows.from_arrow(train_path, length)
@@ -263,9 +265,9 @@ def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration
     from phase1a.modeling import build_model, make_optimizer
     from phase1a.models import prepare_model
     from phase1a.packing import StepBatches, step_loader, token_budget
-    from tasks.plan import make_plan
-    from phase1a.results import TokenizedData
     from phase1a.steps import optimizer_step
+    from phase1a.tokenized import TokenizedData
+    from tasks.plan import make_plan
 
     data = TokenizedData.model_validate_json(data_json)
     config = Phase1aConfig.model_validate({
@@ -278,7 +280,7 @@ def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration
     model = build_model(Path(model_dir), config.method, plan.gradient_checkpointing, compile=plan.compile)
     optimizer = make_optimizer(model, config.method)
     order = np.array(indices)
-    batches = StepBatches(data.train_path, plan.max_seq_length, order, GLOBAL_BATCH, len(order),
+    batches = StepBatches(data.train_path, plan.max_seq_length, order, GLOBAL_BATCH,
                           token_budget(plan.micro_batch_size, plan.max_seq_length))
     model.train()
     began, computed = None, 0
@@ -320,7 +322,7 @@ def _profile(model, optimizer, batches) -> str:
 def _summary(name: str, seconds: float, useful: int, computed: int, knobs: dict) -> dict:
     import torch
 
-    peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else _peak_rss_mib() / 1024
+    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else _peak_rss_mib() * MIB / GIB
     return {"config": name, **knobs, "seconds": round(seconds, 3), "useful_tokens": useful, "computed_tokens": computed,
             "useful_tokens_per_s": round(useful / seconds, 1), "padding_waste": round(1 - useful / computed, 4),
             "peak_memory_gib": round(peak, 3)}
@@ -412,7 +414,7 @@ def config_target() -> str:
 
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a re-run trusts a result file that is there."""
-    from phase1a.locks import write_atomically
+    from phase1a.atomic import write_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(value, indent=2) + "\n")

@@ -3,7 +3,7 @@
     python deployments/ops.py pools                 # phase1a-cpu, phase1a-h100, phase1a-h200 (process)
     python deployments/ops.py automations [--zombie-after 600] [--notify-block custom-webhook/phase1a-alerts]
 
-Run through `make pools` / `make automations` (README, "Operations"); PREFECT_API_URL names the server.
+Run through `make pools` / `make automations` (docs/operations.md); PREFECT_API_URL names the server.
 Both commands converge on the state described here whatever exists already, so re-running them is harmless.
 """
 from __future__ import annotations

@@ -20,10 +20,12 @@ def _summary(report_path: Path) -> str:
     plan = report["stages"].get("plan", {}).get("result")
     if plan and train and not train["reused_completed_run"]:
         lines.append(f"train: {train['train_tokens']} tokens in {train['wall_seconds']:.1f} s "
-                     f"({train['tokens_per_second']:.0f} tokens/s); plan estimated {plan['estimated_train_seconds']:.1f} s")
+                     f"({train['tokens_per_second']:.0f} tokens/s); plan estimated "
+                     f"{plan['estimated_train_seconds']:.1f} s")
     validation = report.get("validation_estimate_vs_actual")
     if validation:
-        lines.append(f"validate: {validation['actual_seconds']:.1f} s; plan estimated {validation['estimated_seconds']:.1f} s")
+        lines.append(f"validate: {validation['actual_seconds']:.1f} s; plan estimated "
+                     f"{validation['estimated_seconds']:.1f} s")
     verdict = report["stages"].get("validate", {}).get("result")
     if verdict:
         from tasks.validate import format_table

@@ -149,7 +149,7 @@ class _Session:
         self.optimizer = make_optimizer(self.model, method)
         self.model.train()  # as training runs it: train mode takes other code paths (dropout, mask construction)
         self.startup = time.perf_counter() - self.began
-        self.order, self.total = example_stream(len(TokenRows.from_arrow(job.train_path)), method.epochs, method.seed)
+        self.order, _ = example_stream(len(TokenRows.from_arrow(job.train_path)), method.epochs, method.seed)
         self.cap = parse_duration_seconds(config.plan.calibration_budget)
 
     def elapsed(self) -> float:
@@ -162,7 +162,7 @@ class _Session:
         if candidate.compile and not getattr(self.model, "_compiled_call_impl", None):
             self.model.compile(dynamic=True)
         method, job = self.config.method, self.job
-        batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size, self.total,
+        batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size,
                               token_budget(candidate.micro_batch_size, job.max_seq_length))
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.hardware.calibration_steps, self.began + budget))

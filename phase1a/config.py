@@ -28,14 +28,16 @@ class DataConfig(_Section):
     source: str = Field(description=(
         "The dataset: a file (JSON/JSONL, Parquet, CSV/TSV, Arrow; gzip, bz2, xz or zstd for the text formats), a "
         "glob, a directory of shards, a `save_to_disk` folder, a local dataset repository (a README with configs), "
-        "a Hub dataset id `org/name`, file://, s3://bucket/key or s3://bucket/prefix/ (staged, then read the same way)."))
+        "a Hub dataset id `org/name`, file://, s3://bucket/key or s3://bucket/prefix/ (staged, then read the same "
+        "way)."))
     config: str | None = Field(None, description="Dataset config (subset) of a dataset repository or Hub dataset.")
     split: str = Field("train", description="Split of a dataset repository, Hub dataset or saved DatasetDict.")
     revision: str | None = Field(None, description="Hub dataset branch, tag or commit (default: main).")
     validation_source: str | None = Field(
         None, description="A separate held-out set (same forms as `source`) instead of a split of `source`.")
     validation_split: str | None = Field(None, description="Split of `validation_source`; None: `split`.")
-    format: str = Field("auto", description="Record shape: auto, or one of phase1a.records.RECORD_FORMATS.")
+    format: str = Field("auto", description="Record shape: `auto` (detected per record: the first format whose field "
+                                            "it has), or one of the [record formats](#record-formats).")
     field_map: dict[str, str] = Field({}, description="Rename fields before reading; dotted paths reach into nested "
                                                       "records, e.g. {question: prompt, 'meta.answer': completion}.")
     role_map: dict[str, str] = Field({}, description="Extra role names to system/user/assistant/tool, e.g. {bot: "
@@ -43,15 +45,25 @@ class DataConfig(_Section):
     chat_template: str | None = Field(None, description="Override the tokenizer's chat template: a named one "
                                                         "(phase1a.templates.CHAT_TEMPLATES) or a Jinja file.")
     train_on_inputs: bool = Field(False, description="Train on prompt tokens too, not only the responses.")
-    bad_records: Literal["fail", "skip"] = Field("fail", description="skip: count each reason, show examples.")
-    overlong: Literal["truncate", "drop", "fail"] = "truncate"
+    bad_records: Literal["fail", "skip"] = Field(
+        "fail", description="fail: the first bad record stops the run, named as `file:line: field: what is wrong`; "
+                            "skip: bad records are skipped and counted by reason, with examples in the report.")
+    overlong: Literal["truncate", "drop", "fail"] = Field(
+        "truncate", description="Examples longer than the run's max_seq_length: truncated, dropped (both counted in "
+                                "the report), or the run fails naming the first.")
     drop_duplicates: bool = Field(False, description="Exact duplicates are always counted; optionally dropped.")
-    length_percentile: float = Field(100.0, gt=0.0, le=100.0, description="Right-size max_seq_length at this.")
-    staging_dir: Path = Path("/tmp/phase1a/staging")
+    length_percentile: float = Field(100.0, gt=0.0, le=100.0, description=(
+        "Right-size max_seq_length to the next multiple of 64 at this percentile of the example lengths (100: the "
+        "longest), capped by the model and model.max_seq_length."))
+    staging_dir: Path = Field(Path("/tmp/phase1a/staging"), description=(
+        "Local disk the stage task copies the dataset to (under `<fingerprint>/`); S3 and `model.stage_local` "
+        "model directories go under `models/` here."))
     s3_endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (MinIO, moto); None: AWS, or AWS_ENDPOINT_URL if set. "
                           "Credentials come only from the standard AWS chain (env, profile, instance role).")
-    validation_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    validation_fraction: float = Field(0.1, gt=0.0, lt=1.0, description=(
+        "Share of `source` held out for validation, chosen by content hash (stable across runs and file order); "
+        "not used with `validation_count` or `validation_source`."))
     validation_count: int | None = Field(None, ge=1, description="An exact validation size; overrides the fraction.")
     tokenize_workers: int | None = Field(None, ge=1, description=(
         "Processes that tokenize (records are parsed and templated in Python, so one process holds one core); "
@@ -93,32 +105,48 @@ class ModelConfig(_Section):
     revision: str | None = Field(None, description="Hub models: branch, tag or commit (default: main).")
     allow_pickle_weights: bool = Field(False, description="Hub models: also fetch *.bin/*.pt pickles when a model "
                                                           "has no safetensors (loading a pickle can run code).")
-    cache_dir: Path = Path("~/.cache/phase1a/models")
+    cache_dir: Path = Field(Path("~/.cache/phase1a/models"), description=(
+        "Where the built-in model is converted to safetensors once. Hub models use huggingface_hub's cache "
+        "under HF_HOME."))
     stage_local: bool = Field(False, description="Copy a local model directory (on slow storage) to staging first.")
-    max_seq_length: int | None = Field(None, ge=8, description="None: right-size from the data.")
-    trust_remote_code: bool = False
+    max_seq_length: int | None = Field(None, ge=8, description=(
+        "A cap on tokens per example (longer ones follow data.overlong); None: right-size from the data "
+        "(data.length_percentile), capped by the model's positions."))
+    trust_remote_code: bool = Field(False, description=(
+        "Let transformers run the model repository's own Python code when it loads the tokenizer and the model. "
+        "Only for repositories you trust."))
 
 
 class LoraSettings(_Section):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    r: int = Field(16, ge=1, description="Rank of the adapter's low-rank update matrices.")
+    alpha: int = Field(32, ge=1, description="Scaling of the adapter's update: it is multiplied by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the input of the adapter layers.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names of the linear modules that get an adapter (peft's `target_modules`); the default is "
+                    "every attention and MLP projection of a Llama-style model.")
 
 
 class MethodConfig(_Section):
-    kind: Literal["lora", "full"] = "lora"
-    lora: LoraSettings = LoraSettings()
-    learning_rate: float = Field(2e-4, gt=0.0)
-    warmup_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    epochs: float = Field(1.0, gt=0.0)
+    kind: Literal["lora", "full"] = Field(
+        "lora", description="lora: train adapters (`method.lora`) on a frozen base; full: train every weight.")
+    lora: LoraSettings = Field(LoraSettings(), description="The adapters, when kind is lora.")
+    learning_rate: float = Field(2e-4, gt=0.0, description=(
+        "Peak learning rate: reached after the linear warm-up, then cosine decay to zero."))
+    warmup_fraction: float = Field(0.05, ge=0.0, lt=1.0, description=(
+        "Share of the optimizer steps over which the learning rate rises linearly to its peak."))
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's weight decay.")
+    epochs: float = Field(1.0, gt=0.0, description=(
+        "Passes over the training split, fractions allowed (1.5: one and a half). Fitting a time window may "
+        "lower it, never below plan.min_epochs."))
     batch_size: int = Field(16, ge=1, description="Examples per optimizer step (the global batch).")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds torch and the order of the examples (one permutation per epoch).")
     optimizer: Literal["adamw_fused", "adamw", "adamw_8bit"] = Field(
         "adamw_fused", description="adamw_fused: one kernel, no temporaries; adamw_8bit: bitsandbytes, 2-byte state.")
-    base_precision: Literal["16bit", "4bit"] = Field("16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
-    liger: Literal["auto", "on", "off"] = Field("auto", description="Liger kernels on CUDA: auto uses them when installed.")
+    base_precision: Literal["16bit", "4bit"] = Field(
+        "16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
+    liger: Literal["auto", "on", "off"] = Field(
+        "auto", description="Liger kernels on CUDA: auto uses them when installed.")
     attention: Literal["auto", "sdpa_packed", "sdpa", "flash_attention_2"] = Field(
         "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, "
                             "else sdpa_packed (SDPA once per packed example, phase1a/attention.py); sdpa: one "
@@ -135,7 +163,9 @@ class HardwareConfig(_Section):
     target: Literal[HARDWARE_KINDS] = Field(  # type: ignore[valid-type]
         "cpu", description="What the plan sizes, prices and calibrates for: this machine's CPU or a catalogue GPU "
                            "(phase1a/hardware.py). Calibration runs only when the target is the device present.")
-    num_gpus: int = Field(1, ge=1)
+    num_gpus: int = Field(1, ge=1, description=(
+        "GPUs on one host. Above 1 the train stage runs one rank a GPU under torchrun, the global batch split "
+        "across them (see `strategy`); the cost counts every GPU."))
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With several GPUs. ddp: every GPU holds the whole model (fastest when it fits); fsdp: "
                            "weights, gradients and optimizer state are sharded across the GPUs (bigger models).")
@@ -146,19 +176,25 @@ class HardwareConfig(_Section):
 
 class PlanConfig(_Section):
     profile: Literal["fast", "balanced", "quality", "memory_efficient", "custom"] = Field(
-        "balanced", description="fast: truncate at p99.9; quality: never truncate; memory_efficient: micro-batch 1 "
-                                "with gradient checkpointing; custom: micro_batch_size and gradient_checkpointing below.")
+        "balanced", description="fast: truncate at the p99.9 length; balanced: truncate there only when an example is "
+                                "over 2x that length (an outlier); quality: never truncate; memory_efficient: one "
+                                "example a row with gradient checkpointing; custom: the knobs below. memory_efficient "
+                                "and custom fix their knobs: no calibration sweep.")
     min_epochs: float = Field(1.0, gt=0.0, description="Fitting a time window never cuts epochs below this.")
-    micro_batch_size: int | None = Field(None, ge=1, description="custom profile only")
-    gradient_checkpointing: bool | None = Field(None, description="custom profile only")
-    compile: bool | None = Field(None, description="custom profile only: torch.compile the model")
-    dataloader_workers: int | None = Field(None, ge=0, description="custom profile only")
+    micro_batch_size: int | None = Field(None, ge=1, description=(
+        "custom profile only, required there: examples per packed row; must divide method.batch_size."))
+    gradient_checkpointing: bool | None = Field(None, description=(
+        "custom profile only, required there: recompute activations in the backward pass instead of keeping them."))
+    compile: bool | None = Field(None, description="custom profile only: torch.compile the model.")
+    dataloader_workers: int | None = Field(None, ge=0, description="custom profile only: DataLoader worker processes.")
     sweep: list[Literal["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"]] = Field(
         ["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"],
-        description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global batch.")
+        description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global "
+                    "batch.")
     calibration_budget: str = Field("10m", description="Most wall time the calibration sweep may spend.")
     calibration_share: float = Field(0.05, ge=0.0, le=1.0,
-                                     description="...and at most this share of the first estimate of training time.")
+                                     description="The calibration sweep also spends at most this share of the first "
+                                                 "estimate of training time.")
 
     @field_validator("calibration_budget")
     @classmethod
@@ -166,13 +202,17 @@ class PlanConfig(_Section):
         parse_duration_seconds(value)
         return value
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
-    scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0, description="Options table: throughput kept per GPU doubling.")
-    lr_rule: Literal["sqrt", "linear", "none"] = Field("sqrt", description="Options table: LR for a larger global batch.")
+    scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
+                                      description="Options table: throughput kept per GPU doubling.")
+    lr_rule: Literal["sqrt", "linear", "none"] = Field(
+        "sqrt", description="Options table: LR for a larger global batch.")
 
 
 class WindowConfig(_Section):
-    max_duration: str | None = Field(None, description="Time window for the whole run, e.g. '12h'.")
-    safety_margin: str = "30m"
+    max_duration: str | None = Field(None, description=(
+        "Time window for the whole run, e.g. '12h': the plan fits the run into it or fails before training. "
+        "None: no window."))
+    safety_margin: str = Field("30m", description="Kept free: the plan fits the run into max_duration minus this.")
 
     @field_validator("max_duration", "safety_margin")
     @classmethod
@@ -183,8 +223,10 @@ class WindowConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval: str = Field("30m", description="Wall time and/or steps between checkpoints: '30m', '500steps'.")
-    keep_last: int = Field(2, ge=1)
+    interval: str = Field("30m", description=(
+        "Between checkpoints, whichever limit comes first: wall time, steps, tokens or epochs, e.g. '30m', "
+        "'500steps', '2000000tok', '0.5ep', '30m,500steps'; 'never' turns the interval off."))
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
 
     @field_validator("interval")
     @classmethod
@@ -221,7 +263,9 @@ class ValidationConfig(_Section):
                             "promoted: the model the `promote_to` pointer names.")
     baseline_file: Path | None = Field(None, description="baseline: file; a metrics JSON (e.g. candidate_metrics.json "
                                                          "of a full-precision reference run).")
-    tolerances: GateTolerances = GateTolerances()
+    tolerances: GateTolerances = Field(GateTolerances(), description=(
+        "How much worse than the baseline the candidate may be, per metric; null leaves a metric out of the gate "
+        "(reported only)."))
     promote_to: str | None = Field(None, description="On a pass, copy the adapter here (a local directory or "
                                                      "s3://bucket/prefix/) and move its `promoted.json` pointer.")
     promote_merged: bool = Field(False, description="Also promote the model with the LoRA adapter merged in.")
@@ -245,17 +289,24 @@ class ValidationConfig(_Section):
 
 
 class Phase1aConfig(_Section):
-    name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$")
-    work_dir: Path = Field(Path("runs"), description="Run reports, checkpoints and adapters go here.")
-    cache_dir: Path = Field(Path("~/.cache/phase1a"), description="Tokenized datasets, keyed by fingerprint.")
-    data: DataConfig
-    model: ModelConfig = ModelConfig()
-    method: MethodConfig = MethodConfig()
-    hardware: HardwareConfig = HardwareConfig()
-    plan: PlanConfig = PlanConfig()
-    window: WindowConfig = WindowConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    validation: ValidationConfig = ValidationConfig()
+    name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$", description=(
+        "The job's name: its runs, checkpoints and adapters go under `work_dir/<name>/`."))
+    work_dir: Path = Field(Path("runs"), description=(
+        "Run directories (report.json, plan.json, metrics), checkpoints and adapters go here, under `<name>/`."))
+    cache_dir: Path = Field(Path("~/.cache/phase1a"), description=(
+        "Tokenized datasets (`tokenized/<fingerprint>/`), the throughput history the plan reads (`history.jsonl`) "
+        "and cached baseline metrics (`metrics/`)."))
+    data: DataConfig = Field(description="The dataset: where it comes from, how records are read and tokenized.")
+    model: ModelConfig = Field(ModelConfig(), description="The base model.")
+    method: MethodConfig = Field(MethodConfig(), description=(
+        "How it is trained: LoRA or full, optimizer, learning rate, batch, precision, attention."))
+    hardware: HardwareConfig = Field(HardwareConfig(), description=(
+        "What the plan sizes, prices and calibrates for, and how many GPUs train."))
+    plan: PlanConfig = Field(PlanConfig(), description="How the plan picks its knobs and calibrates them.")
+    window: WindowConfig = Field(WindowConfig(), description="The time window the run must fit.")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="When checkpoints are written, how many kept.")
+    validation: ValidationConfig = Field(ValidationConfig(), description=(
+        "The held-out evaluation, the gate against a baseline, and promotion."))
 
 
 def _format_errors(error: ValidationError, origin: str) -> str:
@@ -352,7 +403,8 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
     template = data.chat_template
     if template is not None and template not in CHAT_TEMPLATES:
         template = str(absolute(Path(template)))
-    data = data.model_copy(update={"source": location(data.source), "validation_source": location(data.validation_source),
+    data = data.model_copy(update={"source": location(data.source),
+                                   "validation_source": location(data.validation_source),
                                    "chat_template": template, "staging_dir": absolute(data.staging_dir)})
     model_path = config.model.name_or_path
     if "/" in model_path or model_path.startswith("."):

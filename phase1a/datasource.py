@@ -31,7 +31,6 @@ from typing import Any, BinaryIO, Iterator, NamedTuple, TextIO
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-
 from pydantic import BaseModel
 
 from phase1a.errors import DataError
@@ -248,11 +247,13 @@ def _json_array(shard: Shard) -> list:
         line = data.count(b"\n", 0, error.start) + 1
         column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
         raise DataError(f"{shard.label}:{line}: invalid UTF-8 at byte {column} of the line "
-                        f"(0x{data[error.start]:02x}); a JSON array is read whole, so the file cannot be read") from None
+                        f"(0x{data[error.start]:02x}); a JSON array is read whole, so the file cannot be "
+                        "read") from None
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
-        raise DataError(f"{shard.label}:{error.lineno}: malformed JSON array: {error.msg} at column {error.colno}") from None
+        raise DataError(f"{shard.label}:{error.lineno}: malformed JSON array: {error.msg} at column "
+                        f"{error.colno}") from None
     if not isinstance(items, list):
         raise DataError(f"{shard.label}: a JSON file must hold an array of records")
     return items
@@ -309,7 +310,8 @@ def download_hub_dataset(repo_id: str, revision: str | None, config: str | None)
 
     card = hub.snapshot(repo_id, repo_type="dataset", revision=revision, allow_patterns=["README.md"],
                         field="data.source")
-    patterns = _config_patterns(Path(card.path) / "README.md", config) or [f"*{suffix}*" for suffix in DATA_FILE_FORMATS]
+    patterns = (_config_patterns(Path(card.path) / "README.md", config)
+                or [f"*{suffix}*" for suffix in DATA_FILE_FORMATS])
     return hub.snapshot(repo_id, repo_type="dataset", revision=card.commit, allow_patterns=["README.md", *patterns],
                         field="data.source")
 
@@ -326,8 +328,9 @@ def _config_patterns(readme: Path, config: str | None) -> list[str]:
         return []
     name = config or configs.get_default_config_name() or (next(iter(configs)) if len(configs) == 1 else None)
     if name not in configs:
-        raise DataError(f"data.config: {config!r} is not a config of {readme.parent.name}; configs: {', '.join(configs)}"
-                        if config else f"data.config: the dataset has several configs, name one: {', '.join(configs)}")
+        names = ", ".join(configs)
+        raise DataError(f"data.config: {config!r} is not a config of {readme.parent.name}; configs: {names}"
+                        if config else f"data.config: the dataset has several configs, name one: {names}")
     files = configs[name].get("data_files", [])
     entries = files if isinstance(files, list) else [files]
     patterns: list[str] = []

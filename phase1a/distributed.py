@@ -5,16 +5,17 @@ its loss by the whole step's supervised tokens and scales it by the world size, 
 exactly the one-process gradient of the same global batch: the plan's global batch and learning rate hold
 whatever the number of GPUs. DDP keeps a whole model on every GPU and all-reduces gradients; FSDP (`fully_shard`,
 one unit a decoder layer) keeps 1/n of the weights, gradients and optimizer state on each and gathers a layer's
-weights just before it runs: a model that does not fit one GPU trains, at the price of that traffic. Rank 0 writes checkpoints, metrics and the final adapter; decisions that depend on
-a clock or a signal (checkpoint now, stop now) are taken together, so no rank waits for one that moved on.
+weights just before it runs: a model that does not fit one GPU trains, at the price of that traffic. Rank 0
+writes checkpoints, metrics and the final adapter; decisions that depend on a clock or a signal (checkpoint now,
+stop now) are taken together, so no rank waits for one that moved on.
 """
 from __future__ import annotations
 
 import os
 import shutil
-from contextlib import nullcontext
 import subprocess
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -92,7 +92,8 @@ class ChunkEncoder:
             segments.append(self.renderer.segments(conversation.messages, conversation.tools))
             places.append((record.shard, record.index))
             # One content hash serves the split (stable across runs and file order) and duplicate detection.
-            keys.append(int.from_bytes(hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest(), "big"))
+            digest = hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest()
+            keys.append(int.from_bytes(digest, "big"))
         return EncodedChunk(tokens=tokenize_conversations(segments, self.tokenizer) if segments else None,
                             places=np.array(places, dtype=np.int64).reshape(-1, 2),
                             keys=np.asarray(keys, dtype=np.uint64), skipped=skipped, shown=shown)

@@ -90,7 +90,8 @@ def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bin
 
 
 @torch.no_grad()
-def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray, batch_size: int) -> tuple[float, int, int]:
+def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
+                   batch_size: int) -> tuple[float, int, int]:
     """Summed loss, correct arg-max predictions and supervised tokens, over packed batches."""
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0

@@ -49,15 +49,24 @@ def _module_file(name: str, root: Path) -> Path | None:
 
 def _imported_names(path: Path) -> set[str]:
     """Every module an import statement anywhere in the file names, including imports inside functions (the
-    code they run is as much this module's as what it imports at the top), and `from pkg import module`."""
+    code they run is as much this module's as what it imports at the top), and `from pkg import module`;
+    not those under `if TYPE_CHECKING:`, which never run."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)]:
+        block.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def project_imports(module: str, root: Path = PROJECT_ROOT) -> dict[str, Path]:

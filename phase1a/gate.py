@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from phase1a.atomic import write_atomically
 from phase1a.config import GateTolerances
 from phase1a.evaluation import HIGHER_IS_BETTER, Metrics
 
@@ -104,5 +105,5 @@ def read_baseline_file(path: Path, sample_fingerprint: str) -> Baseline:
 def write_baseline_file(path: Path, metrics: Metrics, sample_fingerprint: str, source: str) -> Path:
     record = BaselineFile(source=source, sample_fingerprint=sample_fingerprint,
                           metrics={name: metrics.value(name) for name in HIGHER_IS_BETTER})
-    Path(path).write_text(record.model_dump_json(indent=2) + "\n")
+    write_atomically(Path(path), record.model_dump_json(indent=2) + "\n")  # another run may read it as its baseline
     return Path(path)

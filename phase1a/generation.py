@@ -62,7 +62,8 @@ def stop_token_ids(tokenizer, model, examples: list[GenerationExample] = ()) -> 
     ids = {tokenizer.eos_token_id}
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
-    special = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    added = tokenizer.added_tokens_decoder.items()
+    special = set(tokenizer.all_special_ids) | {i for i, token in added if token.special}
     for example in examples:
         ends = [int(token) for token in example.reference if int(token) in special]
         ids.update(ends[-1:])

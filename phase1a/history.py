@@ -21,7 +21,6 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -158,7 +157,8 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         # Steady speed: checkpoint writes are estimated separately, from their own measured cost.
         tokens_per_second=result.train_tokens / max(result.wall_seconds - result.checkpoint_seconds, 1e-9),
         startup_seconds=result.startup_seconds,
-        checkpoint_seconds_each=result.checkpoint_seconds / result.checkpoints_written if result.checkpoints_written else None,
+        checkpoint_seconds_each=(result.checkpoint_seconds / result.checkpoints_written
+                                 if result.checkpoints_written else None),
         estimated_train_seconds=plan.estimated_train_seconds, actual_train_seconds=result.wall_seconds,
     )
     append_run(path, record)

@@ -182,9 +182,17 @@ def _explain(error: Exception, repo_id: str, repo_type: str, revision: str | Non
     """Our message for huggingface_hub's error, or the error itself when we have nothing better to say. The
     original stays chained for the traceback; no message carries a token (huggingface_hub's never do either)."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (DisabledRepoError, GatedRepoError, HFValidationError, HfHubHTTPError,
-                                        IncompleteSnapshotError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        DisabledRepoError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     what = f"Hugging Face {repo_type} {repo_id!r}"
     page = f"{constants.ENDPOINT}/{'' if repo_type == 'model' else repo_type + 's/'}{repo_id}"

@@ -98,7 +98,8 @@ def save_histogram(lengths: np.ndarray, stats: LengthStats, max_seq_length: int,
 
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
     axis.hist(lengths, bins=min(100, max(10, int(np.sqrt(lengths.size)))), color="#4C72B0")
-    for value, label, style in ((stats.p50, "p50", ":"), (stats.p99, "p99", "--"), (max_seq_length, "max_seq_length", "-")):
+    marks = ((stats.p50, "p50", ":"), (stats.p99, "p99", "--"), (max_seq_length, "max_seq_length", "-"))
+    for value, label, style in marks:
         axis.axvline(value, color="#C44E52", linestyle=style, label=f"{label} = {value:g}")
     axis.set_xlabel("tokens per example")
     axis.set_ylabel("examples")

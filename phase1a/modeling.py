@@ -18,7 +18,8 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     device = training_device()
     dtype = training_dtype(device)
     quantization = _nf4_config(dtype, device) if method.base_precision == "4bit" else None
-    model = load_model(model_dir, dtype, trust_remote_code, quantization, attention_implementation(method, device, dtype))
+    attention = attention_implementation(method, device, dtype)
+    model = load_model(model_dir, dtype, trust_remote_code, quantization, attention)
     if quantization is None:
         model = model.to(device)
     model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
@@ -119,7 +120,8 @@ def make_optimizer(model: torch.nn.Module, method: MethodConfig) -> torch.optim.
         try:
             from bitsandbytes.optim import AdamW8bit
         except ImportError:
-            raise RuntimeError("method.optimizer adamw_8bit needs bitsandbytes: `uv pip install bitsandbytes`") from None
+            raise RuntimeError("method.optimizer adamw_8bit needs bitsandbytes: "
+                               "`uv pip install bitsandbytes`") from None
         return AdamW8bit(params, lr=method.learning_rate, weight_decay=method.weight_decay)
     fused = method.optimizer == "adamw_fused"
     return torch.optim.AdamW(params, lr=method.learning_rate, weight_decay=method.weight_decay, fused=fused,

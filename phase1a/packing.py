@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from phase1a.distributed import World
 from phase1a.labels import IGNORE_INDEX
 
 
@@ -97,7 +98,8 @@ def example_stream(num_examples: int, epochs: float, seed: int) -> tuple[np.ndar
     """Concatenated per-epoch permutations, cut to `epochs` worth of examples."""
     total = max(1, round(num_examples * epochs))
     full_epochs = -(-total // num_examples)
-    order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(num_examples) for epoch in range(full_epochs)])
+    epochs_order = [np.random.default_rng([seed, epoch]).permutation(num_examples) for epoch in range(full_epochs)]
+    order = np.concatenate(epochs_order)
     return order[:total], total
 
 
@@ -130,10 +132,11 @@ class StepBatches(torch.utils.data.Dataset):
     step) computes one example with weight 0, so it still joins the gradient all-reduce."""
 
     def __init__(self, train_path: str | Path, max_length: int | None, order: np.ndarray, batch_size: int,
-                 total_examples: int, token_budget: int, rank: int = 0, world: int = 1):
+                 token_budget: int, world: World = World()):
+        """`order`: every example the run takes, in order (`example_stream`), `batch_size` a step."""
         self.train_path, self.max_length, self.order = str(train_path), max_length, order
-        self.batch_size, self.total_examples, self.token_budget = batch_size, total_examples, token_budget
-        self.rank, self.world = rank, world
+        self.batch_size, self.total_examples, self.token_budget = batch_size, len(order), token_budget
+        self.rank, self.world = world.rank, world.size
         self._rows: TokenRows | None = None
 
     @property

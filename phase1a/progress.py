@@ -66,7 +66,8 @@ class ProgressReporter:
         done = step - self.start_step
         tokens_per_second = self.tokens / max(elapsed, 1e-9)
         remaining = (self.total_steps - step) * elapsed / max(done, 1)
-        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(stats.grad_norm, 6), "tokens": tokens,
+        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(stats.grad_norm, 6),
+                  "tokens": tokens,
                   "tokens_per_s": round(tokens_per_second, 1), "elapsed_s": round(elapsed, 3),
                   "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
                   "gpu_utilization": _gpu_utilization(), "on_track": None}
@@ -82,7 +83,8 @@ class ProgressReporter:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
-        if self.artifact_id and (time.monotonic() - self.artifact_at > _ARTIFACT_EVERY_SECONDS or step == self.total_steps):
+        due = time.monotonic() - self.artifact_at > _ARTIFACT_EVERY_SECONDS or step == self.total_steps
+        if self.artifact_id and due:
             _update_artifact(self.artifact_id, 100.0 * step / self.total_steps)
             self.artifact_at = time.monotonic()
         return record

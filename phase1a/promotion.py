@@ -26,8 +26,8 @@ from typing import Any, Callable
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
 
-from phase1a.fingerprint import sha256_file
 from phase1a.atomic import atomic_path, write_atomically
+from phase1a.fingerprint import sha256_file
 from phase1a.locks import exclusive
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
 

@@ -2,7 +2,7 @@
 
 Every record becomes a `Conversation`: chat messages ending in an assistant turn (or, for plain `text`, one
 trained text), plus the record's tool schemas if it has any. `RECORD_FORMATS` is the one list of shapes: the
-config's choices, auto-detection, the README and the tests all read it. A bad record raises `RecordError`
+config's choices, auto-detection, the documentation and the tests all read it. A bad record raises `RecordError`
 naming where it is (file and line, or array index) and the field path; the caller decides whether that fails
 the run or is skipped and counted under the error's `reason`.
 """
@@ -17,7 +17,8 @@ from phase1a.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 # Role names used by ShareGPT-style datasets (FastChat, Axolotl, LLaMA-Factory) and chat exports; data.role_map
-# adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an assistant turn with tool calls.
+# adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an
+# assistant turn with tool calls.
 ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
               "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
               "ipython": "tool"}
@@ -71,7 +72,8 @@ def parse_json_record(where: str, raw: str | Any) -> dict[str, Any]:
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as error:
-            raise RecordError(f"{where}: malformed JSON: {error.msg} at column {error.colno}", "malformed_json") from None
+            raise RecordError(f"{where}: malformed JSON: {error.msg} at column {error.colno}",
+                              "malformed_json") from None
     if not isinstance(record, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(record).__name__}", "not_an_object")
     return record
@@ -207,14 +209,20 @@ class RecordFormat:
 
 
 RECORD_FORMATS: dict[str, RecordFormat] = {shape.name: shape for shape in (
-    RecordFormat("chat", "OpenAI `messages` of role/content, with tool_calls and tool turns", ("messages",), _chat),
-    RecordFormat("sharegpt", "`conversations` of from/value (human, gpt, system, function_call, observation, ...)",
+    RecordFormat("chat", "OpenAI role/content turns; assistant turns may carry `tool_calls` (content null or empty), "
+                         "`tool` turns keep `tool_call_id` and `name`; an optional `tools` list of function schemas "
+                         "goes to the template", ("messages",), _chat),
+    RecordFormat("sharegpt", "from/value turns: human/user, gpt/assistant/model/bot, system, "
+                             "tool/function/observation/ipython, and `function_call` (JSON of a name and arguments, or "
+                             "a list of them: an assistant tool call); `tools` as a list or JSON text (LLaMA-Factory)",
                  ("conversations",), _sharegpt),
-    RecordFormat("alpaca", "`instruction`, optional `input`, `output`, optional `history` of [user, assistant] pairs",
+    RecordFormat("alpaca", "`instruction`, optional `input` (appended after a blank line), `output`, optional "
+                           "`history` of [user, assistant] pairs before the instruction (LLaMA-Factory)",
                  ("instruction", "output"), _alpaca),
-    RecordFormat("prompt_completion", "`prompt` and `completion`: two strings, or two lists of messages (TRL)",
+    RecordFormat("prompt_completion", "`prompt` and `completion` as strings, or as lists of messages (TRL): then only "
+                                      "the completion is trained, replies inside the prompt are context",
                  ("prompt", "completion"), _prompt_completion),
-    RecordFormat("text", "`text`: plain text, all of it trained", ("text",), _plain_text, conversational=False),
+    RecordFormat("text", "plain text, no template, all of it trained", ("text",), _plain_text, conversational=False),
 )}
 
 
@@ -247,7 +255,8 @@ def _turn(turn: Any, path: str, where: str, role_map: dict[str, str], role_key: 
         raise RecordError(f"{where}: {path}.{role_key}: missing", "missing_role")
     content = turn.get(content_key)
     if name == "function_call" and role_key == "from":
-        return {"role": "assistant", "content": "", "tool_calls": _sharegpt_calls(content, f"{path}.{content_key}", where)}
+        calls = _sharegpt_calls(content, f"{path}.{content_key}", where)
+        return {"role": "assistant", "content": "", "tool_calls": calls}
     role = (role_map.get(name) or ROLE_NAMES.get(name)) if isinstance(name, str) else None
     if role not in ROLES:
         known = ", ".join(sorted({**ROLE_NAMES, **role_map}))

@@ -42,7 +42,8 @@ def render_segments(messages: list[dict], tokenizer, tools: list[dict] | None = 
     for index, message in enumerate(messages):
         if not _trained(message):
             continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
         full = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise DataError("the chat template does not render conversations incrementally; cannot mask by turn")

@@ -1,8 +1,7 @@
-"""What each stage hands the next: the results the flow passes between tasks, which report.json records and
-the task caches store. Stages read each other's results from here, never from each other's modules."""
+"""What the plan, train and validate stages hand the next: the results the flow passes between tasks, which
+report.json records and the task caches store. Stages read each other's results from here (and the tokenized
+dataset's from phase1a/tokenized.py), never from each other's modules."""
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import BaseModel
 
@@ -11,34 +10,8 @@ from phase1a.cost_model import MemoryEstimate, ModelFacts
 from phase1a.evaluation import Metrics
 from phase1a.gate import Baseline, GateCheck
 from phase1a.history import RunRecord
-from phase1a.lengths import LengthStats, Outliers, WasteRow
 from phase1a.options import OptionRow
 from phase1a.window import Adjustment
-
-
-class TokenizedData(BaseModel):
-    fingerprint: str
-    dir: str
-    train_path: str
-    validation_path: str
-    histogram_path: str
-    train_examples: int
-    validation_examples: int
-    shards: int  # data files read, the validation source's included
-    workers: int = 1  # processes that encoded the records
-    template: Literal["chat_template", "fallback"]
-    lengths: LengthStats
-    outliers: Outliers | None = None  # examples far longer than the rest, named by file and line
-    max_seq_length: int
-    model_max_length: int
-    waste: list[WasteRow]
-    skipped: dict[str, int]
-    skipped_examples: list[str]
-    duplicates: int
-    duplicates_dropped: int
-    truncated_examples: int
-    dropped_overlong: int
-    dropped_without_labels: int
 
 
 class Estimate(BaseModel):

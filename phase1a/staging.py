@@ -47,7 +47,7 @@ class StagedData(DataLocation):
     named them (a glob, an S3 prefix)."""
 
     source: str
-    fingerprint: str  # of the staged content (sha256 of a file, of every file's, or the Hub commit): tokenize keys on it
+    fingerprint: str  # of the content (sha256 of a file, of every file's, or the Hub commit): tokenize keys on it
     size_bytes: int
     copied: bool
     objects: list[S3Object] = []  # S3 sources: the objects staged, with size and ETag
@@ -398,7 +398,7 @@ def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
     _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
     for relative, _, _ in listing:
         _copy_verified(directory / relative, target / relative)
-    marker.write_text(json.dumps(listing) + "\n")
+    write_atomically(marker, json.dumps(listing) + "\n")  # its presence says the copy is whole
     return target
 
 

@@ -15,13 +15,15 @@ from phase1a.errors import DataError
 CHAT_TEMPLATES: dict[str, str] = {
     # ChatML as in SmolLM2-Instruct's and Qwen2's tokenizer_config.json, without their default system prompt.
     "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
     # Meta-Llama-3-8B-Instruct's tokenizer_config.json, without its `| trim` on content: the model sees the
     # data's text as written (and the recipe path, which substitutes content verbatim, stays exact).
     "llama3": (
-        "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+        "{% for message in messages %}"
+        "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
         " + message['content'] + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
         "{% endif %}{{ content }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"

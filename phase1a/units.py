@@ -1,4 +1,4 @@
-"""Units, one home each: Composer-style time spans ("30m", "2h", "500steps", "2000000tok", or several:
+"""Units, one home each: Composer-style time spans ("30m", "2h", "500steps", "2000000tok", "0.5ep", or several:
 "30m,500steps") with the arithmetic of an interval, and byte sizes.
 
 An `Interval` fires when any of its limits is spent since it last fired. A `Clock` is the same dimensions
@@ -22,6 +22,7 @@ _UNITS: dict[str, tuple[str, float]] = {
     "h": ("seconds", 3600), "hr": ("seconds", 3600),
     "step": ("steps", 1), "steps": ("steps", 1), "ba": ("steps", 1),
     "tok": ("tokens", 1), "tokens": ("tokens", 1),
+    "ep": ("epochs", 1), "epoch": ("epochs", 1), "epochs": ("epochs", 1),
 }
 _WHOLE = {"steps", "tokens"}  # counted dimensions: no fractions
 _TOKEN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
@@ -34,6 +35,7 @@ class Clock:
     seconds: float = 0.0
     steps: float = 0
     tokens: float = 0
+    epochs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Interval:
     seconds: float | None = None
     steps: int | None = None
     tokens: int | None = None
+    epochs: float | None = None
 
     def _limits(self) -> list[tuple[str, float]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
@@ -60,7 +63,7 @@ class Interval:
         return max((getattr(per, name) / limit for name, limit in self._limits()), default=0.0)
 
     def __str__(self) -> str:
-        names = {"seconds": "s", "steps": "steps", "tokens": "tok"}
+        names = {"seconds": "s", "steps": "steps", "tokens": "tok", "epochs": "ep"}
         return ",".join(f"{limit:g}{names[name]}" for name, limit in self._limits()) or "never"
 
 
@@ -72,8 +75,8 @@ def parse_interval(text: str) -> Interval:
     for part in text.split(","):
         match = _TOKEN.match(part.lower())
         if not match or match.group(2) not in _UNITS:
-            raise ValueError(f"{part.strip()!r} is not a time unit; use e.g. '30m', '2h', '90s', '500steps' or "
-                             f"'2000000tok'")
+            raise ValueError(f"{part.strip()!r} is not a time unit; use e.g. '30m', '2h', '90s', '500steps', "
+                             f"'2000000tok' or '0.5ep'")
         value, unit = match.groups()
         dimension, scale = _UNITS[unit]
         if dimension in _WHOLE:
@@ -88,6 +91,6 @@ def parse_interval(text: str) -> Interval:
 def parse_duration_seconds(text: str) -> float:
     """A pure wall-time span such as "30m" or "12h"."""
     interval = parse_interval(text)
-    if interval.seconds is None or interval.steps is not None or interval.tokens is not None:
+    if interval.seconds is None or interval != Interval(seconds=interval.seconds):
         raise ValueError(f"{text!r} must be a wall-time span such as '30m' or '12h'")
     return interval.seconds

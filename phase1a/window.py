@@ -54,7 +54,8 @@ class Workload:
         return math.floor(100 * (budget - self.fixed_seconds) / per_epoch) / 100 if per_epoch > 0 else math.inf
 
 
-def fit_window(work: Workload, budget: float, profile: str, min_epochs: float) -> tuple[float, int, str, list[Adjustment]]:
+def fit_window(work: Workload, budget: float, profile: str,
+               min_epochs: float) -> tuple[float, int, str, list[Adjustment]]:
     """(epochs, max_seq_length, profile, adjustments) that fit `budget` seconds, or WindowError."""
     epochs, length, adjustments = work.epochs, work.max_seq_length, []
     if work.seconds(epochs, length) <= budget:

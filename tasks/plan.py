@@ -35,11 +35,18 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from phase1a.calibration import (Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives,
-                                 no_alternatives)
+from phase1a.atomic import write_atomically
+from phase1a.calibration import Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives, no_alternatives
 from phase1a.config import Phase1aConfig
-from phase1a.cost_model import (OPTIMIZER_STATE_BYTES, MemoryEstimate, MemoryModel, TrainingShape, flops_per_token,
-                                lora_parameters, model_facts)
+from phase1a.cost_model import (
+    OPTIMIZER_STATE_BYTES,
+    MemoryEstimate,
+    MemoryModel,
+    TrainingShape,
+    flops_per_token,
+    lora_parameters,
+    model_facts,
+)
 from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
@@ -49,7 +56,8 @@ from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
 from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, format_options, option_rows
 from phase1a.packing import TokenRows
-from phase1a.results import Estimate, Plan, TokenizedData
+from phase1a.results import Estimate, Plan
+from phase1a.tokenized import TokenizedData
 from phase1a.units import GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from tasks.caching import StageCache, task
@@ -164,7 +172,8 @@ class _Planner:
         calibration = calibrate(config, Path(self.model.path), job)
         release_device_memory()  # the calibration's model: training builds its own
         return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
-                           warmup_seconds=calibration.warmup_excess_seconds, startup_seconds=calibration.startup_seconds,
+                           warmup_seconds=calibration.warmup_excess_seconds,
+                           startup_seconds=calibration.startup_seconds,
                            checkpoint_seconds_each=calibration.checkpoint_seconds, source="measured",
                            calibration=calibration)
 
@@ -217,11 +226,11 @@ class _Planner:
     def window(self, throughput: _Throughput, max_seq_length: int) -> _Fit:
         config, spt = self.config, throughput.seconds_per_token
         evaluation = self._validation_estimate(throughput, max_seq_length)
+        tokens_per_epoch = float(np.minimum(self.lengths, max_seq_length).sum())
         steps_per_epoch = max(1, math.ceil(len(self.lengths) / self.method.batch_size))
-        tokens_per_step = float(np.minimum(self.lengths, max_seq_length).sum()) / steps_per_epoch
         # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
         checkpoints_per_token = parse_interval(config.checkpoint.interval).rate(
-            Clock(seconds=spt, steps=1 / tokens_per_step, tokens=1))
+            Clock(seconds=spt, steps=steps_per_epoch / tokens_per_epoch, tokens=1, epochs=1 / tokens_per_epoch))
         work = Workload(lengths=self.lengths, epochs=self.method.epochs, max_seq_length=max_seq_length,
                         model_max_length=self.data.model_max_length,
                         seconds_per_token=spt + checkpoints_per_token * throughput.checkpoint_seconds_each,
@@ -262,13 +271,14 @@ class _Planner:
         train_tokens = self._train_tokens(fit)
         steady = train_tokens * throughput.seconds_per_token
         checkpoints = parse_interval(self.config.checkpoint.interval).count(
-            Clock(seconds=steady, steps=steps, tokens=train_tokens))
+            Clock(seconds=steady, steps=steps, tokens=train_tokens, epochs=fit.epochs))
         checkpoint_seconds = checkpoints * throughput.checkpoint_seconds_each
         train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
             checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
-            train_seconds=train_seconds, total_seconds=throughput.startup_seconds + train_seconds + fit.evaluation_seconds)
+            train_seconds=train_seconds,
+            total_seconds=throughput.startup_seconds + train_seconds + fit.evaluation_seconds)
 
     def _steps(self, epochs: float) -> int:
         total_examples = max(1, round(len(self.lengths) * epochs))
@@ -354,7 +364,7 @@ def _outlier_note(outliers: Outliers, max_seq_length: int, capped: int, truncate
 def publish_plan(plan: Plan, run_dir: Path) -> Path:
     """plan.json in the run directory, and the plan as a Prefect table artifact."""
     path = Path(run_dir) / "plan.json"
-    path.write_text(plan.model_dump_json(indent=2) + "\n")
+    write_atomically(path, plan.model_dump_json(indent=2) + "\n")
     try:
         from prefect.artifacts import create_table_artifact
     except ImportError:
@@ -388,7 +398,8 @@ def format_plan(plan: Plan) -> str:
              f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]
     lines += [f"adjusted {a.step}: {a.before} -> {a.after} ({a.estimated_hours:.2f} h)" for a in plan.adjustments]
     if plan.calibration:
-        lines.append(f"calibration ({plan.calibration.seconds:.0f} s of a {plan.calibration.budget_seconds:.0f} s budget):")
+        calibration = plan.calibration
+        lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget):")
         lines += [f"  {t.candidate.label()}: {_trial_result(t)}" for t in plan.calibration.trials]
     return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options)])
 
@@ -396,7 +407,8 @@ def format_plan(plan: Plan) -> str:
 def _trial_result(trial) -> str:
     if trial.status != "measured":
         return f"{trial.status}: {trial.note}"
-    return f"{trial.tokens_per_second:.0f} tokens/s" + (f", peak {trial.peak_memory_gib:.2f} GiB" if trial.peak_memory_gib else "")
+    peak = f", peak {trial.peak_memory_gib:.2f} GiB" if trial.peak_memory_gib else ""
+    return f"{trial.tokens_per_second:.0f} tokens/s{peak}"
 
 
 def _on(flag: bool) -> str:
@@ -408,7 +420,8 @@ def _on(flag: bool) -> str:
 def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> str:
     """The plan stage's key, from its own inputs: the sections it reads, the model, the data, and the device it
     would calibrate on."""
-    sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "checkpoint", "validation"})
+    sections = config.model_dump(mode="json",
+                                 include={"method", "plan", "hardware", "window", "checkpoint", "validation"})
     return hash_json({"config": sections, "model": model.fingerprint, "data": data.fingerprint,
                       "device": detect()[1].name})
 

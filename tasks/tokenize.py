@@ -19,7 +19,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -33,15 +33,24 @@ from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodeSettings, auto_wor
 from phase1a.errors import DataError
 from phase1a.fingerprint import code_fingerprint, hash_json
 from phase1a.labels import IGNORE_INDEX
-from phase1a.lengths import (Outliers, describe_outliers, find_outliers, length_stats, right_size, save_histogram,
-                             waste_table)
+from phase1a.lengths import (
+    Outliers,
+    describe_outliers,
+    find_outliers,
+    length_stats,
+    right_size,
+    save_histogram,
+    waste_table,
+)
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
 from phase1a.models import ResolvedModel, load_tokenizer
-from phase1a.results import TokenizedData
-from phase1a.staging import StagedData
 from phase1a.templates import apply_chat_template_setting, template_fingerprint
+from phase1a.tokenized import TokenizedData
 from tasks.caching import StageCache, task
+
+if TYPE_CHECKING:  # staging imports boto3, which a bare GPU host (that tokenizes local files) lacks
+    from phase1a.staging import StagedData
 
 
 class TokenizeOptions(BaseModel):
@@ -69,7 +78,8 @@ class TokenizeOptions(BaseModel):
         return cls(**config.data.model_dump(include=set(cls.model_fields)), max_seq_length=config.model.max_seq_length)
 
 
-def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int, options: TokenizeOptions) -> str:
+def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int,
+                         options: TokenizeOptions) -> str:
     """The tokenized dataset's identity (its directory's name): `data` is the content fingerprint of the source
     (and of the validation source, when there is one); the code is this module's and all it imports."""
     # The worker count is left out: any count writes the same bytes (tests/test_encoding.py checks).
@@ -112,7 +122,8 @@ class _Sources:
     first_validation: int | None  # None: hold out a content-hash share of every shard
 
     @classmethod
-    def resolve(cls, data: DataLocation | Path, validation: DataLocation | None, options: TokenizeOptions) -> "_Sources":
+    def resolve(cls, data: DataLocation | Path, validation: DataLocation | None,
+                options: TokenizeOptions) -> "_Sources":
         train = resolve_shards(data if isinstance(data, DataLocation) else DataLocation(path=str(data)),
                                options.config, options.split)
         if validation is None:
@@ -122,7 +133,8 @@ class _Sources:
         return cls(train + held_out, len(train))
 
     def name(self) -> str:
-        return str(self.shards[0].path) if len(self.shards) == 1 else f"{len(self.shards)} shards ({self.shards[0].path}, ...)"
+        first = self.shards[0].path
+        return str(first) if len(self.shards) == 1 else f"{len(self.shards)} shards ({first}, ...)"
 
     def where(self, place: np.ndarray) -> str:
         """file:line (or row) of an example, from its (shard, line) place."""
@@ -161,8 +173,9 @@ def _encode(path: Path, sources: _Sources, tokenizer, options: TokenizeOptions) 
             if chunk.tokens is None:
                 continue
             offsets = chunk.tokens.offsets
-            writer.write_batch(pa.record_batch([pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
-                                                pa.ListArray.from_arrays(offsets, chunk.tokens.labels)], schema=_SCHEMA))
+            columns = [pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
+                       pa.ListArray.from_arrays(offsets, chunk.tokens.labels)]
+            writer.write_batch(pa.record_batch(columns, schema=_SCHEMA))
             places.append(chunk.places)
             keys.append(chunk.keys)
             lengths.append(np.diff(offsets))
@@ -225,7 +238,8 @@ def _validation_mask(keys: np.ndarray, options: TokenizeOptions) -> np.ndarray:
 
 # ---- 3. split ----------------------------------------------------------------------------------------------
 
-_OUTPUT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())), ("length", pa.int32())])
+_OUTPUT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                            ("length", pa.int32())])
 
 
 @dataclass
@@ -338,7 +352,8 @@ def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
     create_markdown_artifact(key="lengths", description="Token lengths and padding waste", markdown=(
         f"**{s.count} examples, {s.total_tokens} tokens ({s.supervised_tokens} supervised)**; "
         f"min {s.min}, p50 {s.p50:g}, p90 {s.p90:g}, p99 {s.p99:g}, p99.9 {s.p99_9:g}, max {s.max}; "
-        f"max_seq_length {data.max_seq_length}\n\n| batching | length | tokens computed | padding |\n|---|---|---|---|\n"
+        f"max_seq_length {data.max_seq_length}\n\n"
+        "| batching | length | tokens computed | padding |\n|---|---|---|---|\n"
         f"{rows}\n\nskipped: {data.skipped or 'none'}; duplicates: {data.duplicates}; "
         f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
 

@@ -28,8 +28,15 @@ from pydantic import BaseModel
 
 from phase1a import distributed
 from phase1a.atomic import atomic_path, write_atomically
-from phase1a.checkpoints import (TrainingState, list_checkpoints, load_checkpoint, load_optimizer_state,
-                                 optimizer_state_dict, save_checkpoint, trainable_state_dict)
+from phase1a.checkpoints import (
+    TrainingState,
+    list_checkpoints,
+    load_checkpoint,
+    load_optimizer_state,
+    optimizer_state_dict,
+    save_checkpoint,
+    trainable_state_dict,
+)
 from phase1a.config import MethodConfig, Phase1aConfig
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
@@ -40,8 +47,9 @@ from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
-from phase1a.results import Plan, TokenizedData, TrainResult
+from phase1a.results import Plan, TrainResult
 from phase1a.steps import optimizer_step
+from phase1a.tokenized import TokenizedData
 from phase1a.units import Clock, parse_interval
 from tasks.caching import task
 
@@ -113,15 +121,17 @@ def finished_run(output_dir: Path) -> TrainResult | None:
 class _Progress:
     """Where the loop is, in every unit that checkpoint intervals and the result count."""
 
-    def __init__(self, start_step: int, prior_seconds: float) -> None:
+    def __init__(self, start_step: int, prior_seconds: float, epochs_per_step: float) -> None:
+        self.epochs_per_step = epochs_per_step  # the global batch over the training examples
         self.step, self.prior_seconds, self.tokens, self.loss, self.backoffs = start_step, prior_seconds, 0, None, 0
         self.checkpoints, self.checkpoint_seconds, self.mfus = 0, 0.0, []
         self.started = self.saved_at = time.perf_counter()
         self.saved_step, self.saved_tokens = start_step, 0
 
     def since_save(self) -> Clock:
-        return Clock(seconds=time.perf_counter() - self.saved_at, steps=self.step - self.saved_step,
-                     tokens=self.tokens - self.saved_tokens)
+        steps = self.step - self.saved_step
+        return Clock(seconds=time.perf_counter() - self.saved_at, steps=steps, tokens=self.tokens - self.saved_tokens,
+                     epochs=steps * self.epochs_per_step)
 
     def saved(self) -> None:
         self.saved_at, self.saved_step, self.saved_tokens = time.perf_counter(), self.step, self.tokens
@@ -136,7 +146,8 @@ class TrainRecipe:
         torch.manual_seed(self.method.seed)
         rows = TokenRows.from_arrow(settings.train_path)
         self.max_length = settings.max_seq_length or int(rows.lengths().max())
-        self.order, self.total_examples = example_stream(len(rows), self.method.epochs, self.method.seed)
+        self.order, _ = example_stream(len(rows), self.method.epochs, self.method.seed)
+        self.epochs_per_step = self.method.batch_size / len(rows)
         self.micro = settings.micro_batch_size
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy == "fsdp" and self.world.size > 1
@@ -172,7 +183,7 @@ class TrainRecipe:
         existing = list_checkpoints(self.output_dir / "checkpoints")
         self.resumed_from_step = None
         if not existing:
-            self.progress = _Progress(0, 0.0)
+            self.progress = _Progress(0, 0.0, self.epochs_per_step)
             return None
         model = distributed.unwrap(self.model)
         state = load_checkpoint(existing[-1], model)
@@ -181,14 +192,14 @@ class TrainRecipe:
         torch.set_rng_state(state.torch_rng)
         if state.cuda_rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state.cuda_rng)
-        self.progress = _Progress(state.step, state.elapsed_seconds)
+        self.progress = _Progress(state.step, state.elapsed_seconds, self.epochs_per_step)
         self.resumed_from_step = state.step
         return existing[-1]
 
     def _batches(self, micro_batch_size: int) -> StepBatches:
         settings, world = self.settings, self.world
         return StepBatches(settings.train_path, settings.max_seq_length, self.order, self.method.batch_size,
-                           self.total_examples, token_budget(micro_batch_size, self.max_length), world.rank, world.size)
+                           token_budget(micro_batch_size, self.max_length), world)
 
     def _loader(self, from_step: int):
         return iter(step_loader(self._batches(self.micro), range(from_step, self.total_steps),
@@ -233,7 +244,7 @@ class TrainRecipe:
                 # One rank cannot back off alone: its peers wait in a collective. It leaves a note and fails;
                 # `run` relaunches every rank with half the budget, resuming from the last checkpoint.
                 note = self.output_dir / f"out_of_memory.rank{self.world.rank}.json"
-                note.write_text(json.dumps({"step": step + 1}))
+                write_atomically(note, json.dumps({"step": step + 1}))
                 raise
             self.optimizer.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
@@ -251,7 +262,8 @@ class TrainRecipe:
         progress.tokens += tokens
         progress.loss = loss
         stats = StepStats(loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=tokens)
-        record = self.reporter.step(progress.step, stats, time.perf_counter() - progress.started, progress.prior_seconds)
+        elapsed = time.perf_counter() - progress.started
+        record = self.reporter.step(progress.step, stats, elapsed, progress.prior_seconds)
         if record.get("mfu") is not None:
             progress.mfus.append(record["mfu"])
 
@@ -303,7 +315,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    write_atomically(path, "".join(line + "\n" for line in kept))  # a crash here must not lose the curve
 
 
 def _save_final(model, final_dir: Path, result: TrainResult, weights: dict | None = None) -> None:

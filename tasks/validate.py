@@ -35,9 +35,10 @@ from phase1a.hardware import training_device, training_dtype
 from phase1a.models import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
 from phase1a.packing import TokenRows
 from phase1a.promotion import PromotedPointer, PromotionOutcome, read_pointer
-from phase1a.results import TokenizedData, TrainResult, ValidationResult
+from phase1a.results import TrainResult, ValidationResult
 from phase1a.s3 import is_s3_url
 from phase1a.staging import stage_model
+from phase1a.tokenized import TokenizedData
 from tasks.caching import StageCache, task
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
@@ -173,7 +174,8 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
     )
 
 
-def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path, trust_remote_code: bool) -> tuple[Metrics, bool, Metrics]:
+def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path,
+           trust_remote_code: bool) -> tuple[Metrics, bool, Metrics]:
     """(base metrics, whether they came from the cache, candidate metrics)."""
     device = training_device()
     if is_adapter(adapter_dir):
@@ -193,14 +195,16 @@ def format_table(verdict: ValidationResult) -> str:
     tolerances = {check.metric: check for check in verdict.checks}
     rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
     for name in HIGHER_IS_BETTER:
-        base, baseline, candidate = verdict.base.value(name), verdict.baseline.metrics.get(name), verdict.candidate.value(name)
+        base, candidate = verdict.base.value(name), verdict.candidate.value(name)
+        baseline = verdict.baseline.metrics.get(name)
         if base is None and baseline is None and candidate is None:
             continue
         cell = lambda value: "-" if value is None else f"{value:.4f}"  # noqa: E731
         delta = "-" if candidate is None or baseline is None else f"{candidate - baseline:+.4f}"
         check = tolerances.get(name)
         status = "-" if check is None else ("pass" if check.passed else "FAIL") + \
-            f" ({'>=' if check.higher_is_better else '<='} baseline {'-' if check.higher_is_better else '+'} {check.tolerance:g})"
+            f" ({'>=' if check.higher_is_better else '<='} baseline {'-' if check.higher_is_better else '+'} " \
+            f"{check.tolerance:g})"
         rows.append((name, cell(base), cell(baseline), cell(candidate), delta, status))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

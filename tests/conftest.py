@@ -20,7 +20,13 @@ os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a fres
 os.environ.pop("PREFECT_API_URL", None)
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl  # noqa: E402 - after the isolation above
-from helpers.servers import isolate_aws, s3_client, start_moto, stop  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so."""
+    for item in items:
+        if "endpoint" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +58,8 @@ def config_tree(tmp_path, tiny_model_dir, dataset) -> dict:
 @pytest.fixture(scope="session")
 def endpoint(tmp_path_factory):
     """A moto S3 server for the session (HTTP on 127.0.0.1)."""
+    from helpers.servers import start_moto, stop  # boto3 and moto: a bare GPU host runs its tests without them
+
     proc, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     yield url
     stop(proc)
@@ -60,11 +68,15 @@ def endpoint(tmp_path_factory):
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):
     """Dummy credentials only (S3 test modules use it for every test: `pytestmark`)."""
+    from helpers.servers import isolate_aws
+
     isolate_aws(monkeypatch, tmp_path)
 
 
 @pytest.fixture
 def bucket(endpoint) -> str:
+    from helpers.servers import s3_client
+
     name = f"b-{uuid.uuid4().hex[:12]}"
     s3_client(endpoint).create_bucket(Bucket=name)
     return name

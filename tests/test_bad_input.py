@@ -6,8 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
 from helpers import date_records
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]  # the CLI runs the flow in a process of its own
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,7 +36,8 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
                 "dataloader_workers": [best.model_copy(update={"dataloader_workers": 1})]}[knob]
 
     start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
-    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run", alternatives=alternatives)
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
+                         alternatives=alternatives)
     result = calibrate(settings, tiny_model_dir, job)
     *sweep, confirmation = result.trials
     measured = [t for t in sweep if t.status == "measured"]
@@ -84,15 +85,15 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     """A deadline already behind it: the trial runs its one unavoidable step and takes its speed from it."""
     import time
 
+    from phase1a.calibration import _WARMUP_STEPS, _Steps, _trial
     from phase1a.config import MethodConfig
     from phase1a.modeling import build_model, make_optimizer
     from phase1a.packing import StepBatches, example_stream, token_budget
-    from phase1a.calibration import _WARMUP_STEPS, _Steps, _trial
 
     method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
     model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
-    order, total = example_stream(64, 1.0, seed=0)
-    batches = StepBatches(train_path, 256, order, 8, total, token_budget(4, 256))
+    order, _ = example_stream(64, 1.0, seed=0)
+    batches = StepBatches(train_path, 256, order, 8, token_budget(4, 256))
     candidate = Candidate(micro_batch_size=4, gradient_checkpointing=False)
     trial = _trial(model, make_optimizer(model, method), batches, candidate, _Steps(3, deadline=time.perf_counter()))
     assert trial.status == "measured" and trial.tokens_per_second > 0

@@ -3,10 +3,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
 from phase1a.config import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
 from phase1a.units import Interval, parse_interval
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def write(tmp_path: Path, tree: dict) -> Path:
@@ -24,7 +24,8 @@ def test_load_resolves_paths_against_the_config_file(tmp_path):
 
 def test_overrides_keep_yaml_types(tmp_path):
     config = load_config(write(tmp_path, {"data": {"source": "x.jsonl"}}),
-                         ["method.epochs=2.5", "method.lora.target_modules=[q_proj, v_proj]", "checkpoint.interval=500steps"])
+                         ["method.epochs=2.5", "method.lora.target_modules=[q_proj, v_proj]",
+                          "checkpoint.interval=500steps"])
     assert config.method.epochs == 2.5
     assert config.method.lora.target_modules == ["q_proj", "v_proj"]
     assert parse_interval(config.checkpoint.interval) == Interval(steps=500)

@@ -5,12 +5,29 @@ import torch
 
 from helpers import FACTS_8B
 from phase1a.config import Phase1aConfig
-from phase1a.cost_model import (NF4_BYTES, MemoryModel, ModelFacts, TrainingShape, flops_per_token, lora_parameters,
-                                model_facts)
+from phase1a.cost_model import (
+    NF4_BYTES,
+    MemoryModel,
+    ModelFacts,
+    TrainingShape,
+    flops_per_token,
+    lora_parameters,
+    model_facts,
+)
 from phase1a.packing import summed_loss
 from phase1a.units import GIB
+
 LORA = TrainingShape(weight_bytes=2)
 FULL = TrainingShape(full=True, weight_bytes=2)
+
+
+def eight_b(shape: TrainingShape = LORA, trainable: int = 20_000_000, available: int = 80 * GIB) -> MemoryModel:
+    """Llama-3-8B's bill: LoRA with 20M trainable parameters on an H100 unless told otherwise."""
+    return MemoryModel(FACTS_8B, shape, trainable, available)
+
+
+def full_8b(shape: TrainingShape = FULL, available: int = 80 * GIB) -> MemoryModel:
+    return eight_b(shape, FACTS_8B.parameters, available)
 
 
 def test_model_facts_count_parameters_without_weights(tiny_model_dir):
@@ -18,51 +35,52 @@ def test_model_facts_count_parameters_without_weights(tiny_model_dir):
 
     facts = model_facts(tiny_model_dir)
     assert facts.parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    assert (facts.layers, facts.hidden, facts.max_positions, facts.heads, facts.kv_heads, facts.kv_width) == (2, 64, 256, 4, 2, 32)
+    shape = (facts.layers, facts.hidden, facts.max_positions, facts.heads, facts.kv_heads, facts.kv_width)
+    assert shape == (2, 64, 256, 4, 2, 32)
 
 
 def test_memory_model_matches_the_textbook_numbers():
-    lora = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(4096, False)
+    lora = eight_b().estimate(4096, False)
     assert lora.weights_gib == pytest.approx(8.03e9 * 2 / GIB)
     assert lora.trainable_gib == pytest.approx(20e6 * 16 / GIB)  # fp32 adapter, gradient, two Adam moments
-    full = MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 80 * GIB).estimate(4096, False)
+    full = full_8b().estimate(4096, False)
     assert full.weights_gib + full.trainable_gib == pytest.approx(8.03e9 * 16 / GIB)  # mixed-precision Adam
-    checkpointed = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(4096, True)
+    checkpointed = eight_b().estimate(4096, True)
     assert checkpointed.activations_gib < lora.activations_gib / 10
 
 
 def test_a_4bit_base_and_8bit_optimizer_shrink_what_they_should():
-    qlora = MemoryModel(FACTS_8B, TrainingShape(weight_bytes=2, base_bits=4), 20_000_000, 80 * GIB).estimate(4096, False)
+    qlora = eight_b(TrainingShape(weight_bytes=2, base_bits=4)).estimate(4096, False)
     projections = FACTS_8B.projection_parameters
     assert projections == 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)  # Llama-3-8B's layers
     expected = projections * NF4_BYTES + (FACTS_8B.parameters - projections) * 2
     assert qlora.weights_gib == pytest.approx(expected / GIB)
     assert 5.0 < qlora.weights_gib < 6.0  # the QLoRA paper's ~5.7 GB for an 8B base
-    eight_bit = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw_8bit"), FACTS_8B.parameters, GIB).estimate(1, False)
-    fused = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw_fused"), FACTS_8B.parameters, GIB).estimate(1, False)
-    unfused = MemoryModel(FACTS_8B, TrainingShape(full=True, optimizer="adamw"), FACTS_8B.parameters, GIB).estimate(1, False)
+    eight_bit, fused, unfused = (full_8b(TrainingShape(full=True, optimizer=optimizer), GIB).estimate(1, False)
+                                 for optimizer in ("adamw_8bit", "adamw_fused", "adamw"))
     assert fused.trainable_gib - eight_bit.trainable_gib == pytest.approx(8.03e9 * 6 / GIB)
     assert unfused.trainable_gib - fused.trainable_gib == pytest.approx(8.03e9 * 4 / GIB)
 
 
 def test_fsdp_shards_weights_and_state_but_not_activations():
-    whole = MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 80 * GIB).estimate(4096, True)
-    sharded = MemoryModel(FACTS_8B, FULL.model_copy(update={"shards": 4}), FACTS_8B.parameters, 80 * GIB).estimate(4096, True)
-    assert sharded.weights_gib == pytest.approx(whole.weights_gib / 4 + 2 * whole.weights_gib / 32)  # + 2 layers gathered
+    whole = full_8b().estimate(4096, True)
+    sharded = full_8b(FULL.model_copy(update={"shards": 4})).estimate(4096, True)
+    gathered = 2 * whole.weights_gib / 32  # the layer computing and the next one, whole
+    assert sharded.weights_gib == pytest.approx(whole.weights_gib / 4 + gathered)
     assert sharded.trainable_gib == pytest.approx(whole.trainable_gib / 4)
     assert (sharded.activations_gib, sharded.logits_gib) == (whole.activations_gib, whole.logits_gib)
     assert whole.total_gib > 80 > sharded.total_gib  # a full 8B fine-tune: one H100 cannot, four sharded can
 
 
 def test_micro_batch_choice_prefers_no_checkpointing_then_falls_back():
-    micro, checkpointing, estimate = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).choose(16, 1024)
+    micro, checkpointing, estimate = eight_b().choose(16, 1024)
     assert 16 % micro == 0 and not checkpointing and estimate.total_gib <= 80
-    bigger = MemoryModel(FACTS_8B, LORA, 20_000_000, 80 * GIB).estimate(2 * micro * 1024, False)
+    bigger = eight_b().estimate(2 * micro * 1024, False)
     assert micro == 16 or bigger.total_gib > 80  # the largest divisor that fits
-    micro, checkpointing, _ = MemoryModel(FACTS_8B, LORA, 20_000_000, 24 * GIB).choose(16, 4096)
+    micro, checkpointing, _ = eight_b(available=24 * GIB).choose(16, 4096)
     assert checkpointing
     with pytest.raises(MemoryError, match="does not fit"):
-        MemoryModel(FACTS_8B, FULL, FACTS_8B.parameters, 24 * GIB).choose(16, 8192)
+        full_8b(available=24 * GIB).choose(16, 8192)
 
 
 def test_lora_parameter_count_matches_peft(tiny_model_dir):
@@ -71,7 +89,8 @@ def test_lora_parameter_count_matches_peft(tiny_model_dir):
 
     config = Phase1aConfig.model_validate({"data": {"source": "x"}, "method": {"lora": {"r": 4}}})
     modules = config.method.lora.target_modules
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules=modules))
+    lora = LoraConfig(r=4, target_modules=modules)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lora_parameters(model_facts(tiny_model_dir), 4, modules) == trainable
 
@@ -130,6 +149,7 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     facts = ModelFacts(parameters=0, layers=3, hidden=256, intermediate=688, vocab=2000, max_positions=2048,
                        heads=4, kv_heads=2, head_dim=64)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    estimate = MemoryModel(facts, TrainingShape(weight_bytes=4, dense_mask=attention == "sdpa"), trainable, GIB).estimate(tokens, checkpointing)
+    shape = TrainingShape(weight_bytes=4, dense_mask=attention == "sdpa")
+    estimate = MemoryModel(facts, shape, trainable, GIB).estimate(tokens, checkpointing)
     modelled = (estimate.activations_gib + estimate.logits_gib + estimate.mask_gib) * GIB + trainable * 4  # + gradients
     assert measured <= modelled <= 1.2 * measured, (measured, modelled)

@@ -14,13 +14,12 @@ import lzma
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
 
+from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.datasource import DataLocation, file_format, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json
 from phase1a.staging import source_fingerprint, stage_dataset
-from helpers import read_arrow
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)
@@ -92,7 +91,8 @@ def test_arrow_file_and_save_to_disk_folders(tmp_path, tokenizer, reference):
     DatasetDict({"train": Dataset.from_list(RECORDS), "test": Dataset.from_list(RECORDS[:3])}).save_to_disk(
         str(tmp_path / "saved-dict"))
     assert tokenized(tmp_path, tokenizer, str(tmp_path / "saved-dict"), "dict")[1] == expected
-    with pytest.raises(DataError, match=r"data.split: 'validation' is not a split of the saved dataset .*splits: train, test"):
+    with pytest.raises(DataError,
+                       match=r"data.split: 'validation' is not a split of the saved dataset .*splits: train, test"):
         tokenized(tmp_path, tokenizer, str(tmp_path / "saved-dict"), "dict-bad", split="validation")
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phase1a.config import load_config
 from helpers.prefect_stack import PrefectStack, flow_run_id, states, wait_for
+from phase1a.config import load_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
 # Seconds per flow run (--watch-timeout). A run of the tiny model on the worker takes ~40 s on 2 cores (most of
 # it the flow-run process importing torch/transformers); the total stays under pytest's 900 s timeout.

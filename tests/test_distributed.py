@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.distributed import torchrun_command
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from phase1a.results import TrainResult
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, run
-from helpers import date_records, make_tokenizer, write_jsonl
 
 # On CUDA the ranks join with NCCL, which takes one GPU a rank: a one-GPU host runs this on neither backend.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
@@ -49,6 +49,7 @@ def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(one_process, strategy):
     settings, one = one_process
@@ -69,6 +70,7 @@ def test_two_ranks_match_one_process(one_process, strategy):
         assert_same_adapter(one, result)
 
 
+@pytest.mark.slow
 def test_a_rank_out_of_memory_relaunches_every_rank_with_half_the_budget(one_process, tmp_path, monkeypatch):
     """Rank 1 runs on a simulated 150-token device: rows of four examples (~180 tokens) fail there. Every rank
     is relaunched with rows of two, and the run ends where the one-process run with rows of two ended."""

@@ -7,8 +7,8 @@ from itertools import count
 from pathlib import Path
 
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
 
+from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a import encoding
 from phase1a.datasource import DataLocation, SourceRecord, resolve_shards
 from phase1a.errors import DataError
@@ -38,7 +38,8 @@ def mixed_records(total: int) -> list:
 
 
 def tokenize_with(workers: int, data: Path, tokenizer, cache: Path, **options):
-    return tokenize_dataset(data, tokenizer, 256, TokenizeOptions(tokenize_workers=workers, **options), Path(cache) / "fp")
+    options = TokenizeOptions(tokenize_workers=workers, **options)
+    return tokenize_dataset(data, tokenizer, 256, options, Path(cache) / "fp")
 
 
 def digest(path: str) -> str:
@@ -87,7 +88,8 @@ def test_a_worker_that_dies_gives_an_error_that_says_what_to_do(tmp_path, tokeni
 
 def test_record_error_keeps_its_reason_across_processes():
     error = pickle.loads(pickle.dumps(RecordError("data.jsonl:3: no assistant reply", "last_turn_not_assistant")))
-    assert isinstance(error, DataError) and error.reason == "last_turn_not_assistant" and str(error) == "data.jsonl:3: no assistant reply"
+    assert isinstance(error, DataError) and error.reason == "last_turn_not_assistant"
+    assert str(error) == "data.jsonl:3: no assistant reply"
 
 
 def test_read_ahead_is_bounded_by_the_workers(tmp_path, tokenizer, small_chunks):

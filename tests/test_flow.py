@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from flows.phase1a import phase1a
-from phase1a.config import Phase1aConfig
 from helpers import date_records, write_jsonl
+from phase1a.config import Phase1aConfig
+
+pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
 
 
 def run_flow(tree: dict) -> tuple[object, dict]:
@@ -25,6 +27,7 @@ def states(report: dict) -> dict[str, str]:
     return {name: section["state"] for name, section in report["stages"].items()}
 
 
+@pytest.mark.slow
 def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree, dataset):
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
@@ -34,7 +37,7 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
     # The plan's estimate of validation (timed in calibration: teacher-forced pass and greedy steps) against the
     # stage. A validation this small (0.2 s) is mostly fixed costs, so only the order of magnitude is asserted;
-    # the demo's figures are in the README.
+    # the demo's figures are in docs/benchmarks.md.
     validation = first["validation_estimate_vs_actual"]
     assert validation["actual_seconds"] == first["stages"]["validate"]["seconds"] and not validation["base_cached"]
     assert 0.1 < validation["estimated_over_actual"] < 10.0, validation
@@ -85,7 +88,8 @@ def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
     state, report = run_flow(config_tree)
     assert state.is_failed() and report["status"] == "failed"
     assert states(report)["tokenize"] == "Failed"
-    assert f"{Path(report['stages']['stage']['result']['path']).name}:65: malformed JSON" in report["stages"]["tokenize"]["error"]
+    staged = Path(report["stages"]["stage"]["result"]["path"]).name
+    assert f"{staged}:65: malformed JSON" in report["stages"]["tokenize"]["error"]
 
 
 def test_missing_data_path_fails_clearly(config_tree, tmp_path):
@@ -96,6 +100,7 @@ def test_missing_data_path_fails_clearly(config_tree, tmp_path):
         state.result()
 
 
+@pytest.mark.slow
 def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
@@ -112,6 +117,7 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
     assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
@@ -141,7 +147,8 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
     section = first["validation"]
     assert section["verdict"] == "pass" and section["promotion"]["promoted"]
     assert set(section["metrics"]) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece"}
-    assert section["metrics"]["loss"]["delta"] == section["metrics"]["loss"]["candidate"] - section["metrics"]["loss"]["baseline"]
+    loss = section["metrics"]["loss"]
+    assert loss["delta"] == loss["candidate"] - loss["baseline"]
     pointer = (promoted / "promoted.json").read_bytes()
     assert json.loads(pointer)["version"] == section["promotion"]["version"] == Path(first["run_dir"]).name
     version = promoted / "versions" / section["promotion"]["version"]

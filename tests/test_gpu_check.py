@@ -1,10 +1,15 @@
 """`make gpu-check DRY_RUN=1`: every part of the GPU proof runs on the test suite's tiny Llama on this CPU, so the
 script cannot rot between GPU leases. Three invocations as a short lease would see them: one with no time left
-(nothing starts, the parts are left for later), one that runs a single part, and one that keeps it and runs the rest."""
+(nothing starts, the parts are left for later), one that runs a single part, and one that keeps it and runs the rest.
+Every process runs as on a bare GPU host: what such a host lacks (boto3, Prefect, `datasets`) cannot be imported."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from helpers import bare_gpu_host_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def gpu_check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--results", str(tmp_path / "results"),
                "--work", str(tmp_path / "work"), *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=bare_gpu_host_env(tmp_path / "bare-host"))
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     results = tmp_path / "results"
     no_time = gpu_check(tmp_path, "--budget", "1")

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config import MethodConfig
 from phase1a.modeling import build_model, make_optimizer
 from phase1a.packing import TokenRows, pack, summed_loss
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from helpers import date_records, make_tokenizer, write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2, liger="off")

@@ -8,15 +8,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
-from helpers.hub_cache import cache_repo, unique_repo
 
+from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
+from helpers.hub_cache import cache_repo, unique_repo
+from phase1a.config import Phase1aConfig
 from phase1a.errors import DataError
 from phase1a.hub import repo_cache_dir
-from phase1a.config import Phase1aConfig
 from phase1a.staging import source_fingerprint, stage_dataset
 from tasks.stage import staged_copy
-from helpers import read_arrow
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 README = b"""---

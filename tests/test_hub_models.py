@@ -16,6 +16,7 @@ from phase1a.config import ConfigError, ModelConfig, validate_config
 from phase1a.hub import HubError, repo_cache_dir, resolve_commit, snapshot
 from phase1a.models import load_model, load_tokenizer, model_fingerprint, resolve_model
 
+
 def files_of(model_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()}
 
@@ -83,7 +84,8 @@ def test_repository_without_weights_says_so(tiny_model_dir):
 
 def test_offline_with_nothing_cached_and_unknown_revision_say_what_to_do(hub_tiny):
     with pytest.raises(HubError, match=r"model.name_or_path: HF_HUB_OFFLINE=1 and no cached snapshot of "
-                                       r"Hugging Face model 'org/never-downloaded'.*run once online.*unset HF_HUB_OFFLINE"):
+                                       r"Hugging Face model 'org/never-downloaded'.*run once online"
+                                       r".*unset HF_HUB_OFFLINE"):
         resolve_model(ModelConfig(name_or_path="org/never-downloaded"))
     with pytest.raises(HubError, match="HF_HUB_OFFLINE=1 and no cached snapshot"):
         resolve_commit("org/never-downloaded")
@@ -245,6 +247,7 @@ def test_unreachable_hub_falls_back_to_the_cache(online, monkeypatch, hub_tiny):
     assert resolve_model(ModelConfig(name_or_path=repo_id)).name == commit
 
 
+@pytest.mark.prefect_server
 def test_flow_trains_a_hub_model(config_tree, hub_tiny):
     from flows.phase1a import phase1a
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from phase1a.locks import exclusive
 
 HOLD = """
@@ -25,6 +27,7 @@ def _holder(lock, seconds: float) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_a_second_holder_waits_for_the_first_and_names_it(tmp_path, caplog):
     lock = tmp_path / "train-abc.lock"
     first = _holder(lock, 6.0)  # longer than importing Prefect for the run logger takes here

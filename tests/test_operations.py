@@ -14,22 +14,33 @@ import http.server
 import json
 import secrets
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-import boto3
 import pytest
 
+from helpers.prefect_stack import (
+    ROOT,
+    PrefectStack,
+    all_events,
+    cmdline,
+    descendants,
+    dump,
+    flow_run_logs,
+    free_port,
+    kill9,
+    states,
+    stop_group,
+    wait_for,
+)
+from helpers.servers import s3_client
 from phase1a.config import ConfigError, load_config, validate_config
-from helpers.prefect_stack import (ROOT, PrefectStack, all_events, cmdline, descendants, dump, flow_run_logs, free_port,
-                           kill9, states, stop_group, wait_for)
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
 PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
 PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
@@ -68,30 +79,6 @@ def hook():
 
 
 @pytest.fixture(scope="module")
-def moto(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=handle, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-        except urllib.error.HTTPError:
-            pass  # an HTTP error status is still an answer
-        except OSError:
-            return False
-        return True
-
-    wait_for(up, 60, "the moto server", logs=log.read_text() if log.exists() else "")
-    yield url
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
 def ops(tmp_path_factory, hook):
     """`make server`, `make pools` (twice), `make deploy`, `make automations`, against a fresh PREFECT_HOME."""
     home = tmp_path_factory.mktemp("ops") / "prefect-home"
@@ -126,7 +113,8 @@ def ops(tmp_path_factory, hook):
 
 
 def _secret_key_from_a_block(stack: PrefectStack) -> None:
-    """README, "Credentials": a Secret block named in the pool's base job template, resolved by the worker."""
+    """docs/operations.md, "Credentials": a Secret block named in the pool's base job template, resolved by the
+    worker."""
     from prefect.blocks.system import Secret
     from prefect.client.schemas.actions import WorkPoolUpdate
 
@@ -242,15 +230,15 @@ def _engines(worker_proc) -> list[int]:
     return [pid for pid in descendants(worker_proc.pid) if "prefect.engine" in cmdline(pid)]
 
 
-def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree, moto, hook):
-    s3 = boto3.client("s3", endpoint_url=moto, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
+def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree, endpoint, hook):
+    s3 = s3_client(endpoint, aws_access_key_id="testing", aws_secret_access_key="testing")
     s3.create_bucket(Bucket="nightly")
     s3.upload_file(config_tree["data"]["source"], "nightly", "data/part-000.jsonl")
     config = {**config_tree, "method": {**config_tree["method"], "epochs": 5},
               "checkpoint": {"interval": "2steps", "keep_last": 2},
-              "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": moto},
-              "validation": {**config_tree["validation"], "promote_to": str(Path(config_tree["work_dir"]) / "promoted")}}
+              "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": endpoint},
+              "validation": {**config_tree["validation"],
+                             "promote_to": str(Path(config_tree["work_dir"]) / "promoted")}}
 
     with worker(ops, "worker-a") as worker_a:
         # 1. kill -9 the flow-run process once it has a checkpoint: the worker sees it die and reports Crashed.

@@ -3,8 +3,15 @@ import math
 import pytest
 
 from phase1a.hardware import CATALOGUE
-from phase1a.options import (DEFAULT_OPTIONS, OptionsJob, OptionSpec, OptionsPolicy, format_options, option_rows,
-                              scaling_factor)
+from phase1a.options import (
+    DEFAULT_OPTIONS,
+    OptionsJob,
+    OptionSpec,
+    OptionsPolicy,
+    format_options,
+    option_rows,
+    scaling_factor,
+)
 from phase1a.units import GIB
 
 TOKENS = 36_000_000

@@ -28,7 +28,7 @@ def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
         alone = [summed_loss(model, pack(rows, np.array([i]))) for i in indices]
     assert packed_tokens == sum(t for _, _, t in alone) == rows.supervised_tokens(indices)
     assert int(packed_correct) == sum(int(c) for _, c, _ in alone)
-    assert abs(packed_loss.item() - sum(l.item() for l, _, _ in alone)) <= 1e-5 * packed_tokens
+    assert abs(packed_loss.item() - sum(loss.item() for loss, _, _ in alone)) <= 1e-5 * packed_tokens
 
 
 def test_pack_masks_boundaries_and_restarts_positions(rows):

@@ -1,10 +1,10 @@
 import pytest
 
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config import Phase1aConfig
 from phase1a.window import WindowError
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from helpers import date_records, make_tokenizer, resolved, write_jsonl
 
 
 def planned(config_tree: dict, data):
@@ -35,9 +35,10 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     from phase1a.history import RunRecord, append_run, history_path
 
     config = Phase1aConfig.model_validate(config_tree)
-    append_run(history_path(config.cache_dir), RunRecord(model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
-                                  precision="bfloat16", micro_batch_size=remote.micro_batch_size,
-                                  gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
+    append_run(history_path(config.cache_dir), RunRecord(
+        model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
+        precision="bfloat16", micro_batch_size=remote.micro_batch_size,
+        gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
                                   tokens_per_second=12345.0, estimated_train_seconds=1.0, actual_train_seconds=1.1))
     learned = planned(config_tree, data)
     assert learned.throughput_source == "history" and learned.tokens_per_second == pytest.approx(12345.0)
@@ -68,7 +69,8 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
 
     balanced = planned(config_tree, data)
     assert balanced.max_seq_length == 64
-    assert any(note.startswith("balanced: max_seq_length 64 (the p99.9 length) instead of 256") and f"{path}:701" in note
+    noted = "balanced: max_seq_length 64 (the p99.9 length) instead of 256"
+    assert any(note.startswith(noted) and f"{path}:701" in note
                and "1 training example(s) truncated" in note for note in balanced.notes), balanced.notes
 
     config_tree["plan"] = {"profile": "quality"}

@@ -9,15 +9,22 @@ import numpy as np
 import pytest
 import torch
 
-from phase1a.config import ValidationConfig
-from phase1a.fingerprint import sha256_tree
-from phase1a.packing import TokenRows
-from phase1a.promotion import (POINTER, Promotion, PromotionConflict, PromotionError, PromotionRecord, promote,
-                               read_pointer)
 from helpers import CHATML, date_records, make_tokenizer, write_jsonl
 from helpers.servers import s3_client
+from phase1a.config import ValidationConfig
 from phase1a.evaluation import evaluate
+from phase1a.fingerprint import sha256_tree
 from phase1a.models import load_for_eval
+from phase1a.packing import TokenRows
+from phase1a.promotion import (
+    POINTER,
+    Promotion,
+    PromotionConflict,
+    PromotionError,
+    PromotionRecord,
+    promote,
+    read_pointer,
+)
 from tasks.promote import merge_adapter
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.validate import PromotedSource, Scoring, promoted_baseline
@@ -35,7 +42,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
     for seed in (1, 2):
         torch.manual_seed(seed)
         model = load_for_eval(tiny_model_dir, None, torch.device("cpu"))
-        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        peft_model = get_peft_model(model, lora)
         peft_model.save_pretrained(root / f"adapter-{seed}")
         out.append(root / f"adapter-{seed}")
     return out
@@ -128,11 +136,13 @@ def test_s3_promotion_uploads_the_version_then_the_pointer(adapters, endpoint, b
     expected = sorted(f"models/dates/versions/v1/adapter/{name}" for name in files_of(adapters[0]))
     assert s3_keys(endpoint, bucket) == sorted(expected + ["models/dates/promoted.json",
                                                            "models/dates/versions/v1/version.json"])
-    body = s3_client(endpoint).get_object(Bucket=bucket, Key="models/dates/versions/v1/adapter/adapter_model.safetensors")
+    key = "models/dates/versions/v1/adapter/adapter_model.safetensors"
+    body = s3_client(endpoint).get_object(Bucket=bucket, Key=key)
     assert body["Body"].read() == (adapters[0] / "adapter_model.safetensors").read_bytes()
     assert read_pointer(destination, endpoint).version == "v1"
 
-    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"), destination, endpoint_url=endpoint)
+    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"), destination,
+                     endpoint_url=endpoint)
     assert second.promoted and read_pointer(destination, endpoint).version == "v2"
 
 
@@ -144,7 +154,8 @@ def test_s3_failure_mid_upload_leaves_the_old_pointer(adapters, endpoint, bucket
     before = s3_client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read()
     failing = FailAfter(1, _upload)
     with pytest.raises(OSError, match="No space left"):
-        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint, upload_file=failing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint,
+                upload_file=failing)
     assert failing.done == 1
     assert s3_client(endpoint).get_object(Bucket=bucket, Key="m/promoted.json")["Body"].read() == before
     assert not [key for key in s3_keys(endpoint, bucket) if "/v2/" in key]  # the uploaded part was cleaned up
@@ -163,7 +174,8 @@ def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters,
         _upload(client, path, bucket_name, key)
 
     with pytest.raises(PromotionConflict, match="moved while v2 was uploaded"):
-        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint, upload_file=upload_racing)
+        promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint,
+                upload_file=upload_racing)
     assert read_pointer(destination, endpoint).version == "other"
 
 
@@ -203,11 +215,13 @@ def test_a_chat_template_override_travels_with_the_merged_model(tiny_model_dir, 
     assert AutoTokenizer.from_pretrained(plain).chat_template == CHATML  # the tiny model's own
 
 
-def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter_does(tiny_model_dir, adapters, tmp_path):
+def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter_does(tiny_model_dir, adapters,
+                                                                                       tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     merged = merge_adapter(tiny_model_dir, adapters[0], tmp_path / "merged")
-    outcome = promote(Promotion({"adapter": adapters[0], "merged": merged}, "v1", record(adapters[0])), str(tmp_path / "promoted"))
+    outcome = promote(Promotion({"adapter": adapters[0], "merged": merged}, "v1", record(adapters[0])),
+                      str(tmp_path / "promoted"))
     stored = Path(outcome.pointer.artifacts["merged"])
     assert not (stored / "adapter_config.json").exists() and (stored / "tokenizer.json").is_file()
     ids = AutoTokenizer.from_pretrained(stored)("write 2020-03 in us format", return_tensors="pt")["input_ids"]

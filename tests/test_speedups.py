@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from phase1a.config import MethodConfig
-from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
-from phase1a.steps import train_step
 from helpers import date_records, make_tokenizer, write_jsonl
+from phase1a.config import MethodConfig
+from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
+from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
+from phase1a.steps import train_step
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
 
@@ -60,6 +60,7 @@ def test_gradient_checkpointing_leaves_loss_and_gradients_unchanged(tiny_model_d
     assert_same(eager, loss_and_grads(model, batch), tolerance=1e-6)
 
 
+@pytest.mark.slow
 def test_torch_compile_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
     """Compiled in place with dynamic shapes, as training does; packed rows keep their block-diagonal mask."""
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
@@ -105,8 +106,8 @@ def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, tra
 
 def test_dataloader_workers_deliver_the_same_steps(train_path):
     """Workers only move packing to other processes: the step contents are identical, so is the training."""
-    order, total = example_stream(len(TokenRows.from_arrow(train_path)), 2.0, seed=0)
-    batches = StepBatches(train_path, 48, order, 8, total, token_budget=100)
+    order, _ = example_stream(len(TokenRows.from_arrow(train_path)), 2.0, seed=0)
+    batches = StepBatches(train_path, 48, order, 8, token_budget=100)
     inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
     workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
     assert len(inline) == len(workers) == len(batches) - 2
@@ -119,6 +120,7 @@ def test_dataloader_workers_deliver_the_same_steps(train_path):
                 assert torch.equal(micro_a[key], micro_b[key])
 
 
+@pytest.mark.slow
 def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train_path):
     """A process that ran a Prefect flow (the flow trains in-process) carries Prefect's threading exit hook,
     which fails in a forked child: forked workers then die with exit code 1 as the loader shuts them."""
@@ -129,8 +131,8 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
         def drain():  # what Prefect's service does at exit in a forked child
             assert os.getpid() == parent, "a service of the parent process"
         threading._register_atexit(drain)
-        order, total = example_stream(len(TokenRows.from_arrow({train_path!r})), 1.0, seed=0)
-        batches = StepBatches({train_path!r}, 48, order, 8, total, token_budget=100)
+        order, _ = example_stream(len(TokenRows.from_arrow({train_path!r})), 1.0, seed=0)
+        batches = StepBatches({train_path!r}, 48, order, 8, token_budget=100)
         assert len(list(step_loader(batches, range(len(batches)), workers=2, pin_memory=False))) == len(batches)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -141,8 +143,8 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
 def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, train_path):
     """The loader's step, normalised over its supervised tokens, is the mean loss of its examples' tokens."""
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
-    order, total = example_stream(len(TokenRows.from_arrow(train_path)), 1.0, seed=0)
-    step = StepBatches(train_path, None, order, 8, total, token_budget=120)[0]
+    order, _ = example_stream(len(TokenRows.from_arrow(train_path)), 1.0, seed=0)
+    step = StepBatches(train_path, None, order, 8, token_budget=120)[0]
     loss, tokens = train_step(model, step["micro_batches"], step["supervised"])
     with torch.no_grad():
         whole = pack(TokenRows.from_arrow(train_path), order[:8])

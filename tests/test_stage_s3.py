@@ -18,11 +18,11 @@ from boto3.s3.transfer import TransferConfig
 import phase1a.staging as staging_module
 from helpers import date_records
 from helpers.servers import free_port, s3_client, start_moto, stop
+from phase1a.config import Phase1aConfig
 from phase1a.datasource import describe, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 from phase1a.staging import source_fingerprint, stage_dataset, stage_model, staged_location, verify_download
-from phase1a.config import Phase1aConfig
 from tasks.stage import staged_copy
 
 MiB = 1024 * 1024
@@ -126,7 +126,8 @@ def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
     plain = [_jsonl(3, 0), _jsonl(2, 1)]
     for index, body in enumerate(plain):
         _put(endpoint, bucket, f"gz/part-{index}.jsonl.gz", gzip.compress(body))
-    _put(endpoint, bucket, "gz/part-2.json", json.dumps([json.loads(line) for line in _jsonl(4, 2).splitlines()]).encode())
+    array = [json.loads(line) for line in _jsonl(4, 2).splitlines()]
+    _put(endpoint, bucket, "gz/part-2.json", json.dumps(array).encode())
     staged = stage_dataset(f"s3://{bucket}/gz/", tmp_path / "staging", endpoint)
     shards = resolve_shards(staged, None, "train")
     assert [s.json_array for s in shards] == [False, False, True]
@@ -143,10 +144,8 @@ def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
 def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoint, bucket):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from helpers import make_tokenizer, write_jsonl
 
-    from helpers import read_arrow
-
+    from helpers import make_tokenizer, read_arrow, write_jsonl
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     records = date_records(40, seed=3)
@@ -157,7 +156,8 @@ def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoi
     staged = stage_dataset(f"s3://{bucket}/pq/", tmp_path / "staging", endpoint)
     tokenizer, options = make_tokenizer(), TokenizeOptions(validation_count=5)
     from_s3 = tokenize_dataset(staged, tokenizer, 256, options, tmp_path / "c1" / "parquet")
-    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 256, options, tmp_path / "c2" / "jsonl")
+    jsonl = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 256, options,
+                             tmp_path / "c2" / "jsonl")
     for split in ("train_path", "validation_path"):
         assert read_arrow(getattr(from_s3, split)).to_pylist() == read_arrow(getattr(jsonl, split)).to_pylist()
     assert from_s3.shards == 2 and from_s3.train_examples == 35

@@ -2,14 +2,13 @@ import json
 
 import numpy as np
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
 
-from phase1a.packing import TokenRows
+from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.errors import DataError
 from phase1a.lengths import right_size
+from phase1a.packing import TokenRows
 from phase1a.records import to_conversation
 from phase1a.render import IGNORE_INDEX, render_segments
-from helpers import read_arrow
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
@@ -25,7 +24,7 @@ def run(tmp_path, tokenizer, records, **options):
 
 
 def supervised_text(tokenizer, input_ids, labels):
-    return tokenizer.decode([t for t, l in zip(input_ids, labels) if l != IGNORE_INDEX])
+    return tokenizer.decode([t for t, label in zip(input_ids, labels) if label != IGNORE_INDEX])
 
 
 def test_chat_masks_only_the_assistant_reply(tmp_path, tokenizer):
@@ -78,7 +77,8 @@ def test_length_analysis_and_right_sizing(tmp_path, tokenizer):
     lengths = np.concatenate([TokenRows.from_arrow(p).lengths() for p in (result.train_path, result.validation_path)])
     assert result.lengths.max == lengths.max() and result.lengths.total_tokens == lengths.sum()
     assert result.max_seq_length == right_size(lengths, 100, 256, None) and result.max_seq_length % 64 == 0
-    assert right_size(np.array([1481]), 100, 8192, None) == 1536 and right_size(np.array([1481]), 100, 1024, None) == 1024
+    assert right_size(np.array([1481]), 100, 8192, None) == 1536
+    assert right_size(np.array([1481]), 100, 1024, None) == 1024
     assert right_size(np.array([100]), 100, 8192, 64) == 64
     assert right_size(np.arange(1, 1001), 90, 8192, None) == 960  # p90 of 1..1000 is 900.1 -> 901 -> 960
 

@@ -5,11 +5,10 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
 
-from phase1a.render import IGNORE_INDEX, Renderer, render_segments
+from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.errors import DataError
-from helpers import read_arrow
+from phase1a.render import IGNORE_INDEX, Renderer, render_segments
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
@@ -43,7 +42,8 @@ def test_ids_equal_the_whole_conversation_tokenized_at_once(tmp_path, tokenizer)
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_json_array_and_gzip(tmp_path, tokenizer, compress):
-    records = [{"prompt": f"Write 2001-02-{d:02d} in US format.", "completion": f"02/{d:02d}/2001"} for d in range(1, 9)]
+    records = [{"prompt": f"Write 2001-02-{d:02d} in US format.", "completion": f"02/{d:02d}/2001"}
+               for d in range(1, 9)]
     payload = json.dumps(records).encode()
     path = tmp_path / ("d.json.gz" if compress else "d.json")
     path.write_bytes(gzip.compress(payload) if compress else payload)
@@ -87,7 +87,8 @@ def test_overlong_policies(tmp_path, tokenizer):
                                tmp_path / "c1" / "fp")
     assert dropped.dropped_overlong == 1 and dropped.train_examples + dropped.validation_examples == 9
     with pytest.raises(DataError, match=r"d.jsonl:4: \d+ tokens exceed max_seq_length 64 \(1 examples do"):
-        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(overlong="fail", max_seq_length=64), tmp_path / "c2" / "fp")
+        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(overlong="fail", max_seq_length=64),
+                         tmp_path / "c2" / "fp")
     truncated = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(length_percentile=50), tmp_path / "c3" / "fp")
     assert truncated.max_seq_length == 64 and truncated.truncated_examples == 1 and truncated.lengths.max == 64
 
@@ -129,6 +130,7 @@ def _race(path: str, cache: str, out) -> None:
     out.put(tokenize_dataset(Path(path), make_tokenizer(), 256, TokenizeOptions(), Path(cache) / "same").model_dump())
 
 
+@pytest.mark.slow
 def test_two_runs_racing_on_one_fingerprint(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", date_records(300))
     context = multiprocessing.get_context("spawn")
@@ -146,7 +148,6 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
 
 def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
     from helpers import make_tiny_model_dir
-
     from phase1a.models import tokenizer_fingerprint
     from tasks.tokenize import tokenize_fingerprint
 
@@ -156,5 +157,6 @@ def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
     assert base == tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, TokenizeOptions())
     assert base != tokenize_fingerprint("other data", tokenizer_fingerprint(chatml), 256, TokenizeOptions())
     assert base != tokenize_fingerprint("data", tokenizer_fingerprint(other_template), 256, TokenizeOptions())
-    assert base != tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, TokenizeOptions(train_on_inputs=True))
+    trained_inputs = TokenizeOptions(train_on_inputs=True)
+    assert base != tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 256, trained_inputs)
     assert base != tokenize_fingerprint("data", tokenizer_fingerprint(chatml), 512, TokenizeOptions())

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from helpers import date_records, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,16 @@ def test_trains_saves_peft_adapter_and_sparse_checkpoints(tiny_model_dir, train_
 
     again = train(settings(tiny_model_dir, train_path, tmp_path / "run"))
     assert again.reused_completed_run and again.adapter_dir == result.adapter_dir
+
+
+def test_a_checkpoint_every_half_epoch(tiny_model_dir, train_path, tmp_path):
+    """`0.5ep`: the same arithmetic the plan counts with (phase1a/units.py), in epochs of this data."""
+    examples = len(TokenRows.from_arrow(train_path))
+    result = train(settings(tiny_model_dir, train_path, tmp_path / "run", checkpoint_interval="0.5ep", keep_last=9))
+    steps_per_half_epoch = -(-examples // 2 // 8)  # the first whole step at or past half an epoch of examples
+    saved = [int(p.name.removeprefix("step-")) for p in list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert saved and saved[0] == steps_per_half_epoch and all(step < result.steps for step in saved)
+    assert len(saved) == result.checkpoints_written == 3  # two epochs: at 0.5, 1 and 1.5; the end is the final save
 
 
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_model_dir, train_path, tmp_path):

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,7 @@ def metric_steps(run: TrainSettings) -> list[int]:
     return [json.loads(line)["step"] for line in open(Path(run.output_dir) / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_matches_the_uninterrupted_run(job, uninterrupted):
     run = settings(job, "killed")
     process = start_training(run)
@@ -93,6 +94,7 @@ def test_kill_9_mid_run_then_resume_matches_the_uninterrupted_run(job, uninterru
     assert metric_steps(run) == list(range(1, resumed.steps + 1))  # continuous: redone steps are not repeated
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_before_exiting(job, uninterrupted):
     run = settings(job, "preempted", checkpoint_interval="1000steps")  # no periodic checkpoint to fall back on
     process = start_training(run)

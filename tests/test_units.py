@@ -11,12 +11,13 @@ def test_parse_spans_and_counts():
     assert parse_interval("2h,100steps") == Interval(seconds=7200, steps=100)
     assert parse_interval("500ba") == Interval(steps=500)
     assert parse_interval("2000000tok") == Interval(tokens=2_000_000)
+    assert parse_interval("0.5ep,1h") == Interval(seconds=3600, epochs=0.5)
     assert parse_interval("never") == Interval()
     assert parse_duration_seconds("12h") == 43200
     assert str(parse_interval("30m,500steps")) == "1800s,500steps"
 
 
-@pytest.mark.parametrize("text", ["500steps", "30m,5steps", "10tok", "soon"])
+@pytest.mark.parametrize("text", ["500steps", "30m,5steps", "10tok", "1ep", "soon"])
 def test_duration_must_be_wall_time(text):
     with pytest.raises(ValueError):
         parse_duration_seconds(text)
@@ -35,6 +36,7 @@ def test_due_when_any_limit_is_spent():
     assert interval.due(Clock(seconds=1, steps=500))
     assert not interval.due(Clock(seconds=1799, steps=499, tokens=10**9))
     assert parse_interval("1000tok").due(Clock(tokens=1000))
+    assert parse_interval("0.5ep").due(Clock(epochs=0.5)) and not parse_interval("0.5ep").due(Clock(epochs=0.4))
     assert not Interval().due(Clock(seconds=1e9, steps=10**9, tokens=10**9))
 
 
@@ -46,13 +48,16 @@ def test_count_excludes_the_final_step():
     # whichever limit fires more often decides
     assert parse_interval("30m,2steps").count(Clock(seconds=3600.5, steps=5)) == 2
     assert parse_interval("30m,2steps").count(Clock(seconds=36000, steps=5)) == 19
+    assert parse_interval("1ep").count(Clock(epochs=3)) == 2  # after epochs 1 and 2; the third ends the run
+    assert parse_interval("0.5ep").count(Clock(epochs=1.2)) == 2
     assert Interval().count(Clock(seconds=1e9, steps=10**9)) == 0
 
 
 def test_rate_per_token():
     # a token takes 0.01 s and a step holds 1000 tokens: every 60 s is every 6000 tokens, every 2 steps 2000
-    per_token = Clock(seconds=0.01, steps=1 / 1000, tokens=1)
+    per_token = Clock(seconds=0.01, steps=1 / 1000, tokens=1, epochs=1 / 100_000)
     assert parse_interval("1m").rate(per_token) == pytest.approx(1 / 6000)
     assert parse_interval("1m,2steps").rate(per_token) == pytest.approx(1 / 2000)
     assert parse_interval("500tok").rate(per_token) == pytest.approx(1 / 500)
+    assert parse_interval("1ep").rate(per_token) == pytest.approx(1 / 100_000)
     assert Interval().rate(per_token) == 0.0

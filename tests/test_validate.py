@@ -9,19 +9,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.answers import extract_answer, normalise
 from phase1a.config import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
 from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
+from phase1a.models import for_scoring, load_for_eval
 from phase1a.packing import TokenRows
 from phase1a.promotion import PromotionError, read_pointer
+from tasks.promote import promote_candidate
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
-from phase1a.models import for_scoring, load_for_eval
-from tasks.promote import promote_candidate
 from tasks.validate import Scoring, base_model_metrics, format_table, validate
-from helpers import date_records, make_tokenizer, resolved, write_jsonl
 
 SPECIALS = ["<|im_end|>", "</s>"]
 
@@ -96,7 +96,8 @@ def test_gate_fails_on_each_metric_and_says_by_how_much(metric, worse):
     baseline_value = getattr(metrics(), metric)
     sign = "-" if HIGHER_IS_BETTER[metric] else "+"
     relation = "<" if HIGHER_IS_BETTER[metric] else ">"
-    assert failed[0].describe() == f"{metric} {worse:.4f} {relation} baseline {baseline_value:.4f} {sign} tolerance {tolerance:g}"
+    expected = f"{metric} {worse:.4f} {relation} baseline {baseline_value:.4f} {sign} tolerance {tolerance:g}"
+    assert failed[0].describe() == expected
 
 
 def test_gate_fails_a_diverged_candidate():
@@ -254,6 +255,7 @@ def with_shuffled_answers(records: list[dict], seed: int) -> list[dict]:
     return shuffled
 
 
+@pytest.mark.slow
 def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_promoted(tiny_model_dir, tmp_path):
     records = date_records(160, seed=3)
     options = TokenizeOptions(validation_fraction=0.1)

@@ -1,8 +1,8 @@
 """The validate stage's estimate: greedy steps per generation batch, and the costs measured on a model."""
 import numpy as np
 import pytest
-from helpers import date_records, make_tokenizer, write_jsonl
 
+from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config import ValidationConfig
 from phase1a.evaluation import ValidationSpeed, time_validation, validation_seconds
 from phase1a.generation import GenerationExample, decode_steps, generation_examples
@@ -41,9 +41,9 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
 
 
 def test_time_validation_measures_both_costs_on_a_model(rows, tiny_model_dir):
-    from phase1a.models import load_model
-
     import torch
+
+    from phase1a.models import load_model
 
     model = load_model(tiny_model_dir, torch.float32)
     speed = time_validation(model, rows, np.arange(20), ValidationConfig(generation_batch_size=8, batch_size=8))

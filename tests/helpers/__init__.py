@@ -94,3 +94,36 @@ def resolved(config):
     from phase1a.models import prepare_model
 
     return prepare_model(config)
+
+
+# What a GPU host's stock PyTorch image lacks that this project's venv has (pydantic and the optional GPU packages
+# travel with the check as wheels: benchmarks/gpu_check.py).
+NOT_ON_A_GPU_HOST = ("boto3", "botocore", "s3transfer", "prefect", "datasets", "moto")
+
+_HIDING = '''"""Installed by the tests: the packages a bare GPU host lacks cannot be found, as there."""
+import importlib.machinery
+import sys
+
+HIDDEN = {hidden!r}
+
+
+class _Hidden(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = _Hidden
+'''
+
+
+def bare_gpu_host_env(directory: Path) -> dict[str, str]:
+    """The environment of a process that sees only what a bare GPU host has: a sitecustomize on PYTHONPATH
+    hides NOT_ON_A_GPU_HOST from every import (and from `importlib.util.find_spec`, which libraries probe)."""
+    import os
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_HIDING.format(hidden=set(NOT_ON_A_GPU_HOST)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}

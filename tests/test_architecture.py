@@ -1,0 +1,144 @@
+"""The code's shape, checked on its source: layers that point down, recipes that read at once, one home for each
+fact, and a GPU host that imports what it runs without what it lacks."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import bare_gpu_host_env
+from phase1a.fingerprint import PROJECT_ROOT
+
+LAYERS = {"phase1a": 0, "tasks": 1, "flows": 2}  # the library, the stages, the flow and its CLI
+SHARED_STAGE_GLUE = "tasks.caching"  # the one tasks module other stages import: Prefect glue, no recipe
+MAX_LINES, MAX_PARAMETERS = 60, 6
+# Signatures another library dictates, with the reason.
+EXEMPT = {"phase1a/attention.py:sdpa_packed_forward": "transformers' AttentionInterface calls it with these"}
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(p for package in packages for p in (PROJECT_ROOT / package).rglob("*.py"))
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(PROJECT_ROOT).as_posix()
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import statement in the file, inside functions and TYPE_CHECKING blocks too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_layers_point_down():
+    """flows/ -> tasks/ -> phase1a/ -> third-party: the library never imports a stage or the flow, and a stage
+    never imports another stage (what stages share lives in the library)."""
+    wrong = []
+    for path in sources(*LAYERS):
+        own = relative(path).split("/")[0]
+        for line, module in imported_modules(path):
+            top = module.split(".")[0]
+            if top not in LAYERS:
+                continue
+            sideways = own == top == "tasks" and module != SHARED_STAGE_GLUE and not module.startswith("tasks.caching")
+            if LAYERS[top] > LAYERS[own] or sideways:
+                wrong.append(f"{relative(path)}:{line} imports {module}")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            yield node.name, node.end_lineno - node.lineno + 1, len(names), node.lineno
+
+
+def test_functions_read_at_once():
+    """None over ~60 lines; more than 6 parameters become a settings object."""
+    too_long, too_many = [], []
+    for path in sources(*LAYERS):
+        for name, lines, parameters, line in functions(path):
+            if f"{relative(path)}:{name}" in EXEMPT:
+                continue
+            if lines > MAX_LINES:
+                too_long.append(f"{relative(path)}:{line} {name}: {lines} lines")
+            if parameters > MAX_PARAMETERS:
+                too_many.append(f"{relative(path)}:{line} {name}: {parameters} parameters")
+    assert not too_long + too_many, "\n".join(too_long + too_many)
+
+
+def test_the_exemptions_are_still_needed():
+    present = {f"{relative(path)}:{name}" for path in sources(*LAYERS) for name, *_ in functions(path)}
+    assert set(EXEMPT) <= present
+
+
+def _offences(path: Path) -> list[str]:
+    """Facts restated outside their home: the -100 label, powers of 1024, a rename that is not atomic."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
+                and node.operand.value == 100):
+            found.append(f"{node.lineno}: -100 (phase1a/labels.py: IGNORE_INDEX)")
+        power = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
+        if power and isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant) \
+                and (node.left.value, node.right.value) in ((1024, 2), (1024, 3), (2, 20), (2, 30)):
+            found.append(f"{node.lineno}: a byte unit (phase1a/units.py: KIB, MIB, GIB)")
+        if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename") and isinstance(node.value, ast.Name) \
+                and node.value.id == "os":
+            found.append(f"{node.lineno}: os.{node.attr} (phase1a/atomic.py: atomic_path, write_atomically)")
+    return found
+
+
+@pytest.mark.parametrize("home", ["phase1a/labels.py", "phase1a/units.py", "phase1a/atomic.py"])
+def test_each_fact_is_stated_in_its_home(home):
+    assert _offences(PROJECT_ROOT / home), f"{home} no longer states its fact: update this test"
+
+
+def test_facts_are_not_restated_elsewhere():
+    homes = {"phase1a/labels.py", "phase1a/units.py", "phase1a/atomic.py"}
+    offences = [f"{relative(path)}:{offence}" for path in sources(*LAYERS, "benchmarks")
+                if relative(path) not in homes for offence in _offences(path)]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_config_choices_are_read_from_their_registries():
+    from phase1a.config import DataConfig, HardwareConfig
+    from phase1a.hardware import HARDWARE_KINDS
+    from phase1a.records import RECORD_FORMATS
+
+    assert tuple(HardwareConfig.model_json_schema()["properties"]["target"]["enum"]) == HARDWARE_KINDS
+    for name in RECORD_FORMATS:
+        assert DataConfig(source="d.jsonl", format=name).format == name
+    with pytest.raises(ValueError, match=f"one of: auto, {', '.join(RECORD_FORMATS)}"):
+        DataConfig(source="d.jsonl", format="yaml-ish")
+
+
+# What runs on a bare GPU host (benchmarks/gpu_check.py's parts): the train loop, tokenizing, the plan, the benchmarks.
+GPU_HOST_MODULES = ("tasks.train", "tasks.tokenize", "tasks.plan", "phase1a.steps", "phase1a.calibration",
+                    "benchmarks.train_throughput", "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput",
+                    "benchmarks.packed_rows", "benchmarks.gpu_check")
+
+
+def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):
+    """No boto3, Prefect or `datasets` there: what the GPU check runs imports without them, and a model in a
+    local directory is prepared without staging (the dry run in test_gpu_check.py runs every part that way;
+    this is the quick check)."""
+    code = ("import importlib, sys\nfor name in sys.argv[2:]:\n    importlib.import_module(name)\n"
+            "from phase1a.config import Phase1aConfig\nfrom phase1a.models import prepare_model\n"
+            "tree = {'data': {'source': 'unused'}, 'model': {'name_or_path': sys.argv[1]}}\n"
+            "config = Phase1aConfig.model_validate(tree)\n"
+            "print('prepared', prepare_model(config).path)")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir), *GPU_HOST_MODULES], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, env=bare_gpu_host_env(tmp_path / "bare-host"), timeout=300)
+    assert done.returncode == 0 and f"prepared {tiny_model_dir}" in done.stdout, done.stderr[-3000:]

@@ -1,0 +1,79 @@
+"""Cache keys that cannot go stale: each stage's key covers the source of every project module it imports, found
+from the import graph (phase1a/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from phase1a.fingerprint import PROJECT_ROOT, code_fingerprint, project_imports
+
+CODE = ("phase1a", "tasks", "flows")
+
+
+def copy_of_the_code(target: Path) -> Path:
+    for package in CODE:
+        shutil.copytree(PROJECT_ROOT / package, target / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def edit(path: Path) -> None:
+    path.write_text(path.read_text() + "\n# an edit that changes no behaviour\n")
+
+
+def test_the_import_graph_is_walked_from_the_source(tmp_path):
+    code = copy_of_the_code(tmp_path / "code")
+    plan = project_imports("tasks.plan", code)
+    # tasks.plan -> phase1a.calibration -> phase1a.evaluation -> phase1a.answers: three imports deep
+    assert {"tasks.plan", "tasks.caching", "phase1a.calibration", "phase1a.evaluation", "phase1a.answers"} <= set(plan)
+    assert "phase1a.modeling" in plan  # imported inside a function
+    assert not {"flows.phase1a", "tasks.train", "tasks.tokenize"} & set(plan)  # the flow and other stages
+    # Under TYPE_CHECKING an import never runs: phase1a.history names phase1a.results only there.
+    assert "phase1a.results" not in project_imports("phase1a.history", code)
+    # tokenize's key does not move with the plan's or validation's code
+    tokenize = set(project_imports("tasks.tokenize", code))
+    assert not {"phase1a.calibration", "phase1a.evaluation", "phase1a.answers"} & tokenize
+
+
+def test_an_edit_anywhere_in_a_stages_imports_changes_its_key_and_only_its(tmp_path):
+    code = copy_of_the_code(tmp_path / "code")
+    fingerprint = code_fingerprint.__wrapped__  # not the per-process cache: the files change under it here
+    before = {stage: fingerprint(f"tasks.{stage}", code) for stage in ("stage", "tokenize", "plan", "validate")}
+    edit(code / "phase1a" / "answers.py")
+    after = {stage: fingerprint(f"tasks.{stage}", code) for stage in before}
+    assert after["plan"] != before["plan"] and after["validate"] != before["validate"]
+    assert after["stage"] == before["stage"] and after["tokenize"] == before["tokenize"]
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tree):
+    """The CLI on a copy of the code: a plan, the same plan again after an edit three imports below the plan
+    stage (phase1a/answers.py), then once more without one."""
+    code = copy_of_the_code(tmp_path / "code")
+    # Its own plan: the suite's flows share one Prefect home, and a plan (it names no paths) is keyed on the
+    # settings, model and data, which other tests' jobs share.
+    config_tree["method"]["seed"] = 11
+    config_path = tmp_path / "job.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    runs = Path(config_tree["work_dir"]) / config_tree["name"]
+    env = {**os.environ, "PYTHONPATH": str(code)}  # the copy shadows the installed project
+
+    def plan() -> dict[str, str]:
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "--config", str(config_path)], cwd=code,
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        report = json.loads(max(runs.glob("*/report.json"), key=lambda p: p.stat().st_mtime).read_text())
+        assert Path(report["run_dir"]).is_relative_to(runs)
+        return {name: section["state"] for name, section in report["stages"].items()}
+
+    assert plan() == {"stage": "Completed", "tokenize": "Completed", "plan": "Completed"}
+    edit(code / "phase1a" / "answers.py")
+    assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
+    assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
