@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 
-def scratch_name(final: Path) -> Path:
+def _scratch_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
@@ -36,7 +36,7 @@ def atomic_path(final: Path, existing: Literal["replace", "keep", "fail"] = "rep
     what is there must never be overwritten)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    scratch = scratch_name(final)
+    scratch = _scratch_name(final)
     try:
         yield scratch
         if final.exists() and existing != "replace":

@@ -24,6 +24,7 @@ _UNITS: dict[str, tuple[str, float]] = {
     "tok": ("tokens", 1), "tokens": ("tokens", 1),
     "ep": ("epochs", 1), "epoch": ("epochs", 1), "epochs": ("epochs", 1),
 }
+_SHOWN = {"seconds": "s", "steps": "steps", "tokens": "tok", "epochs": "ep"}  # how a dimension is written back
 _WHOLE = {"steps", "tokens"}  # counted dimensions: no fractions
 _TOKEN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
 
@@ -63,8 +64,7 @@ class Interval:
         return max((getattr(per, name) / limit for name, limit in self._limits()), default=0.0)
 
     def __str__(self) -> str:
-        names = {"seconds": "s", "steps": "steps", "tokens": "tok", "epochs": "ep"}
-        return ",".join(f"{limit:g}{names[name]}" for name, limit in self._limits()) or "never"
+        return ",".join(f"{limit:g}{_SHOWN[name]}" for name, limit in self._limits()) or "never"
 
 
 def parse_interval(text: str) -> Interval:

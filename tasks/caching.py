@@ -16,10 +16,7 @@ from phase1a.fingerprint import code_fingerprint, hash_json
 try:
     from prefect import task
     from prefect.cache_policies import CachePolicy
-
-    HAVE_PREFECT = True
 except ImportError:  # a bare GPU host: the plain functions still run, the wrappers are plain calls
-    HAVE_PREFECT = False
 
     def task(*args: Any, **kwargs: Any):  # type: ignore[no-redef]
         if args and callable(args[0]):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -56,8 +57,8 @@ class Scoring:
     cache_dir: Path  # metrics cache
     model_fingerprint: str  # the base model
 
-    @property
-    def sample(self) -> str:
+    @cached_property
+    def sample(self) -> str:  # hashes every token of the sample: once
         return sample_fingerprint(self.rows, self.indices)
 
     def key(self, device: torch.device) -> str:
