@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from phase1a.errors import DataError
@@ -65,3 +67,20 @@ def test_a_local_model_directory_on_slow_storage_is_copied_once(tmp_path, tiny_m
     mtime = (staged / "config.json").stat().st_mtime_ns
     assert stage_model(str(tiny_model_dir), tmp_path / "models", copy_local=True) == staged
     assert (staged / "config.json").stat().st_mtime_ns == mtime  # unchanged source: not copied again
+
+
+def test_a_local_model_is_prepared_in_place_unless_it_is_to_be_staged(tmp_path, tiny_model_dir):
+    from phase1a.config import Phase1aConfig
+    from phase1a.models import prepare_model
+
+    def prepared(name: str, stage_local: bool = False):
+        return prepare_model(Phase1aConfig.model_validate({
+            "data": {"source": "unused", "staging_dir": str(tmp_path / "staging")},
+            "model": {"name_or_path": name, "stage_local": stage_local}}))
+
+    in_place = prepared(str(tiny_model_dir))
+    assert in_place.path == str(tiny_model_dir) and in_place.max_positions == 256
+    assert prepared(f"file://{tiny_model_dir}") == in_place  # a file:// URL names the same directory
+    staged = prepared(str(tiny_model_dir), stage_local=True)
+    assert Path(staged.path).is_relative_to(tmp_path / "staging" / "models")
+    assert staged.fingerprint == in_place.fingerprint  # the same weights, copied
