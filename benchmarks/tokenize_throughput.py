@@ -99,6 +99,7 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     import os
 
     from phase1a.models import load_tokenizer
+    from phase1a.tokenized import split_digest
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     if cores:
@@ -114,17 +115,8 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
                "tokens_per_s": result.lengths.total_tokens / seconds, "workers": result.workers,
                "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu,
                "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / MIB,
-               "train_sha256": _sha256(result.train_path), "validation_sha256": _sha256(result.validation_path)})
-
-
-def _sha256(path: str) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+               "train_sha256": split_digest(result.train_path),
+               "validation_sha256": split_digest(result.validation_path)})
 
 
 def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:

@@ -112,7 +112,7 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
     from phase1a.modeling import build_model
     from phase1a.packing import TokenRows
 
-    rows = TokenRows.from_arrow(train_path, length)
+    rows = TokenRows.load(train_path, length)
     method = MethodConfig(optimizer="adamw", liger="off", attention="sdpa")
     model = build_model(Path(model_dir), method, checkpointing)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32  # build_model turns it on
@@ -162,7 +162,7 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
     from phase1a.modeling import build_model
     from phase1a.packing import TokenRows
 
-    rows = TokenRows.from_arrow(train_path, length)
+    rows = TokenRows.load(train_path, length)
     model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
     cuda = torch.cuda.is_available()
     examples = [{"input_ids": rows.input_ids[int(rows.offsets[i]):rows.end(i)].tolist(),
@@ -368,7 +368,7 @@ class Bench:
                                      args.work / "cache" / f"bench-{args.model}-{data_path.stem}")
         self.indices = list(range(WARMUP_EXAMPLES + args.measured))
         # "after" right-sizes as the field notes did: to the p99 length (truncating the longest 1 %), within 2048.
-        self.right_sized = min(2048, right_size(TokenRows.from_arrow(self.data.train_path).lengths(), 99.0, 8192, None))
+        self.right_sized = min(2048, right_size(TokenRows.load(self.data.train_path).lengths(), 99.0, 8192, None))
 
     def run(self, config: str, args: argparse.Namespace) -> dict:
         """Several configurations: each in a process of its own; one (a part of the GPU check): in this one."""

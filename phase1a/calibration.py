@@ -149,7 +149,7 @@ class _Session:
         self.optimizer = make_optimizer(self.model, method)
         self.model.train()  # as training runs it: train mode takes other code paths (dropout, mask construction)
         self.startup = time.perf_counter() - self.began
-        self.order, _ = example_stream(len(TokenRows.from_arrow(job.train_path)), method.epochs, method.seed)
+        self.order, _ = example_stream(len(TokenRows.load(job.train_path)), method.epochs, method.seed)
         self.cap = parse_duration_seconds(config.plan.calibration_budget)
 
     def elapsed(self) -> float:
@@ -219,7 +219,7 @@ class _Session:
 
 def _time_validation(model, validation_path: str, config: Phase1aConfig) -> ValidationSpeed:
     """Validation's costs on this model, uncompiled as the validate stage loads it."""
-    rows = TokenRows.from_arrow(validation_path)
+    rows = TokenRows.load(validation_path)
     indices = np.arange(min(len(rows), config.validation.max_examples))
     compiled = getattr(model, "_compiled_call_impl", None)
     model._compiled_call_impl = None

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import groupby, islice
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -60,6 +60,7 @@ class EncodeSettings:
 
 @dataclass
 class EncodedChunk:
+    shard: int  # a chunk never spans two shards: each shard's encoding is cached on its own (phase1a/shards.py)
     tokens: TokenizedChunk | None  # None when every record of the chunk was skipped
     places: np.ndarray  # (n, 2): shard and line/row of each example, for messages that point at the source
     keys: np.ndarray  # uint64 content hash per example: the held-out split and duplicate detection
@@ -94,7 +95,8 @@ class ChunkEncoder:
             # One content hash serves the split (stable across runs and file order) and duplicate detection.
             digest = hashlib.blake2b(conversation.identity().encode(), digest_size=8).digest()
             keys.append(int.from_bytes(digest, "big"))
-        return EncodedChunk(tokens=tokenize_conversations(segments, self.tokenizer) if segments else None,
+        tokens = tokenize_conversations(segments, self.tokenizer) if segments else None
+        return EncodedChunk(shard=records[0].shard, tokens=tokens,
                             places=np.array(places, dtype=np.int64).reshape(-1, 2),
                             keys=np.asarray(keys, dtype=np.uint64), skipped=skipped, shown=shown)
 
@@ -109,7 +111,7 @@ def auto_workers(shards: list[Shard], requested: int | None) -> int:
 
 def encode_chunks(records: Iterable[SourceRecord], encoder: ChunkEncoder, workers: int) -> Iterator[EncodedChunk]:
     """Encoded chunks of `records` in source order; a bad record raises its RecordError (with `bad_records: fail`)."""
-    chunks = iter(lambda: list(islice(records, CHUNK)), [])
+    chunks = _chunks(records)
     if workers <= 1:
         yield from map(encoder, chunks)
         return
@@ -126,6 +128,12 @@ def encode_chunks(records: Iterable[SourceRecord], encoder: ChunkEncoder, worker
                 yield _result(pending.popleft(), workers)
         finally:  # a bad record or a stopped consumer: drop the chunks not started, wait for the rest to end
             pool.shutdown(cancel_futures=True)
+
+
+def _chunks(records: Iterable[SourceRecord]) -> Iterator[list[SourceRecord]]:
+    """Up to CHUNK records at a time, a new chunk at each shard's start."""
+    for _, shard_records in groupby(records, key=lambda record: record.shard):
+        yield from iter(lambda: list(islice(shard_records, CHUNK)), [])
 
 
 def _result(future: Future[EncodedChunk], workers: int) -> EncodedChunk:

@@ -4,10 +4,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from phase1a.atomic import write_atomically
 from phase1a.units import MIB
 
 READ_CHUNK = 8 * MIB  # large enough that hashing runs at disk speed, small enough to stay out of RAM's way
@@ -20,6 +22,47 @@ def sha256_file(path: Path) -> str:
         while chunk := handle.read(READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+class FileHashes:
+    """sha256 of local files, remembered by (device, inode, size, mtime) in a JSON file: a nightly re-stage of
+    50 unchanged shards stats them instead of reading them (git's index and DVC's state do the same). A hard
+    link shares its file's identity, so a staged link to a verified copy is not read again.
+
+    A file rewritten in place gets a new mtime, unless it is rewritten within one tick of the file system's
+    clock: as git does with "racy" entries, a hash taken less than RACY_NS after the file's mtime is not trusted
+    and the file is read again next time. Concurrent writers may lose each other's entries; a lost entry costs
+    one re-hash, never a wrong answer."""
+
+    RACY_NS = 100_000_000  # far above a coarse file-system clock's tick (1-10 ms)
+    MAX_ENTRIES = 200_000
+
+    def __init__(self, store: Path | None = None) -> None:
+        self.store = Path(store) if store else None
+        self.entries: dict[str, list] = {}  # identity -> [the path it was read at, sha256, when it was hashed (ns)]
+        self.changed = False
+        if self.store and self.store.is_file():
+            try:
+                self.entries = json.loads(self.store.read_text())
+            except (OSError, ValueError):  # unreadable: start afresh; hashing costs time, never correctness
+                self.entries = {}
+
+    def sha256(self, path: Path) -> str:
+        stat = Path(path).stat()
+        identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+        entry = self.entries.get(identity)
+        if entry is None or entry[2] - stat.st_mtime_ns < self.RACY_NS:
+            entry = self.entries[identity] = [str(path), sha256_file(path), time.time_ns()]
+            self.changed = True
+        return entry[1]
+
+    def save(self) -> None:
+        """Write the entries back; past MAX_ENTRIES, the oldest go (a forgotten file is hashed again)."""
+        if self.store is None or not self.changed:
+            return
+        newest = sorted(self.entries.items(), key=lambda item: item[1][2])[-self.MAX_ENTRIES:]
+        write_atomically(self.store, json.dumps(dict(newest)))
+        self.changed = False
 
 
 def sha256_tree(root: Path, patterns: tuple[str, ...] = ("*",)) -> str:

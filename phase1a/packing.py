@@ -15,6 +15,7 @@ import torch
 
 from phase1a.distributed import World
 from phase1a.labels import IGNORE_INDEX
+from phase1a.tokenized import SplitView
 
 
 @dataclass
@@ -27,8 +28,15 @@ class TokenRows:
     max_length: int | None = None  # a plan may truncate shorter than the tokenized data
 
     @classmethod
-    def from_arrow(cls, path: str | Path, max_length: int | None = None) -> "TokenRows":
-        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    def load(cls, path: str | Path, max_length: int | None = None) -> "TokenRows":
+        """A tokenized split (a SplitView, .json) or a plain Arrow file of input_ids and labels; examples are
+        cut to `max_length` and to the view's own length, whichever is shorter."""
+        if str(path).endswith(".json"):
+            view = SplitView.read(path)
+            table = view.table(path)
+            max_length = min(max_length or view.max_length, view.max_length)
+        else:
+            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         ids = table.column("input_ids").combine_chunks()
         labels = table.column("labels").combine_chunks()
         return cls(
@@ -142,7 +150,7 @@ class StepBatches(torch.utils.data.Dataset):
     @property
     def rows(self) -> TokenRows:
         if self._rows is None:
-            self._rows = TokenRows.from_arrow(self.train_path, self.max_length)
+            self._rows = TokenRows.load(self.train_path, self.max_length)
         return self._rows
 
     def __getstate__(self) -> dict:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 from urllib.parse import urlparse
@@ -28,7 +30,7 @@ from phase1a import hub
 from phase1a.atomic import atomic_path, write_atomically
 from phase1a.datasource import DataLocation, download_hub_dataset, is_data_file
 from phase1a.errors import DataError
-from phase1a.fingerprint import READ_CHUNK, hash_json, sha256_file
+from phase1a.fingerprint import READ_CHUNK, FileHashes, hash_json
 from phase1a.s3 import (
     DEFAULT_TRANSFER,
     S3Error,
@@ -51,6 +53,9 @@ class StagedData(DataLocation):
     size_bytes: int
     copied: bool
     objects: list[S3Object] = []  # S3 sources: the objects staged, with size and ETag
+    file_sha256: dict[str, str] = {}  # a directory's files (relative path -> sha256): tokenize keys each shard on it
+    files_copied: int = 0  # files downloaded or copied this time
+    files_reused: int = 0  # files already staged (this listing, or an earlier one that shared them)
 
 
 class StageManifest(BaseModel):
@@ -116,8 +121,13 @@ def _content_fingerprint(hashes: list[tuple[str, str]]) -> str:
     return hash_json([[name, sha] for name, sha in hashes])
 
 
-def _files_fingerprint(base: Path, files: list[str]) -> str:
-    return _content_fingerprint([(name, sha256_file(base / name)) for name in files])
+def _files_fingerprint(base: Path, files: list[str], hashes: FileHashes) -> str:
+    return _content_fingerprint([(name, hashes.sha256(base / name)) for name in files])
+
+
+def file_hashes(staging_dir: Path) -> FileHashes:
+    """The hashes of local files that staging has read, remembered under the staging directory."""
+    return FileHashes(Path(staging_dir) / "file-hashes.json")
 
 
 def _s3_fingerprint(url: S3Url, objects: list[S3Object]) -> str:
@@ -136,10 +146,12 @@ def _parse(source: str) -> S3Url:
 
 
 def source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
-                       field: str = "data.source") -> str:
+                       field: str = "data.source", hashes: FileHashes | None = None) -> str:
     """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes (of
     every file's, for a directory or glob), for S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or
-    listing, for a Hub dataset its id and the commit `revision` resolves to."""
+    listing, for a Hub dataset its id and the commit `revision` resolves to. `hashes` remembers local files'
+    hashes by their identity (inode, size, mtime), so unchanged shards are not read again."""
+    hashes = hashes or FileHashes()
     if is_s3_url(source):
         url = _parse(source)
         return _s3_fingerprint(url, _list(url, endpoint_url)[1])
@@ -147,9 +159,12 @@ def source_fingerprint(source: str, endpoint_url: str | None = None, revision: s
         commit = hub.resolve_commit(source, repo_type="dataset", revision=revision, field=field)
         return hash_json(["hub-dataset", source, commit])
     if is_glob(source):
-        return _files_fingerprint(*glob_files(source, field))
-    path = local_source_path(source, field)
-    return _files_fingerprint(path, _local_files(path)) if path.is_dir() else sha256_file(path)
+        fingerprint = _files_fingerprint(*glob_files(source, field), hashes)
+    else:
+        path = local_source_path(source, field)
+        fingerprint = _files_fingerprint(path, _local_files(path), hashes) if path.is_dir() else hashes.sha256(path)
+    hashes.save()
+    return fingerprint
 
 
 def staged_name(source: str) -> str:
@@ -188,9 +203,50 @@ def _write_manifest(path: Path, manifest: StageManifest) -> None:
     write_atomically(path, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
 
 
-def _intact(path: Path, size: int, sha256: str) -> bool:
-    # The size is the cheap check; the full hash catches a same-size corruption, at local-disk read speed.
-    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256
+def _intact(path: Path, size: int, sha256: str, hashes: FileHashes | None = None) -> bool:
+    # The size is the cheap check; the full hash catches a same-size corruption, at local-disk read speed
+    # (or from `hashes`, for a file whose identity was hashed before).
+    return path.is_file() and path.stat().st_size == size and (hashes or FileHashes()).sha256(path) == sha256
+
+
+# ---- the blob store: each staged file once, by content ----------------------------------------------------
+# A new listing (one more shard under the prefix) stages into a new directory; its unchanged files are hard
+# links to the copies an earlier listing staged, so only the new files are downloaded or copied.
+
+def _blob(staging_dir: Path, sha256: str) -> Path:
+    return Path(staging_dir) / "blobs" / sha256
+
+
+def _s3_index(staging_dir: Path, bucket: str, item: S3Object) -> Path:
+    """Where the sha256 of an S3 object (bucket, key, size, ETag) staged before is recorded."""
+    return Path(staging_dir) / "blobs" / "s3" / hash_json([bucket, item.key, item.size, item.etag])[:40]
+
+
+def _link(source: Path, destination: Path) -> None:
+    """`destination` becomes a hard link to `source` (a copy where the file system has no hard links)."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(destination) as scratch:
+        try:
+            os.link(source, scratch)
+        except OSError:
+            shutil.copyfile(source, scratch)
+
+
+def _reuse_s3_blob(staging_dir: Path, bucket: str, item: S3Object, destination: Path, hashes: FileHashes) -> bool:
+    """Link the verified copy of an object an earlier listing staged into place; False when there is none."""
+    try:
+        sha = _s3_index(staging_dir, bucket, item).read_text().strip()
+    except OSError:
+        return False
+    if not _intact(_blob(staging_dir, sha), item.size, sha, hashes):
+        return False
+    _link(_blob(staging_dir, sha), destination)
+    return True
+
+
+def _keep_s3_blob(staging_dir: Path, bucket: str, item: S3Object, path: Path, sha: str) -> None:
+    _link(path, _blob(staging_dir, sha))
+    write_atomically(_s3_index(staging_dir, bucket, item), sha + "\n")
 
 
 def _require_free_space(directory: Path, needed: int, source: str) -> None:
@@ -219,16 +275,19 @@ def verify_download(path: Path, expected_size: int, expected_md5: str | None, wh
     return sha.hexdigest()
 
 
-def _copy_verified(source: Path, destination: Path) -> str:
+def _copy_verified(source: Path, destination: Path, hashes: FileHashes | None = None) -> str:
     """Copy one file, hashing it while it is read and again once written; renamed into place only when both
-    agree. Returns its sha256."""
+    agree. Returns its sha256. The copy keeps the source's mtime (as `cp -p`): the hash of what was written
+    is then remembered in `hashes` (FileHashes trusts a hash taken well after the file's mtime)."""
     digest = hashlib.sha256()
     with atomic_path(destination) as partial:
         with open(source, "rb") as reader, open(partial, "wb") as writer:
             while chunk := reader.read(READ_CHUNK):
                 digest.update(chunk)
                 writer.write(chunk)
-        copied = sha256_file(partial)
+        stat = source.stat()
+        os.utime(partial, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        copied = (hashes or FileHashes()).sha256(partial)
         if copied != digest.hexdigest():
             raise DataError(f"{source}: staged copy failed verification (sha256 {copied} != {digest.hexdigest()})")
     return digest.hexdigest()
@@ -238,35 +297,45 @@ def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"{path}: the file is empty")
-    sha = sha256_file(path)
+    hashes = file_hashes(staging_dir)
+    sha = hashes.sha256(path)
     target = staged_location(staging_dir, sha, path.name)
-    copied = not (target.is_file() and target.stat().st_size == size and sha256_file(target) == sha)
+    copied = not _intact(target, size, sha, hashes)
     if copied:
         target.parent.mkdir(parents=True, exist_ok=True)
         _require_free_space(target.parent, size, str(path))
-        if _copy_verified(path, target) != sha:  # the source changed while it was copied
+        if _copy_verified(path, target, hashes) != sha:  # the source changed while it was copied
             raise DataError(f"{path}: the file changed while it was staged; stage again")
+    hashes.save()
     return StagedData(source=source, path=str(target), origin=str(path), fingerprint=sha, size_bytes=size,
                       copied=copied)
 
 
 def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Path, explicit: bool) -> StagedData:
-    """A directory (or a glob's matches) copied file by file under a directory keyed on its content. A file
-    already at its final name was verified before it was renamed there: an interrupted stage resumes."""
-    shas = {name: sha256_file(base / name) for name in files}
+    """A directory (or a glob's matches) staged file by file under a directory keyed on its content. Each file
+    is copied once into the blob store, verified, and linked into place: an interrupted stage resumes, and a
+    tree that shares files with an earlier one copies only the files that are new."""
+    hashes = file_hashes(staging_dir)
+    shas = {name: hashes.sha256(base / name) for name in files}
     sizes = {name: (base / name).stat().st_size for name in files}
     if sum(sizes.values()) == 0:
         raise DataError(f"data.source: {source}: the data is empty")
     fingerprint = _content_fingerprint(list(shas.items()))
     target = staged_location(staging_dir, fingerprint, base.name)
-    pending = [name for name in files if not _intact(target / name, sizes[name], shas[name])]
+    missing = [name for name in files if not _intact(target / name, sizes[name], shas[name], hashes)]
+    blobs = {name: _blob(staging_dir, shas[name]) for name in missing}
+    pending = [name for name in missing if not _intact(blobs[name], sizes[name], shas[name], hashes)]
     target.mkdir(parents=True, exist_ok=True)
     _require_free_space(target, sum(sizes[name] for name in pending), source)
     for name in pending:
-        if _copy_verified(base / name, target / name) != shas[name]:
+        if _copy_verified(base / name, blobs[name], hashes) != shas[name]:
             raise DataError(f"{base / name}: the file changed while it was staged; stage again")
+    for name in missing:
+        _link(blobs[name], target / name)
+    hashes.save()
     return StagedData(source=source, path=str(target), origin=str(base), files=files if explicit else [],
-                      fingerprint=fingerprint, size_bytes=sum(sizes.values()), copied=bool(pending))
+                      fingerprint=fingerprint, size_bytes=sum(sizes.values()), copied=bool(pending),
+                      file_sha256=shas, files_copied=len(pending), files_reused=len(files) - len(pending))
 
 
 def _stage_local(source: str, staging_dir: Path) -> StagedData:
@@ -299,28 +368,38 @@ def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, stagi
                       copied=True, objects=[item])
 
 
+@dataclass
+class _StagedPrefix:
+    target: Path
+    shas: dict[str, str]  # key -> sha256
+    downloaded: int
+    reused: int  # linked from an earlier listing's copy
+
+
 def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Object], staging_dir: Path,
-                     transfer: TransferConfig) -> tuple[Path, dict[str, str], bool]:
+                     transfer: TransferConfig) -> _StagedPrefix:
     """Every object under the prefix into `staging_dir/<fingerprint[:16]>/<name>/`, each verified and renamed
-    into place; skipped when the manifest matches the listing and every file is intact. Returns the
-    directory, each key's sha256, and whether anything was downloaded."""
+    into place; skipped when the manifest matches the listing and every file is intact. An object that an
+    earlier listing staged (same key, size and ETag) is linked from the blob store, not downloaded again."""
     name = url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket
     target = staged_location(staging_dir, _s3_fingerprint(url, objects), name)
     files = [(item, target / _relative_file(url, item.key)) for item in objects]
-    manifest_path = _manifest_path(target)
+    manifest_path, hashes = _manifest_path(target), file_hashes(staging_dir)
     recorded = _read_manifest(manifest_path)
     if recorded and recorded.objects == objects:
         damaged = [path for item, path in files
-                   if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""))]
+                   if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""), hashes)]
         if not damaged:
-            return target, recorded.file_sha256, False
+            return _StagedPrefix(target, recorded.file_sha256, 0, len(files))
         for path in damaged:  # else the size check below would keep a same-size corruption
             path.unlink(missing_ok=True)
     manifest_path.unlink(missing_ok=True)
 
     # A file already at its final name was verified before it was renamed there, and the directory is keyed
     # on this exact listing: an interrupted stage resumes instead of starting over.
-    pending = [(item, path) for item, path in files if not (path.is_file() and path.stat().st_size == item.size)]
+    missing = [(item, path) for item, path in files if not (path.is_file() and path.stat().st_size == item.size)]
+    pending = [(item, path) for item, path in missing
+               if not _reuse_s3_blob(staging_dir, url.bucket, item, path, hashes)]
     target.mkdir(parents=True, exist_ok=True)
     _require_free_space(target, sum(item.size for item, _ in pending), source)
     shas: dict[str, str] = {}
@@ -330,9 +409,12 @@ def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Objec
             md5s = download_objects(client, url.bucket, partials, transfer)
         for item, part in partials:
             shas[item.key] = verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
-    shas.update({item.key: sha256_file(path) for item, path in files if item.key not in shas})
+    for item, path in pending:  # into the blob store, for the next listing that shares it
+        _keep_s3_blob(staging_dir, url.bucket, item, path, shas[item.key])
+    shas.update({item.key: hashes.sha256(path) for item, path in files if item.key not in shas})
+    hashes.save()
     _write_manifest(manifest_path, StageManifest(source=source, objects=objects, file_sha256=shas))
-    return target, shas, bool(pending)
+    return _StagedPrefix(target, shas, len(pending), len(files) - len(pending))
 
 
 def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer: TransferConfig) -> StagedData:
@@ -345,11 +427,13 @@ def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer
     data = [item for item in objects if is_data_file(item.key)]
     if not data:
         raise DataError(f"{source}: no data file under the prefix (keys: {', '.join(o.key for o in objects[:5])})")
-    target, shas, copied = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
+    staged = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
     files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
-    return StagedData(source=source, path=str(target), origin=source, files=files,
-                      fingerprint=_content_fingerprint([(name, shas[item.key]) for name, item in zip(files, data)]),
-                      size_bytes=sum(item.size for item in data), copied=copied, objects=objects)
+    shas = {name: staged.shas[item.key] for name, item in zip(files, data)}
+    return StagedData(source=source, path=str(staged.target), origin=source, files=files,
+                      fingerprint=_content_fingerprint(list(shas.items())), size_bytes=sum(item.size for item in data),
+                      copied=bool(staged.downloaded), objects=objects, file_sha256=shas,
+                      files_copied=staged.downloaded, files_reused=staged.reused)
 
 
 def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:
@@ -360,9 +444,11 @@ def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str
     if not target.is_dir():
         with atomic_path(target) as link:
             link.symlink_to(snapshot.path, target_is_directory=True)
-    size = sum(p.stat().st_size for p in Path(snapshot.path).rglob("*") if p.is_file())
-    return StagedData(source=source, path=str(target), origin=source, fingerprint=fingerprint, size_bytes=size,
-                      copied=False)
+    files = sorted(p for p in Path(snapshot.path).rglob("*") if p.is_file())
+    # The Hub cache names each file's blob by its content (sha256 for LFS files, git's sha1 for small ones).
+    content = {p.relative_to(snapshot.path).as_posix(): p.resolve().name for p in files}
+    return StagedData(source=source, path=str(target), origin=source, fingerprint=fingerprint,
+                      size_bytes=sum(p.stat().st_size for p in files), copied=False, file_sha256=content)
 
 
 def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,
@@ -414,4 +500,4 @@ def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
         return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
     url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
     client, objects = _list(url, endpoint_url)
-    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), transfer)[0]
+    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), transfer).target

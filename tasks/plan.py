@@ -122,7 +122,7 @@ class _Planner:
                      else lora_parameters(self.facts, self.method.lora.r, self.method.lora.target_modules))
         self.memory = MemoryModel(self.facts, self.shape, trainable,
                                   int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
-        self.lengths = TokenRows.from_arrow(data.train_path).lengths()
+        self.lengths = TokenRows.load(data.train_path).lengths()
 
     # ---- 2. truncation -----------------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ class _Planner:
         settings, facts = self.config.validation, self.facts
         promoted = settings.baseline == "promoted"
         loads = 1 + (self.method.kind == "full") + promoted
-        rows = TokenRows.from_arrow(self.data.validation_path)
+        rows = TokenRows.load(self.data.validation_path)
         indices = np.arange(min(len(rows), settings.max_examples))
         speed = throughput.calibration.validation if throughput.calibration is not None else None
         if speed is None:

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Literal
 
 from phase1a.config import Phase1aConfig
-from phase1a.staging import StagedData, source_fingerprint, stage_dataset, staged_location, staged_name
+from phase1a.staging import (
+    StagedData,
+    file_hashes,
+    source_fingerprint,
+    stage_dataset,
+    staged_location,
+    staged_name,
+)
 from tasks.caching import StageCache, task
 
 Source = Literal["source", "validation_source"]  # which field of the config's `data` section
@@ -20,7 +27,8 @@ Source = Literal["source", "validation_source"]  # which field of the config's `
 
 def staged_fingerprint(config: Phase1aConfig, field: Source = "source") -> str:
     data = config.data
-    return source_fingerprint(getattr(data, field), data.s3_endpoint_url, data.revision, field=f"data.{field}")
+    return source_fingerprint(getattr(data, field), data.s3_endpoint_url, data.revision, field=f"data.{field}",
+                              hashes=file_hashes(data.staging_dir))
 
 
 def staged_copy(fingerprint: str, config: Phase1aConfig, field: Source = "source") -> Path:

@@ -8,15 +8,14 @@ The recipe, `tokenize_dataset`, in four phases that keep memory flat:
   2. decide    over those scalars only: max_seq_length, overlong and duplicate examples, the held-out split,
                outliers
   3. split     truncate, drop and split batch by batch with Arrow compute into train.arrow and validation.arrow
-  4. describe  lengths, the histogram and every count (skipped, duplicates, truncated, dropped)
+  4. describe  lengths (the run report draws their histogram) and every count (skipped, duplicates, truncated,
+               dropped)
 The held-out split is either a stable content-hash share of the source, or every record of
 `data.validation_source`.
 """
 from __future__ import annotations
 
-import shutil
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -28,8 +27,8 @@ from pydantic import BaseModel
 
 from phase1a.atomic import atomic_path
 from phase1a.config import Phase1aConfig
-from phase1a.datasource import DataLocation, Shard, describe, iter_records, resolve_shards
-from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodeSettings, auto_workers, encode_chunks
+from phase1a.datasource import DataLocation, Shard, describe, resolve_shards
+from phase1a.encoding import SHOWN_SKIPS, EncodeSettings
 from phase1a.errors import DataError
 from phase1a.fingerprint import code_fingerprint, hash_json
 from phase1a.labels import IGNORE_INDEX
@@ -45,8 +44,9 @@ from phase1a.lengths import (
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
 from phase1a.models import ResolvedModel, load_tokenizer
+from phase1a.shards import EncodedShard, ShardStore
 from phase1a.templates import apply_chat_template_setting, template_fingerprint
-from phase1a.tokenized import TokenizedData
+from phase1a.tokenized import SplitView, TokenizedData
 from tasks.caching import StageCache, task
 
 if TYPE_CHECKING:  # staging imports boto3, which a bare GPU host (that tokenizes local files) lacks
@@ -95,7 +95,8 @@ def dataset_dir(cache_dir: Path, fingerprint: str) -> Path:
 def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int, options: TokenizeOptions,
                      out_dir: Path, validation: DataLocation | None = None) -> TokenizedData:
     """Tokenize `data` (a staged location, or a plain path) into `out_dir` (named by its fingerprint), reusing
-    a complete earlier result. With `validation`, that source is the held-out set and `data` is all training."""
+    a complete earlier result, and every shard an earlier dataset already tokenized (`out_dir`'s sibling
+    `shards/`). With `validation`, that source is the held-out set and `data` is all training."""
     sources = _Sources.resolve(data, validation, options)
     out_dir = Path(out_dir)
     # Two runs on one fingerprint: the first computes, the second waits here and then reuses its output.
@@ -104,10 +105,9 @@ def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int
             return TokenizedData.model_validate_json((out_dir / "manifest.json").read_text())
         with atomic_path(out_dir) as work:
             work.mkdir()
-            encoded = _encode(work / "all.arrow", sources, tokenizer, options)
+            encoded = _encode(sources, tokenizer, options, out_dir.parent / "shards")
             decided = _decide(encoded, sources, model_max_length, options)
             split = _split(work, encoded, decided)
-            (work / "all.arrow").unlink()
             result = _describe(work, out_dir, _Described(sources, tokenizer, model_max_length, options, encoded,
                                                          decided, split))
             (work / "manifest.json").write_text(result.model_dump_json(indent=2))
@@ -120,17 +120,19 @@ class _Sources:
 
     shards: list[Shard]
     first_validation: int | None  # None: hold out a content-hash share of every shard
+    content: dict[str, str]  # shard path -> content hash, as staging recorded it
 
     @classmethod
     def resolve(cls, data: DataLocation | Path, validation: DataLocation | None,
                 options: TokenizeOptions) -> "_Sources":
-        train = resolve_shards(data if isinstance(data, DataLocation) else DataLocation(path=str(data)),
-                               options.config, options.split)
+        data = data if isinstance(data, DataLocation) else DataLocation(path=str(data))
+        train = resolve_shards(data, options.config, options.split)
+        content = _content_hashes(data)
         if validation is None:
-            return cls(train, None)
+            return cls(train, None, content)
         held_out = resolve_shards(validation, options.config, options.validation_split or options.split,
                                   field="data.validation_source")
-        return cls(train + held_out, len(train))
+        return cls(train + held_out, len(train), content | _content_hashes(validation))
 
     def name(self) -> str:
         first = self.shards[0].path
@@ -141,49 +143,53 @@ class _Sources:
         return describe(self.shards, *map(int, place))
 
 
+def _content_hashes(location: DataLocation) -> dict[str, str]:
+    """The staged files' content hashes by path (staging read them already), so no shard is hashed twice."""
+    recorded = getattr(location, "file_sha256", {}) or {}
+    path = Path(location.path)
+    if path.is_file():
+        fingerprint = getattr(location, "fingerprint", None)
+        return {str(path.resolve()): fingerprint} if fingerprint else {}
+    return {str((path / name).resolve()): sha for name, sha in recorded.items()}
+
+
 # ---- 1. encode ---------------------------------------------------------------------------------------------
-
-_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
-
 
 @dataclass
 class _Encoded:
-    """Pass 1's output: token ids in an Arrow file, and per-example scalars in RAM."""
+    """Every shard's cached encoding (phase1a/shards.py), and their examples' scalars concatenated in order."""
 
-    path: Path
+    shards: list[EncodedShard]
     places: np.ndarray  # (n, 2): shard and line/row
     keys: np.ndarray  # content hashes
     lengths: np.ndarray
+    first_label: np.ndarray  # first supervised position (NO_LABEL: none)
+    supervised: np.ndarray  # supervised tokens, untruncated
     skipped: Counter[str]
     shown: list[str]  # the first few skipped records' messages
     workers: int
 
+    @property
+    def reused(self) -> int:
+        return sum(shard.reused for shard in self.shards)
 
-def _encode(path: Path, sources: _Sources, tokenizer, options: TokenizeOptions) -> _Encoded:
+
+def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path) -> _Encoded:
     settings = EncodeSettings(**{f.name: getattr(options, f.name) for f in fields(EncodeSettings)})
-    encoder = ChunkEncoder(tokenizer, sources.shards, settings)
+    store = ShardStore(root, tokenizer, settings, options.tokenize_workers, sources.content)
+    shards = store.encode(sources.shards)
     skipped: Counter[str] = Counter()
     shown: list[str] = []
-    places, keys, lengths = [], [], []
-    workers = auto_workers(sources.shards, options.tokenize_workers)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _SCHEMA) as writer:
-        for chunk in encode_chunks(iter_records(sources.shards), encoder, workers):
-            skipped.update(chunk.skipped)
-            shown += chunk.shown[: SHOWN_SKIPS - len(shown)]
-            if chunk.tokens is None:
-                continue
-            offsets = chunk.tokens.offsets
-            columns = [pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
-                       pa.ListArray.from_arrays(offsets, chunk.tokens.labels)]
-            writer.write_batch(pa.record_batch(columns, schema=_SCHEMA))
-            places.append(chunk.places)
-            keys.append(chunk.keys)
-            lengths.append(np.diff(offsets))
-    if not lengths:
+    for shard in shards:
+        skipped.update(shard.skipped)
+        shown += shard.shown[: SHOWN_SKIPS - len(shown)]
+    if not sum(shard.count for shard in shards):
         detail = f" ({sum(skipped.values())} bad records skipped: {dict(skipped)})" if skipped else ""
         raise DataError(f"{sources.name()}: no usable records{detail}")
-    return _Encoded(path, np.concatenate(places), np.concatenate(keys), np.concatenate(lengths), skipped, shown,
-                    workers)
+    column = lambda name: np.concatenate([shard.examples[name] for shard in shards])  # noqa: E731
+    places = np.column_stack([np.repeat(np.arange(len(shards)), [shard.count for shard in shards]), column("line")])
+    return _Encoded(shards, places, column("key"), column("length"), column("first_label"), column("supervised"),
+                    skipped, shown, store.workers)
 
 
 # ---- 2. decide ---------------------------------------------------------------------------------------------
@@ -194,6 +200,8 @@ class _Decisions:
     overlong: np.ndarray  # longer than max_seq_length
     first_seen: np.ndarray  # not a duplicate of an earlier example
     keep: np.ndarray  # after the overlong and duplicate policies
+    kept: np.ndarray  # of those, the ones with something to train on once truncated: written
+    without_labels: int  # dropped: nothing left to train on after truncation
     validation: np.ndarray  # held out
     outliers: Outliers | None
 
@@ -214,13 +222,16 @@ def _decide(encoded: _Encoded, sources: _Sources, model_max_length: int, options
     keep = ~overlong if options.overlong == "drop" else np.ones(encoded.keys.size, dtype=bool)
     if options.drop_duplicates:
         keep &= first_seen
+    labelled = encoded.first_label < max_seq_length  # a label survives truncation
     validation = (_validation_mask(encoded.keys, options) if sources.first_validation is None
                   else encoded.places[:, 0] >= sources.first_validation)
-    return _Decisions(max_seq_length, overlong, first_seen, keep, validation, outliers)
+    return _Decisions(max_seq_length, overlong, first_seen, keep, keep & labelled, int((keep & ~labelled).sum()),
+                      validation, outliers)
 
 
 def _validation_mask(keys: np.ndarray, options: TokenizeOptions) -> np.ndarray:
-    """Held-out by content hash: a fraction keeps its members as the data grows; a count takes the lowest hashes."""
+    """Held-out by content hash. A fraction keeps each example on its side as the data grows (its hash alone
+    decides); a count takes the lowest hashes, so new data can move the boundary."""
     if keys.size < 2:
         raise DataError(f"need at least 2 examples for a train and a validation split, got {keys.size}")
     unit = keys.astype(np.float64) / 2.0**64
@@ -238,58 +249,39 @@ def _validation_mask(keys: np.ndarray, options: TokenizeOptions) -> np.ndarray:
 
 # ---- 3. split ----------------------------------------------------------------------------------------------
 
-_OUTPUT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-                            ("length", pa.int32())])
-
-
 @dataclass
 class _Split:
-    counts: dict[str, int]  # examples written to train and validation
-    kept_lengths: np.ndarray  # of every example written, truncated
+    counts: dict[str, int]  # examples in train and validation
+    kept_lengths: np.ndarray  # of every example kept, truncated
     supervised: int  # trained tokens of those
-    without_labels: int  # dropped: nothing left to train on after truncation
 
 
 def _split(work: Path, encoded: _Encoded, decided: _Decisions) -> _Split:
-    # Plain reads, not a memory map: one batch at a time in RAM, so peak RSS does not grow with the data.
-    source = pa.ipc.open_file(pa.OSFile(str(encoded.path), "rb"))
-    limit = decided.max_seq_length
-    kept_lengths, supervised, without_labels, start = [], 0, 0, 0
-    counts = {"train": 0, "validation": 0}
-    with _writer(work / "train.arrow") as train_out, _writer(work / "validation.arrow") as validation_out:
-        for index in range(source.num_record_batches):
-            batch = source.get_batch(index)
-            rows = slice(start, start + batch.num_rows)
-            start += batch.num_rows
-            ids, labels = pc.list_slice(batch.column(0), 0, limit), pc.list_slice(batch.column(1), 0, limit)
-            label_counts = _labelled_per_row(labels)
-            without_labels += int((decided.keep[rows] & (label_counts == 0)).sum())
-            row_keep = decided.keep[rows] & (label_counts > 0)
-            table = pa.table({"input_ids": ids, "labels": labels, "length": pc.list_value_length(ids)})
-            for name, out, mask in (("train", train_out, row_keep & ~decided.validation[rows]),
-                                    ("validation", validation_out, row_keep & decided.validation[rows])):
-                out.write_table(table.filter(pa.array(mask)))
-                counts[name] += int(mask.sum())
-            kept_lengths.append(np.minimum(encoded.lengths[rows], limit)[row_keep])
-            supervised += int(label_counts[row_keep].sum())
-    return _Split(counts, np.concatenate(kept_lengths), supervised, without_labels)
+    """Each split as a view over the shards' token files: row numbers, no copy of a token."""
+    parts = [str(shard.tokens_path) for shard in encoded.shards]
+    counts = {}
+    held_out = decided.validation
+    for name, mask in (("train", decided.kept & ~held_out), ("validation", decided.kept & held_out)):
+        SplitView(parts=parts, rows=f"{name}.rows.npy", max_length=decided.max_seq_length).write(
+            work / f"{name}.json", np.flatnonzero(mask))
+        counts[name] = int(mask.sum())
+    kept_lengths = np.minimum(encoded.lengths, decided.max_seq_length)[decided.kept]
+    return _Split(counts, kept_lengths, _supervised_after_truncation(encoded, decided))
 
 
-@contextmanager
-def _writer(path: Path):
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, _OUTPUT_SCHEMA) as writer:
-        yield writer
-
-
-def _labelled_per_row(labels: pa.ListArray) -> np.ndarray:
-    """Supervised tokens per row, excluding each row's first token (it is never predicted)."""
-    values = labels.flatten().to_numpy(zero_copy_only=False)
-    offsets = labels.offsets.to_numpy() - labels.offsets[0].as_py()
-    labelled = np.concatenate([[0], np.cumsum(values != IGNORE_INDEX)])
-    first = np.zeros(len(labels), dtype=np.int64)
-    nonempty = offsets[1:] > offsets[:-1]
-    first[nonempty] = values[offsets[:-1][nonempty]] != IGNORE_INDEX
-    return labelled[offsets[1:]] - labelled[offsets[:-1]] - first
+def _supervised_after_truncation(encoded: _Encoded, decided: _Decisions) -> int:
+    """Trained tokens of the kept examples: the stored counts, recounted from the tokens for the few that are cut."""
+    total = int(encoded.supervised[decided.kept & ~decided.overlong].sum())
+    cut = np.flatnonzero(decided.kept & decided.overlong)
+    if cut.size:
+        starts = np.concatenate([[0], np.cumsum([shard.count for shard in encoded.shards])])
+        for number, shard in enumerate(encoded.shards):
+            rows = cut[(cut >= starts[number]) & (cut < starts[number + 1])] - starts[number]
+            if rows.size:
+                table = pa.ipc.open_file(pa.memory_map(str(shard.tokens_path), "r")).read_all().take(pa.array(rows))
+                labels = pc.list_slice(table.column("labels"), 1, decided.max_seq_length).combine_chunks()
+                total += int(np.count_nonzero(labels.values.to_numpy(zero_copy_only=False) != IGNORE_INDEX))
+    return total
 
 
 # ---- 4. describe -------------------------------------------------------------------------------------------
@@ -318,12 +310,13 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
         raise DataError(f"{run.sources.name()}: {lengths.size} usable examples after filtering; need a train and a "
                         "validation split")
     stats = length_stats(lengths, run.split.supervised)
-    histogram = save_histogram(lengths, stats, decided.max_seq_length, work / "lengths.png")
+    np.save(work / "lengths.npy", lengths.astype(np.int32), allow_pickle=False)  # the run report draws them
     duplicates = int((~decided.first_seen).sum())
     return TokenizedData(
-        fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.arrow"),
-        validation_path=str(out_dir / "validation.arrow"), histogram_path=str(out_dir / histogram.name),
+        fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.json"),
+        validation_path=str(out_dir / "validation.json"), lengths_path=str(out_dir / "lengths.npy"),
         train_examples=counts["train"], validation_examples=counts["validation"], shards=len(run.sources.shards),
+        shards_encoded=len(run.encoded.shards) - run.encoded.reused, shards_reused=run.encoded.reused,
         workers=run.encoded.workers,
         template="chat_template" if getattr(run.tokenizer, "chat_template", None) else "fallback",
         lengths=stats, outliers=decided.outliers, max_seq_length=decided.max_seq_length,
@@ -333,15 +326,18 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
         duplicates_dropped=duplicates if options.drop_duplicates else 0,
         truncated_examples=int((decided.overlong & decided.keep).sum()) if options.overlong == "truncate" else 0,
         dropped_overlong=int(decided.overlong.sum()) if options.overlong == "drop" else 0,
-        dropped_without_labels=run.split.without_labels,
+        dropped_without_labels=decided.without_labels,
     )
 
 
 # ---- the task ----------------------------------------------------------------------------------------------
 
 def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
-    """Copy the histogram into the run directory and summarise lengths and waste as a Prefect artifact."""
-    shutil.copyfile(data.histogram_path, Path(run_dir) / "lengths.png")
+    """Draw the lengths' histogram into the run directory and summarise lengths and waste as a Prefect artifact.
+    Drawn here, not by the stage: matplotlib's import (1-2 s) would be most of a night's tokenize when one new
+    shard is all it encodes."""
+    lengths = np.load(data.lengths_path, allow_pickle=False)
+    save_histogram(lengths, data.lengths, data.max_seq_length, Path(run_dir) / "lengths.png")
     try:
         from prefect.artifacts import create_markdown_artifact
     except ImportError:

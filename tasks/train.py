@@ -144,7 +144,7 @@ class TrainRecipe:
         self.world = distributed.init_world()
         self.began = time.perf_counter()
         torch.manual_seed(self.method.seed)
-        rows = TokenRows.from_arrow(settings.train_path)
+        rows = TokenRows.load(settings.train_path)
         self.max_length = settings.max_seq_length or int(rows.lengths().max())
         self.order, _ = example_stream(len(rows), self.method.epochs, self.method.seed)
         self.epochs_per_step = self.method.batch_size / len(rows)

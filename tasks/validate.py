@@ -149,7 +149,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
     settings, endpoint = config.validation, config.data.s3_endpoint_url
     device, trust = training_device(), config.model.trust_remote_code
     # 1. sample; the baseline read before any model loads
-    rows = TokenRows.from_arrow(validation_path)
+    rows = TokenRows.load(validation_path)
     scoring = Scoring(load_tokenizer(Path(model.path), trust), rows, np.arange(min(len(rows), settings.max_examples)),
                       settings, config.cache_dir, model.fingerprint)
     file_baseline = read_baseline_file(settings.baseline_file, scoring.sample) if settings.baseline == "file" else None

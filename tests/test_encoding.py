@@ -1,6 +1,5 @@
 """Tokenize's first pass in a pool of processes: the same bytes, errors and counts as one process, bounded
 read-ahead, and the worker count's rule."""
-import hashlib
 import os
 import pickle
 from itertools import count
@@ -13,6 +12,7 @@ from phase1a import encoding
 from phase1a.datasource import DataLocation, SourceRecord, resolve_shards
 from phase1a.errors import DataError
 from phase1a.records import RecordError
+from phase1a.tokenized import split_digest as digest
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 
@@ -42,10 +42,6 @@ def tokenize_with(workers: int, data: Path, tokenizer, cache: Path, **options):
     return tokenize_dataset(data, tokenizer, 256, options, Path(cache) / "fp")
 
 
-def digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def test_workers_write_the_same_bytes_and_counts_as_one_process(tmp_path, tokenizer, small_chunks):
     data = write_jsonl(tmp_path / "data.jsonl", mixed_records(700))
     one = tokenize_with(1, data, tokenizer, tmp_path / "one", bad_records="skip", validation_fraction=0.2)
@@ -57,8 +53,8 @@ def test_workers_write_the_same_bytes_and_counts_as_one_process(tmp_path, tokeni
     assert one.skipped_examples == three.skipped_examples and len(one.skipped_examples) == encoding.SHOWN_SKIPS
     assert f"{data}:98:" in three.skipped_examples[1]  # the user's file and line, from a worker process
     assert one.duplicates == three.duplicates >= 14
-    assert one.model_dump(exclude={"workers", "dir", "train_path", "validation_path", "histogram_path"}) == \
-        three.model_dump(exclude={"workers", "dir", "train_path", "validation_path", "histogram_path"})
+    assert one.model_dump(exclude={"workers", "dir", "train_path", "validation_path", "lengths_path"}) == \
+        three.model_dump(exclude={"workers", "dir", "train_path", "validation_path", "lengths_path"})
 
 
 def test_a_bad_record_in_a_worker_fails_with_its_file_and_line(tmp_path, tokenizer, small_chunks):

@@ -54,7 +54,7 @@ def test_packed_loss_equals_per_example_loss_in_bf16(tiny_model_dir, train_path,
     restarting position_ids)."""
     model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False).eval()
     assert model.config._attn_implementation == attention and next(model.parameters()).dtype == torch.bfloat16
-    rows, indices = TokenRows.from_arrow(train_path), np.arange(8)
+    rows, indices = TokenRows.load(train_path), np.arange(8)
     with torch.no_grad():
         packed, correct, tokens = summed_loss(model, _on_cuda(pack(rows, indices)))
         alone = [summed_loss(model, _on_cuda(pack(rows, np.array([i])))) for i in indices]
@@ -63,7 +63,7 @@ def test_packed_loss_equals_per_example_loss_in_bf16(tiny_model_dir, train_path,
 
 
 def test_compile_on_cuda_leaves_the_packed_loss_unchanged(tiny_model_dir, train_path):
-    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(6)))
+    batch = _on_cuda(pack(TokenRows.load(train_path), np.arange(6)))
     eager = build_model(tiny_model_dir, METHOD, False)
     compiled = build_model(tiny_model_dir, METHOD, False, compile=True)
     with torch.no_grad():
@@ -79,7 +79,7 @@ def test_a_4bit_base_trains_its_lora_adapter(tiny_model_dir, train_path):
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
     optimizer = make_optimizer(model, METHOD)
-    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(8)))
+    batch = _on_cuda(pack(TokenRows.load(train_path), np.arange(8)))
     losses = [_step(model, optimizer, batch) for _ in range(6)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
@@ -88,7 +88,7 @@ def test_a_4bit_base_trains_its_lora_adapter(tiny_model_dir, train_path):
 def test_the_8bit_optimizer_follows_adamw(tiny_model_dir, train_path):
     """8-bit state is a memory saving, not another algorithm: its steps lower the loss as AdamW's do. Rank 64
     makes the q/o/MLP adapters 4,096 elements, the size from which bitsandbytes keeps their state in 8 bits."""
-    batch = _on_cuda(pack(TokenRows.from_arrow(train_path), np.arange(8)))
+    batch = _on_cuda(pack(TokenRows.load(train_path), np.arange(8)))
     curves, states = {}, {}
     for name in ("adamw", "adamw_8bit"):
         torch.manual_seed(0)

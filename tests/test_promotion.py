@@ -182,7 +182,7 @@ def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters,
 def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir, adapters, endpoint, bucket, tmp_path):
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
                             TokenizeOptions(validation_fraction=0.2), tmp_path / "cache" / "fp")
-    rows = TokenRows.from_arrow(data.validation_path)
+    rows = TokenRows.load(data.validation_path)
     indices = np.arange(4)
     settings = ValidationConfig(max_examples=4, baseline="promoted", promote_to=f"s3://{bucket}/m/")
     promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), settings.promote_to, endpoint_url=endpoint)

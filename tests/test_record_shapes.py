@@ -320,7 +320,7 @@ def test_end_of_turn_token_of_the_override_stops_generation(tmp_path):
     path = tmp_path / "d.jsonl"
     data = tokenize_dataset(write_jsonl(path, [_chat(n)[0] for n in range(6)]), llama3, 256,
                             TokenizeOptions(validation_count=2), tmp_path / "cache" / "fp")
-    rows = TokenRows.from_arrow(data.validation_path)
+    rows = TokenRows.load(data.validation_path)
     examples = generation_examples(rows, np.arange(len(rows)))
     eot = llama3.convert_tokens_to_ids("<|eot_id|>")
     assert stop_token_ids(llama3, None, examples) == sorted({llama3.eos_token_id, eot})

@@ -31,7 +31,7 @@ def train_path(tmp_path_factory) -> str:
 
 
 def packed_batch(train_path: str, count: int = 6) -> dict[str, torch.Tensor]:
-    rows = TokenRows.from_arrow(train_path)
+    rows = TokenRows.load(train_path)
     return pack(rows, torch.arange(count).numpy())
 
 
@@ -106,7 +106,7 @@ def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, tra
 
 def test_dataloader_workers_deliver_the_same_steps(train_path):
     """Workers only move packing to other processes: the step contents are identical, so is the training."""
-    order, _ = example_stream(len(TokenRows.from_arrow(train_path)), 2.0, seed=0)
+    order, _ = example_stream(len(TokenRows.load(train_path)), 2.0, seed=0)
     batches = StepBatches(train_path, 48, order, 8, token_budget=100)
     inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
     workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
@@ -131,7 +131,7 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
         def drain():  # what Prefect's service does at exit in a forked child
             assert os.getpid() == parent, "a service of the parent process"
         threading._register_atexit(drain)
-        order, _ = example_stream(len(TokenRows.from_arrow({train_path!r})), 1.0, seed=0)
+        order, _ = example_stream(len(TokenRows.load({train_path!r})), 1.0, seed=0)
         batches = StepBatches({train_path!r}, 48, order, 8, token_budget=100)
         assert len(list(step_loader(batches, range(len(batches)), workers=2, pin_memory=False))) == len(batches)
     """)
@@ -143,11 +143,11 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
 def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, train_path):
     """The loader's step, normalised over its supervised tokens, is the mean loss of its examples' tokens."""
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
-    order, _ = example_stream(len(TokenRows.from_arrow(train_path)), 1.0, seed=0)
+    order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
     step = StepBatches(train_path, None, order, 8, token_budget=120)[0]
     loss, tokens = train_step(model, step["micro_batches"], step["supervised"])
     with torch.no_grad():
-        whole = pack(TokenRows.from_arrow(train_path), order[:8])
+        whole = pack(TokenRows.load(train_path), order[:8])
         summed, _, supervised = summed_loss(model, whole)
     assert supervised == step["supervised"] and tokens == whole["input_ids"].numel()
     assert loss == pytest.approx(summed.item() / supervised, rel=1e-5)

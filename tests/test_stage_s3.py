@@ -122,6 +122,26 @@ def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_pat
     assert copy_present(source, staging, source_fingerprint(source, endpoint))
 
 
+def test_a_new_object_under_the_prefix_is_the_only_one_downloaded(tmp_path, endpoint, bucket):
+    for number in range(3):
+        _put(endpoint, bucket, f"nightly/part-{number}.jsonl", _jsonl(4, number))
+    source, staging = f"s3://{bucket}/nightly/", tmp_path / "staging"
+    first = stage_dataset(source, staging, endpoint)
+    assert (first.files_copied, first.files_reused) == (3, 0)
+
+    _put(endpoint, bucket, "nightly/part-3.jsonl", _jsonl(4, 3))
+    second = stage_dataset(source, staging, endpoint)
+    assert second.path != first.path and (second.files_copied, second.files_reused) == (1, 3)
+    assert second.file_sha256 == first.file_sha256 | {"part-3.jsonl": hashlib.sha256(_jsonl(4, 3)).hexdigest()}
+    for name in first.files:  # one copy on disk, linked from both listings' directories
+        assert os.path.samefile(Path(first.path) / name, Path(second.path) / name)
+
+    _put(endpoint, bucket, "nightly/part-1.jsonl", _jsonl(5, 1))  # rewritten: a new ETag, downloaded again
+    third = stage_dataset(source, staging, endpoint)
+    assert (third.files_copied, third.files_reused) == (1, 3)
+    assert (Path(third.path) / "part-1.jsonl").read_bytes() == _jsonl(5, 1)
+
+
 def test_gzip_and_json_array_shards_under_a_prefix(tmp_path, endpoint, bucket):
     plain = [_jsonl(3, 0), _jsonl(2, 1)]
     for index, body in enumerate(plain):

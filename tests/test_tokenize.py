@@ -74,7 +74,7 @@ def test_split_is_deterministic_and_order_free(tmp_path, tokenizer):
 
 def test_length_analysis_and_right_sizing(tmp_path, tokenizer):
     result = run(tmp_path, tokenizer, date_records(30))
-    lengths = np.concatenate([TokenRows.from_arrow(p).lengths() for p in (result.train_path, result.validation_path)])
+    lengths = np.concatenate([TokenRows.load(p).lengths() for p in (result.train_path, result.validation_path)])
     assert result.lengths.max == lengths.max() and result.lengths.total_tokens == lengths.sum()
     assert result.max_seq_length == right_size(lengths, 100, 256, None) and result.max_seq_length % 64 == 0
     assert right_size(np.array([1481]), 100, 8192, None) == 1536

@@ -4,12 +4,13 @@ import json
 import multiprocessing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.errors import DataError
 from phase1a.render import IGNORE_INDEX, Renderer, render_segments
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize_dataset
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,9 @@ def test_validation_count_and_waste_table(tmp_path, tokenizer):
     assert packed.computed_tokens == result.lengths.total_tokens and packed.waste_fraction == 0
     assert configured.waste_fraction == pytest.approx(1 - result.lengths.total_tokens / (40 * 256))
     assert configured.waste_fraction > right_sized.waste_fraction > 0
-    assert Path(result.histogram_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.load(result.lengths_path).size == result.lengths.count
+    publish_length_report(result, tmp_path)
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.lengths.p50 <= result.lengths.p99 <= result.lengths.p99_9 <= result.lengths.max
 
 
@@ -143,7 +146,8 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
         worker.join(timeout=30)
     assert first == second
     assert read_arrow(first["train_path"]).num_rows == first["train_examples"]
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["same", "same.lock"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["same", "same.lock", "shards"]
+    assert len(list((tmp_path / "cache" / "shards").iterdir())) == 1  # one shard, encoded once, no scratch left
 
 
 def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):

@@ -38,7 +38,7 @@ def adapter_weights(result_dir: str) -> dict[str, torch.Tensor]:
 
 def test_trains_saves_peft_adapter_and_sparse_checkpoints(tiny_model_dir, train_path, tmp_path):
     result = train(settings(tiny_model_dir, train_path, tmp_path / "run"))
-    steps = -(-len(TokenRows.from_arrow(train_path)) * 2 // 8)  # two epochs, eight examples a step
+    steps = -(-len(TokenRows.load(train_path)) * 2 // 8)  # two epochs, eight examples a step
     assert 10 <= result.steps == steps <= 12 and result.train_tokens > 0 and result.tokens_per_second > 0
     losses = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(losses) == steps and sum(losses[-3:]) < sum(losses[:3])
@@ -57,7 +57,7 @@ def test_trains_saves_peft_adapter_and_sparse_checkpoints(tiny_model_dir, train_
 
 def test_a_checkpoint_every_half_epoch(tiny_model_dir, train_path, tmp_path):
     """`0.5ep`: the same arithmetic the plan counts with (phase1a/units.py), in epochs of this data."""
-    examples = len(TokenRows.from_arrow(train_path))
+    examples = len(TokenRows.load(train_path))
     result = train(settings(tiny_model_dir, train_path, tmp_path / "run", checkpoint_interval="0.5ep", keep_last=9))
     steps_per_half_epoch = -(-examples // 2 // 8)  # the first whole step at or past half an epoch of examples
     saved = [int(p.name.removeprefix("step-")) for p in list_checkpoints(tmp_path / "run" / "checkpoints")]

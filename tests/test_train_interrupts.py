@@ -130,7 +130,7 @@ def test_out_of_memory_halves_the_row_budget_and_keeps_the_global_batch(job, uni
 
     result = train(settings(job, "small-device"), on_model=small_device)
     assert result.out_of_memory_backoffs >= 1 and result.micro_batch_size <= 2
-    lengths = TokenRows.from_arrow(job["train_path"]).lengths()
+    lengths = TokenRows.load(job["train_path"]).lengths()
     assert result.train_tokens == 4 * int(lengths.sum())  # four epochs: every example trained once a epoch
     events = [json.loads(line) for line in open(Path(result.output_dir) / "events.jsonl")]
     assert events[0]["event"] == "out_of_memory" and events[0]["step"] == 1

@@ -137,7 +137,7 @@ def split(tmp_path_factory):
 
 
 def test_prompt_ends_where_the_answer_starts_and_the_reference_is_the_answer(split):
-    rows = TokenRows.from_arrow(split.validation_path)
+    rows = TokenRows.load(split.validation_path)
     tokenizer = make_tokenizer()
     examples = generation_examples(rows, np.arange(4))
     for example in examples:
@@ -150,14 +150,14 @@ def test_prompt_ends_where_the_answer_starts_and_the_reference_is_the_answer(spl
 def test_train_on_inputs_leaves_no_prompt_and_says_so(tmp_path):
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(20)), make_tokenizer(), 256,
                             TokenizeOptions(validation_fraction=0.2, train_on_inputs=True), tmp_path / "cache" / "fp")
-    reason = generation_examples(TokenRows.from_arrow(data.validation_path), np.arange(2))
+    reason = generation_examples(TokenRows.load(data.validation_path), np.arange(2))
     assert isinstance(reason, str) and "no prompt" in reason
 
 
 def test_batched_left_padded_generation_matches_one_at_a_time(tiny_model_dir, split):
     model = load_for_eval(tiny_model_dir, None, torch.device("cpu"))
     tokenizer = make_tokenizer()
-    rows = TokenRows.from_arrow(split.validation_path)
+    rows = TokenRows.load(split.validation_path)
     # Prompts of different lengths, so the batch really is padded.
     prompts = [e.prompt[: len(e.prompt) - k] for k, e in enumerate(generation_examples(rows, np.arange(4)))]
     assert len({len(p) for p in prompts}) == 4
@@ -177,7 +177,7 @@ def test_base_model_metrics_are_computed_once_per_model_sample_and_settings(tiny
     forwards = []
     model.get_base_model().model.embed_tokens.register_forward_hook(lambda *args: forwards.append(1))
     tokenizer = make_tokenizer()
-    rows = TokenRows.from_arrow(split.validation_path)
+    rows = TokenRows.load(split.validation_path)
     settings = ValidationConfig(max_examples=6, batch_size=4)
     indices = np.arange(6)
 
@@ -206,7 +206,7 @@ def test_scoring_with_the_adapter_merged_gives_the_metrics_of_the_separate_adapt
     torch.manual_seed(1)
     model = get_peft_model(load_for_eval(tiny_model_dir, None, torch.device("cpu")),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    rows, indices, settings = TokenRows.from_arrow(split.validation_path), np.arange(8), ValidationConfig()
+    rows, indices, settings = TokenRows.load(split.validation_path), np.arange(8), ValidationConfig()
     separate = evaluate(model.eval(), make_tokenizer(), rows, indices, settings)
     merged_model = for_scoring(model)
     assert not any("lora" in name for name, _ in merged_model.named_parameters())

@@ -26,7 +26,7 @@ def rows(tmp_path_factory) -> TokenRows:
     root = tmp_path_factory.mktemp("validation")
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(60)), make_tokenizer(), 256,
                             TokenizeOptions(validation_count=20), root / "cache" / "fp")
-    return TokenRows.from_arrow(data.validation_path)
+    return TokenRows.load(data.validation_path)
 
 
 def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(rows):

@@ -1,0 +1,193 @@
+"""Tokenize's per-shard cache: each shard's token ids and labels, and a few scalars per example, written once per
+content and reused by every dataset that holds the shard.
+
+A nightly dataset grows by a shard or two out of fifty; what depends only on one shard (reading, rendering,
+tokenizing) is done once for it, and what depends on them all (max_seq_length, duplicates, the held-out
+split) is decided over the scalars, without reading the old shards' tokens again (tasks/tokenize.py).
+
+A shard's key is its content (a sha256, or the Hub blob's name), its format, the tokenizer (its vocabulary,
+merges, special tokens and chat template, hashed from the loaded object), the record settings, and this
+module's code with everything it imports. Its directory, `<root>/<key>/`:
+  tokens.arrow    input_ids and labels, full length (truncation is decided over the union, applied at read)
+  examples.arrow  per example: line (or row), content key, length, first supervised position, supervised tokens
+  summary.json    examples written, and the bad records skipped (counted, the first few quoted)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from phase1a.atomic import atomic_path
+from phase1a.datasource import Shard, SourceRecord, iter_records
+from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSettings, auto_workers, encode_chunks
+from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
+from phase1a.labels import IGNORE_INDEX
+
+TOKENS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+EXAMPLES_SCHEMA = pa.schema([("line", pa.int64()), ("key", pa.uint64()), ("length", pa.int32()),
+                             ("first_label", pa.int32()), ("supervised", pa.int32())])
+NO_LABEL = np.iinfo(np.int32).max  # first_label of an example with nothing to train on
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """What of a loaded tokenizer decides its output: the fast tokenizer's whole definition (vocabulary,
+    merges, normalizer, added tokens), the special tokens and the chat template in effect."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hash_json([type(tokenizer).__name__, hashlib.sha256(definition.encode()).hexdigest(),
+                      tokenizer.special_tokens_map, getattr(tokenizer, "chat_template", None)])
+
+
+def shard_key(content: str, shard: Shard, tokenizer_id: str, settings: EncodeSettings) -> str:
+    return hash_json({"content": content, "format": shard.format, "json_array": shard.json_array,
+                      "tokenizer": tokenizer_id, "settings": asdict(settings), "code": code_fingerprint(__name__)})
+
+
+@dataclass
+class EncodedShard:
+    """One shard's cached encoding: its token file, its examples' scalars and its skipped records."""
+
+    dir: Path
+    examples: dict[str, np.ndarray]  # EXAMPLES_SCHEMA's columns
+    skipped: Counter[str]
+    shown: list[str]
+    reused: bool
+
+    @property
+    def tokens_path(self) -> Path:
+        return self.dir / "tokens.arrow"
+
+    @property
+    def count(self) -> int:
+        return int(self.examples["length"].size)
+
+    @classmethod
+    def read(cls, directory: Path, reused: bool) -> "EncodedShard":
+        table = pa.ipc.open_file(pa.memory_map(str(directory / "examples.arrow"), "r")).read_all()
+        summary = json.loads((directory / "summary.json").read_text())
+        return cls(directory, {name: table.column(name).to_numpy() for name in EXAMPLES_SCHEMA.names},
+                   Counter(summary["skipped"]), summary["shown"], reused)
+
+
+def label_scalars(labels: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per example (flat labels, offsets): the first position >= 1 with a label (NO_LABEL: none) and how many
+    positions >= 1 have one. Position 0 is never predicted, so it never counts."""
+    starts, ends = offsets[:-1], offsets[1:]
+    labelled = labels != IGNORE_INDEX
+    labelled[starts[ends > starts]] = False
+    cumulative = np.concatenate([[0], np.cumsum(labelled)])
+    supervised = cumulative[ends] - cumulative[starts]
+    positions = np.flatnonzero(labelled)
+    first = np.full(starts.size, NO_LABEL, dtype=np.int64)
+    has = supervised > 0
+    first[has] = positions[np.searchsorted(positions, starts[has])] - starts[has]
+    return first.astype(np.int32), supervised.astype(np.int32)
+
+
+def content_id(shard: Shard, known: dict[str, str]) -> str:
+    """The shard's content hash: the staged one where staging recorded it (by resolved path: a Hub snapshot's
+    files are links to its blobs), else its bytes' sha256."""
+    return known.get(str(Path(shard.path).resolve())) or sha256_file(shard.path)
+
+
+@dataclass
+class ShardStore:
+    """Encodes the shards not yet in `root`, a chunk at a time, and reads back those that are."""
+
+    root: Path
+    tokenizer: object
+    settings: EncodeSettings
+    requested_workers: int | None  # None: phase1a.encoding.auto_workers, from the size of the shards to encode
+    content: dict[str, str] = field(default_factory=dict)  # resolved shard path -> content hash, where known
+    workers: int = 1  # processes the last encode used
+
+    def encode(self, shards: list[Shard]) -> list[EncodedShard]:
+        tokenizer_id = tokenizer_identity(self.tokenizer)
+        dirs = [self.root / shard_key(content_id(shard, self.content), shard, tokenizer_id, self.settings)
+                for shard in shards]
+        pending = [number for number, directory in enumerate(dirs) if not (directory / "summary.json").is_file()]
+        self.workers = auto_workers([shards[number] for number in pending], self.requested_workers)
+        if pending:
+            self._encode_pending(shards, pending, dirs)
+        return [EncodedShard.read(directory, reused=number not in pending) for number, directory in enumerate(dirs)]
+
+    def _encode_pending(self, shards: list[Shard], pending: list[int], dirs: list[Path]) -> None:
+        encoder = ChunkEncoder(self.tokenizer, shards, self.settings)
+        records = _records_of(shards, pending)
+        writer: _ShardWriter | None = None
+        try:
+            for chunk in encode_chunks(records, encoder, self.workers):
+                if writer is None or writer.number != chunk.shard:
+                    if writer is not None:
+                        writer.finish()
+                    writer = _ShardWriter(chunk.shard, dirs[chunk.shard])
+                writer.add(chunk)
+        except BaseException:  # a bad record: the shards finished before it stay cached, this one goes
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.finish()
+        for number in pending:  # a shard with no records at all produced no chunk: it is cached empty
+            if not (dirs[number] / "summary.json").is_file():
+                _ShardWriter(number, dirs[number]).finish()
+
+
+def _records_of(shards: list[Shard], numbers: list[int]):
+    for number in numbers:
+        for record in iter_records([shards[number]]):
+            yield SourceRecord(number, record.index, record.raw)
+
+
+class _ShardWriter:
+    """Streams one shard's chunks into a scratch directory that takes the shard's name when it is whole."""
+
+    def __init__(self, number: int, final: Path) -> None:
+        self.number, self.final = number, final
+        self._scratch = atomic_path(final, existing="keep")  # a racing run that finished first keeps its copy
+        self.work = self._scratch.__enter__()
+        self.work.mkdir()
+        self._sink = pa.OSFile(str(self.work / "tokens.arrow"), "wb")
+        self._tokens = pa.ipc.new_file(self._sink, TOKENS_SCHEMA)
+        self.columns: dict[str, list[np.ndarray]] = {name: [] for name in EXAMPLES_SCHEMA.names}
+        self.skipped: Counter[str] = Counter()
+        self.shown: list[str] = []
+
+    def add(self, chunk: EncodedChunk) -> None:
+        self.skipped.update(chunk.skipped)
+        self.shown += chunk.shown[: SHOWN_SKIPS - len(self.shown)]
+        if chunk.tokens is None:
+            return
+        offsets = chunk.tokens.offsets
+        self._tokens.write_batch(pa.record_batch(
+            [pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
+             pa.ListArray.from_arrays(offsets, chunk.tokens.labels)], schema=TOKENS_SCHEMA))
+        first, supervised = label_scalars(chunk.tokens.labels, offsets)
+        for name, values in (("line", chunk.places[:, 1]), ("key", chunk.keys), ("length", np.diff(offsets)),
+                             ("first_label", first), ("supervised", supervised)):
+            self.columns[name].append(values)
+
+    def abort(self) -> None:
+        self._close()
+        self._scratch.__exit__(RuntimeError, RuntimeError("aborted"), None)  # removes the scratch directory
+
+    def _close(self) -> None:
+        self._tokens.close()
+        self._sink.close()
+
+    def finish(self) -> None:
+        self._close()
+        columns = [pa.array(np.concatenate(values) if values else np.array([], dtype=kind.to_pandas_dtype()),
+                            type=kind) for (values, kind) in zip(self.columns.values(), EXAMPLES_SCHEMA.types)]
+        with pa.OSFile(str(self.work / "examples.arrow"), "wb") as sink, \
+                pa.ipc.new_file(sink, EXAMPLES_SCHEMA) as writer:
+            writer.write_table(pa.table(columns, schema=EXAMPLES_SCHEMA))
+        (self.work / "summary.json").write_text(json.dumps(
+            {"examples": len(columns[0]), "skipped": dict(self.skipped), "shown": self.shown}))
+        self._scratch.__exit__(None, None, None)
