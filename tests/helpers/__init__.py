@@ -1,8 +1,8 @@
 """What the tests build for themselves, never fetched: a BPE tokenizer trained here, a tiny Llama, chat datasets.
 
 Fixtures live in conftest.py; everything a test imports lives here (`from helpers import ...`), and in
-helpers.servers (moto, ports), helpers.hub_cache (a Hugging Face cache laid out by hand) and
-helpers.prefect_stack (a real Prefect server and workers).
+helpers.servers (moto, ports), helpers.hub_cache (a Hugging Face cache laid out by hand),
+helpers.prefect_stack (a real Prefect server and workers) and helpers.postgres (a throwaway PostgreSQL server).
 """
 from __future__ import annotations
 
