@@ -25,7 +25,8 @@ class Fault:
     method: str  # "GET", "PUT", ...
     target: str  # a regex searched in the request target (path and query), e.g. r"^/bucket/data\.jsonl$"
     times: int  # the first `times` matching requests meet it
-    after_bytes: int = 0  # drop: bytes of the response (head included) forwarded before the connection is cut
+    after_bytes: int = 0  # drop: bytes of the response (head included) forwarded before the connection is cut;
+    # 0: the request reaches the server, its answer is lost
     met: int = 0
 
 
@@ -96,8 +97,12 @@ class FaultProxy:
                 client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
                                b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_DOWN), _SLOW_DOWN))
                 return
+            if headers.get("expect", "").lower() == "100-continue":
+                # Answered here, so that the server's stream holds the final response alone: `after_bytes`
+                # counts its bytes, and 0 cuts it off whole after the request has reached the server.
+                client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             limit = fault.after_bytes if fault is not None else None
-            self._forward(client, _close_after(head) + rest, seen, limit)
+            self._forward(client, _rewrite(head) + rest, seen, limit)
 
     def _forward(self, client: socket.socket, request: bytes, seen: Seen, limit: int | None) -> None:
         with socket.create_connection(self.upstream, timeout=30) as upstream:
@@ -136,9 +141,11 @@ def _parse(head: bytes) -> tuple[str, str, dict[str, str]]:
     return method, target, headers
 
 
-def _close_after(head: bytes) -> bytes:
-    """The request head with `Connection: close`: one request a connection, so each meets its own fate."""
-    lines = [line for line in head.split(b"\r\n") if line and not line.lower().startswith(b"connection:")]
+def _rewrite(head: bytes) -> bytes:
+    """The request head with `Connection: close` (one request a connection, so each meets its own fate), and
+    without `Expect` (the proxy has answered it)."""
+    lines = [line for line in head.split(b"\r\n")
+             if line and not line.lower().startswith((b"connection:", b"expect:"))]
     return b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n"
 
 
