@@ -279,7 +279,7 @@ def _progress(fetch: _Fetch, on_disk: int) -> list[int]:
     try:
         record = json.loads(fetch.progress_path.read_text())
         if [tuple(part) for part in record["parts"]] == fetch.parts:
-            return [int(have) for have in record["have"]]
+            return [min(int(have), end - first) for have, (first, end) in zip(record["have"], fetch.parts)]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return [0] * len(fetch.parts)  # no record of these parts: start over
@@ -320,7 +320,7 @@ def _fetch_object(client: Any, bucket: str, fetch: _Fetch, parts: ThreadPoolExec
         futures = [parts.submit(_get_part, client, bucket, fetch, index, stop, chunk)
                    for index in range(len(fetch.parts))]
         if wait(futures, return_when=FIRST_EXCEPTION).not_done:
-            stop.set()  # a part failed: the others stop at their next read
+            stop.set()  # a part failed: no GET starts any more; those under way run to their end
         wait(futures)
         try:
             for future in futures:
