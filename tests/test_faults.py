@@ -120,3 +120,89 @@ def test_permanent_errors_are_not_transient(tmp_path, endpoint, bucket):
         with pytest.raises(DataError) as caught:
             stage_dataset(source, tmp_path / "staging", endpoint)
         assert not is_transient(caught.value), caught.value
+
+
+def padded_jsonl(count: int, pad: int) -> bytes:
+    """Date records, each with an unread field that makes the file long enough to be cut off mid-way."""
+    from helpers import date_records
+
+    return b"".join(json.dumps({**record, "note": "x" * pad}).encode() + b"\n" for record in date_records(count))
+
+
+def run_flow(tree: dict, plan_only: bool = False) -> tuple[object, dict]:
+    from flows.phase1a import phase1a
+    from phase1a.config import Phase1aConfig
+
+    config = Phase1aConfig.model_validate(tree)
+    state = phase1a(config, plan_only=plan_only, return_state=True)
+    [report] = (config.work_dir / config.name).glob("*/report.json")
+    return state, json.loads(report.read_text())
+
+
+@pytest.mark.prefect_server
+def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_tree, endpoint, bucket, proxy):
+    """The data's GET cut off twice mid-object, the pointer's PUT answered 503 past botocore's own attempts: the
+    stage resumes its download on each Prefect retry, promotion is retried, and report.json counts both."""
+    data = padded_jsonl(64, pad=12_000)
+    s3_client(endpoint).put_object(Bucket=bucket, Key="data/dates.jsonl", Body=data)
+    get, pointer = rf"^/{bucket}/data/dates\.jsonl$", rf"^/{bucket}/promoted/promoted\.json"
+    proxy.faults = [Fault("drop", "GET", get, times=2, after_bytes=300_000),
+                    Fault("slow_down", "PUT", pointer, times=3)]
+    config_tree["data"] |= {"source": f"s3://{bucket}/data/dates.jsonl", "s3_endpoint_url": proxy.url}
+    config_tree["validation"]["promote_to"] = f"s3://{bucket}/promoted/"
+    config_tree["retries"] = {"count": 3, "delay": "0.2s", "jitter": 0}
+
+    state, report = run_flow(config_tree)
+    assert state.is_completed(), report["stages"]
+    stage, promote = report["stages"]["stage"], report["stages"]["promote"]
+    assert (stage["state"], stage["retries"], promote["state"], promote["retries"]) == ("Completed", 2, "Completed", 1)
+    assert report["stages"]["tokenize"]["retries"] == 0 and report["stages"]["tokenize"]["result"]["train_examples"]
+    staged = Path(stage["result"]["path"])
+    assert hashlib.sha256(staged.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest() == \
+        stage["result"]["fingerprint"]
+    assert sorted(p.name for p in staged.parent.iterdir()) == [staged.name, staged.name + ".manifest.json"]  # no resume
+
+    # Each retry asked for what the one before had not received.
+    first, second, third = proxy.requests("GET", get)
+    starts = [int(seen.range.removeprefix("bytes=").rstrip("-")) for seen in (second, third)]
+    assert first.range is None and 0 < starts[0] < starts[1] < len(data), starts
+    assert [seen.fault for seen in (first, second, third)] == ["drop", "drop", None]
+    assert [seen.fault for seen in proxy.requests("PUT", pointer)] == ["slow_down"] * 3 + [None]
+    promoted = json.loads(s3_client(endpoint).get_object(Bucket=bucket, Key="promoted/promoted.json")["Body"].read())
+    assert promoted["version"] == Path(report["run_dir"]).name == report["validation"]["promotion"]["version"]
+
+
+@pytest.mark.prefect_server
+def test_a_permanent_error_fails_the_stage_at_once_with_its_own_message(config_tree, proxy):
+    config_tree["data"] |= {"source": "s3://no-such-bucket-r/d.jsonl", "s3_endpoint_url": proxy.url}
+    config_tree["retries"] = {"count": 3, "delay": "30s"}
+
+    started = time.monotonic()
+    state, report = run_flow(config_tree, plan_only=True)
+    assert state.is_failed() and time.monotonic() - started < 30
+    stage = report["stages"]["stage"]
+    assert (stage["state"], stage["retries"]) == ("Failed", 0) and stage["seconds"] < 5
+    assert stage["error"] == "DataError: s3://no-such-bucket-r/d.jsonl: no such bucket 'no-such-bucket-r'"
+    # One HEAD of the key and one of the bucket, for the cache key and then for the one attempt.
+    assert len(proxy.requests("HEAD", "^/no-such-bucket-r")) == 4
+
+
+def test_preparing_a_model_from_s3_retries_and_resumes_outside_any_task(tmp_path, tiny_model_dir, endpoint, bucket,
+                                                                           proxy):
+    """The model is prepared before the first task, so the library retries it (phase1a/retries.py: retrying)."""
+    from phase1a.config import Phase1aConfig
+    from phase1a.models import prepare_model
+
+    files = {p.relative_to(tiny_model_dir).as_posix(): p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    for name, body in files.items():
+        s3_client(endpoint).put_object(Bucket=bucket, Key=f"models/tiny/{name}", Body=body)
+    weights = rf"^/{bucket}/models/tiny/model\.safetensors$"
+    proxy.faults = [Fault("drop", "GET", weights, times=1, after_bytes=len(files["model.safetensors"]) // 2)]
+    config = Phase1aConfig.model_validate({
+        "data": {"source": "unused.jsonl", "staging_dir": str(tmp_path / "staging"), "s3_endpoint_url": proxy.url},
+        "model": {"name_or_path": f"s3://{bucket}/models/tiny/"}, "retries": {"delay": "0.1s"}})
+
+    model = Path(prepare_model(config).path)
+    assert {name: (model / name).read_bytes() for name in files} == files
+    cut, resumed = proxy.requests("GET", weights)
+    assert cut.fault == "drop" and resumed.range.startswith("bytes=") and resumed.range != "bytes=0-"
