@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import prepare_model
+from tasks.caching import with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task
 from tasks.stage import stage_task
@@ -42,8 +43,10 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     report = RunReport.create(config, flow_run.get_name() or "local")
     with report.finishing() as outcome:
         model = prepare_model(config)
-        staged = report.run("stage", stage_task, config=config)
-        held_out = (report.run("stage_validation", stage_task, config=config, field="validation_source")
+        # The stages that cross the network, retried on transient errors (config.retries).
+        stage, promote = (with_retries(task, config.retries) for task in (stage_task, promote_task))
+        staged = report.run("stage", stage, config=config)
+        held_out = (report.run("stage_validation", stage, config=config, field="validation_source")
                     if config.data.validation_source else None)
         data = report.run("tokenize", tokenize_task, config=config, model=model, staged=staged, held_out=held_out)
         publish_length_report(data, report.run_dir)
@@ -69,7 +72,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))
 
         if config.validation.promote_to:  # only a pass gets here: a failed gate never moves the pointer
-            promotion = report.run("promote", promote_task, config=config, model=model, verdict=verdict,
+            promotion = report.run("promote", promote, config=config, model=model, verdict=verdict,
                                    trained=trained, run_dir=str(report.run_dir))
             report.set("validation", validation_section(verdict, promotion))
             print(f"promoted: {promotion.pointer.version} at {promotion.pointer.path}"

@@ -1,5 +1,5 @@
-"""report.json: one section per stage with its Prefect state (Completed or Cached), its seconds and its result,
-written whatever the run's outcome."""
+"""report.json: one section per stage with its Prefect state (Completed or Cached), its seconds, how many times
+Prefect retried it (`retries`) and its result, written whatever the run's outcome."""
 from __future__ import annotations
 
 import json
@@ -42,11 +42,19 @@ class RunReport:
         return cls(run_dir, config)
 
     def run(self, stage: str, task: Any, **inputs: Any) -> Any:
-        """Run a Prefect task, record its final state and result, and return the result; a task's error is
-        recorded, then re-raised."""
+        """Run a Prefect task, record its final state, seconds, retries and result, and return the result; a
+        task's error is recorded, then re-raised."""
         started = time.perf_counter()
-        state = task(**inputs, return_state=True)
-        section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3)}
+        runs: list[int] = []
+
+        def count_runs(_task: Any, task_run: Any, _state: Any) -> None:  # Prefect calls it on the final state
+            runs.append(task_run.run_count)
+
+        counted = task.with_options(on_completion=[*task.on_completion_hooks, count_runs],
+                                    on_failure=[*task.on_failure_hooks, count_runs])
+        state = counted(**inputs, return_state=True)
+        section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3),
+                                   "retries": max(runs[-1] - 1, 0) if runs else 0}
         self.data["stages"][stage] = section
         try:
             result = state.result()

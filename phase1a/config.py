@@ -288,6 +288,27 @@ class ValidationConfig(_Section):
         return self
 
 
+class RetryConfig(_Section):
+    """Retries of the stages that cross the network on transient errors (phase1a/retries.py says which)."""
+
+    count: int = Field(3, ge=0, le=50, description=(
+        "Retries after a transient failure (a dropped or refused connection, a timeout, a 5xx or 503 SlowDown) of "
+        "S3 staging, Hub downloads and promotion: 3 means at most 4 attempts; 0: none. Permanent errors (no such "
+        "bucket or key, access denied, bad data, a 404) fail at once."))
+    delay: str = Field("10s", description="Wait before the first retry, e.g. '10s' or '2m'.")
+    backoff: float = Field(2.0, ge=1.0, description="Each later retry waits this many times longer than the one "
+                                                    "before (2: 10 s, 20 s, 40 s).")
+    jitter: float = Field(0.2, ge=0.0, le=1.0, description=(
+        "Each wait is randomised around its value, at most this share longer (Prefect's `retry_jitter_factor`), so "
+        "runs that failed together do not all retry at once; 0: exact waits."))
+
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, value: str) -> str:
+        parse_duration_seconds(value)
+        return value
+
+
 class Phase1aConfig(_Section):
     name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The job's name: its runs, checkpoints and adapters go under `work_dir/<name>/`."))
@@ -307,6 +328,8 @@ class Phase1aConfig(_Section):
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="When checkpoints are written, how many kept.")
     validation: ValidationConfig = Field(ValidationConfig(), description=(
         "The held-out evaluation, the gate against a baseline, and promotion."))
+    retries: RetryConfig = Field(RetryConfig(), description=(
+        "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
 
 
 def _format_errors(error: ValidationError, origin: str) -> str:

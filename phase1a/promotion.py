@@ -205,21 +205,52 @@ def _delete_quietly(client: Any, bucket: str, keys: list[str]) -> None:
 
 
 def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> PromotionOutcome:
-    artifacts, version, record = promotion.artifacts, promotion.version, promotion.record
-    where = str(url)
+    version, record = promotion.version, promotion.record
     current, etag = _read_s3_pointer(client, url)
-    _check_expected(current, promotion.expected_version, where)
+    # Before the expected-version check: an earlier attempt of this promotion (a retry) may have moved it here.
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
+    _check_expected(current, promotion.expected_version, str(url))
     prefix = f"{url.key}versions/{version}/"
+    _check_version_free(client, url, prefix, record, current)
+    pointer, body = _upload_version(promotion, url, client, upload_file, prefix)
+    _put_pointer(client, url, body, etag, pointer)
+    return PromotionOutcome(pointer=pointer, promoted=True)
+
+
+def _check_version_free(client: Any, url: S3Url, prefix: str, record: PromotionRecord,
+                        current: PromotedPointer | None) -> None:
+    """Versions are never overwritten. One that no pointer names, left by an earlier attempt of this same run
+    (no version.json yet, or one naming this run), is this promotion's own to write again."""
     with s3_errors(client, f"s3://{url.bucket}/{prefix}", url.bucket, "list"):
-        if client.list_objects_v2(Bucket=url.bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0):
-            raise PromotionError(f"s3://{url.bucket}/{prefix}: version {version} already exists; "
-                                 "versions are never overwritten")
+        if not client.list_objects_v2(Bucket=url.bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0):
+            return
+    earlier = _read_s3_record(client, url.bucket, prefix + "version.json")
+    pointed_at = current is not None and current.path == f"s3://{url.bucket}/{prefix}"
+    if pointed_at or (earlier is not None and earlier.run != record.run):
+        raise PromotionError(f"s3://{url.bucket}/{prefix}: version {prefix.rstrip('/').rsplit('/', 1)[-1]} "
+                             "already exists; versions are never overwritten")
+
+
+def _read_s3_record(client: Any, bucket: str, key: str) -> PromotedPointer | None:
+    with s3_errors(client, f"s3://{bucket}/{key}", bucket, "GET"):
+        try:
+            raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+    return _parse_pointer(raw, f"s3://{bucket}/{key}")
+
+
+def _upload_version(promotion: Promotion, url: S3Url, client: Any, upload_file,
+                    prefix: str) -> tuple[PromotedPointer, bytes]:
+    """Every file of the version, each checked by its stored size, then its version.json; on an error what was
+    uploaded is removed (best effort) and the error raised."""
     uploaded: list[str] = []
     files: dict[str, str] = {}
     try:
-        for relative, source in _files(artifacts):
+        for relative, source in _files(promotion.artifacts):
             key = prefix + relative
             what = f"s3://{url.bucket}/{key}"
             files[relative] = sha256_file(source)
@@ -229,8 +260,8 @@ def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> P
                 size = client.head_object(Bucket=url.bucket, Key=key)["ContentLength"]
             if size != source.stat().st_size:
                 raise PromotionError(f"{what}: {size} bytes stored, {source} has {source.stat().st_size}")
-        pointer = _new_pointer(record, version, f"s3://{url.bucket}/{prefix}", artifacts, files,
-                               lambda name: f"s3://{url.bucket}/{prefix}{name}/")
+        pointer = _new_pointer(promotion.record, promotion.version, f"s3://{url.bucket}/{prefix}",
+                               promotion.artifacts, files, lambda name: f"s3://{url.bucket}/{prefix}{name}/")
         body = (pointer.model_dump_json(indent=2) + "\n").encode()
         with s3_errors(client, f"s3://{url.bucket}/{prefix}version.json", url.bucket, "PUT"):
             uploaded.append(prefix + "version.json")
@@ -238,7 +269,11 @@ def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> P
     except BaseException:
         _delete_quietly(client, url.bucket, uploaded)
         raise
-    # The pointer last, and only over the pointer this promotion started from.
+    return pointer, body
+
+
+def _put_pointer(client: Any, url: S3Url, body: bytes, etag: str | None, pointer: PromotedPointer) -> None:
+    """The pointer last, and only over the pointer this promotion started from."""
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     with s3_errors(client, f"s3://{url.bucket}/{url.key}{POINTER}", url.bucket, "PUT"):
         try:
@@ -246,8 +281,10 @@ def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> P
                               ContentType="application/json", **condition)
         except ClientError as error:
             status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412):
-                raise PromotionConflict(f"{where}: the promoted pointer moved while {version} was uploaded; "
-                                        f"s3://{url.bucket}/{prefix} is stored but not promoted") from None
-            raise
-    return PromotionOutcome(pointer=pointer, promoted=True)
+            if status not in (409, 412):
+                raise
+            # botocore re-sends a PUT whose answer was lost: the first may have landed, and then it is ours.
+            now = _read_s3_pointer(client, url)[0]
+            if now is None or (now.version, now.adapter_sha256) != (pointer.version, pointer.adapter_sha256):
+                raise PromotionConflict(f"{url}: the promoted pointer moved while {pointer.version} was uploaded; "
+                                        f"{pointer.path} is stored but not promoted") from None

@@ -1,4 +1,5 @@
-"""boto3 plumbing for staging from S3: list/HEAD objects, pinned parallel downloads, errors that say what failed.
+"""boto3 plumbing for staging from S3: list/HEAD objects, pinned parallel downloads that resume, errors that say
+what failed.
 
 Credentials come only from boto3's standard chain (environment, profile, instance role). Nothing here reads,
 logs or formats them, and botocore's exceptions are reworded into `S3Error` messages built from the URL, the
@@ -6,16 +7,22 @@ operation and the error code only, so no request detail can leak into a report o
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+import threading
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -24,15 +31,18 @@ from botocore.exceptions import (
     ConnectTimeoutError,
     EndpointConnectionError,
     FlexibleChecksumError,
+    IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
     ProfileNotFound,
     ReadTimeoutError,
+    ResponseStreamingError,
 )
 from pydantic import BaseModel
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S3ValidationError
-from s3transfer.subscribers import BaseSubscriber
 
+from phase1a.atomic import write_atomically
+from phase1a.retries import is_transient
 from phase1a.units import MIB
 
 # Objects above the threshold are fetched as parallel ranged GETs; 64 MiB parts keep the request count low on
@@ -145,6 +155,9 @@ def s3_errors(client: Any, what: str, bucket: str, action: str) -> Iterator[None
         raise S3Error(f"{what}: cannot connect to the S3 endpoint {endpoint_of(client)} ({action})") from None
     except (ReadTimeoutError, RetriesExceededError):
         raise S3Error(f"{what}: the S3 endpoint {endpoint_of(client)} stopped answering during {action}") from None
+    except (ResponseStreamingError, IncompleteReadError):
+        raise S3Error(f"{what}: the connection to the S3 endpoint {endpoint_of(client)} broke off during "
+                      f"{action}") from None
     except ClientError as error:
         raise S3Error(_describe(error, what, bucket, action)) from None
     except S3DownloadFailedError:  # s3transfer's wording of a 412 on its If-Match GETs
@@ -199,27 +212,177 @@ def expected_md5(etag: str, head: dict) -> str | None:
     return etag if _MD5_ETAG.match(etag) and not encrypted else None
 
 
-class _Pinned(BaseSubscriber):
-    """Hand s3transfer the listed size and ETag: it then sends If-Match on every (ranged) GET, so an object
-    replaced mid-transfer fails with 412 instead of yielding a file stitched from two versions."""
+class _Stopped(Exception):
+    """Another GET of the batch failed: this one was not started."""
 
-    def __init__(self, item: S3Object) -> None:
-        self._item = item
 
-    def on_queued(self, future: Any, **kwargs: Any) -> None:
-        future.meta.provide_transfer_size(self._item.size)
-        future.meta.provide_object_etag(f'"{self._item.etag}"')
+@dataclass
+class _Fetch:
+    """One object's download. Its bytes gather in a resume file beside the destination, named by the object's
+    version (bucket, key, ETag): an attempt cut off mid-object keeps what arrived, and the next attempt asks only
+    for the rest (`Range: bytes=<have>-`). An object above the multipart threshold is fetched as parallel parts,
+    each resumed on its own; how far each got is written beside the file (`.parts`) when an attempt fails."""
+
+    item: S3Object
+    dest: Path
+    resume: Path
+    parts: list[tuple[int, int]]  # [first, end) of each GET
+    have: list[int] = field(default_factory=list)  # bytes of each part on disk
+    fd: int = -1
+    private: bool = False  # another process holds the shared resume file: ours is not kept
+
+    @property
+    def progress_path(self) -> Path:
+        return self.resume.with_name(self.resume.name + ".parts")
+
+
+def _plan(bucket: str, item: S3Object, dest: Path, transfer: TransferConfig) -> _Fetch:
+    version = hashlib.sha256(f"{bucket}/{item.key}@{item.etag}:{item.size}".encode()).hexdigest()[:16]
+    resume = dest.with_name(f".{PurePosixPath(item.key).name}.{version}.resume")
+    chunk = transfer.multipart_chunksize
+    parts = ([(0, item.size)] if item.size <= transfer.multipart_threshold
+             else [(first, min(first + chunk, item.size)) for first in range(0, item.size, chunk)])
+    return _Fetch(item, dest, resume, parts)
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor of `path` under an exclusive flock, or None when another process holds it. The lock
+    dies with its holder, so a killed run never blocks the next one."""
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # else its holder renamed it away meanwhile
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+    return None
+
+
+def _open(fetch: _Fetch) -> None:
+    fd = _lock(fetch.resume)
+    if fd is None:
+        fetch.private = True
+        fetch.resume = fetch.resume.with_name(f"{fetch.resume.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(fetch.resume, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fetch.fd = fd
+    fetch.have = _progress(fetch, os.fstat(fd).st_size)
+    if not any(fetch.have):
+        os.ftruncate(fd, 0)  # nothing usable on disk: no stale byte may outlive the download
+
+
+def _progress(fetch: _Fetch, on_disk: int) -> list[int]:
+    """Each part's bytes already on disk: a whole object's is the file's size, parts' their record."""
+    if len(fetch.parts) == 1:
+        return [on_disk if on_disk <= fetch.item.size else 0]
+    try:
+        record = json.loads(fetch.progress_path.read_text())
+        if [tuple(part) for part in record["parts"]] == fetch.parts:
+            return [min(int(have), end - first) for have, (first, end) in zip(record["have"], fetch.parts)]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return [0] * len(fetch.parts)  # no record of these parts: start over
+
+
+def _get_part(client: Any, bucket: str, fetch: _Fetch, index: int, stop: threading.Event, chunk: int) -> None:
+    """One GET of what the part still lacks, written at its place; If-Match pins the listed version, so an object
+    replaced meanwhile fails with 412 instead of yielding a file stitched from two versions."""
+    first, end = fetch.parts[index]
+    offset, whole = first + fetch.have[index], len(fetch.parts) == 1
+    if offset >= end:
+        return
+    if stop.is_set():
+        raise _Stopped()
+    ranged = {"Range": f"bytes={offset}-" if whole else f"bytes={offset}-{end - 1}"} if offset or not whole else {}
+    response = client.get_object(Bucket=bucket, Key=fetch.item.key, IfMatch=f'"{fetch.item.etag}"', **ranged)
+    with closing(response["Body"]) as body:
+        if ranged and not str(response.get("ContentRange", "")).startswith(f"bytes {offset}-"):
+            if not whole:
+                raise S3Error(f"s3://{bucket}/{fetch.item.key}: the S3 endpoint ignores byte ranges "
+                              f"(asked for {ranged['Range']}); raise the multipart threshold above this object")
+            offset = fetch.have[index] = 0  # it sent the whole object: write it from the start
+        while offset < end:  # a GET under way runs to its end after another fails: its bytes are kept
+            data = body.read(min(chunk, end - offset))
+            if not data:  # botocore raises on a body shorter than its length; the caller's size check backs it
+                break
+            os.pwrite(fetch.fd, data, offset)
+            offset += len(data)
+            fetch.have[index] = offset - first
+
+
+def _fetch_object(client: Any, bucket: str, fetch: _Fetch, parts: ThreadPoolExecutor, stop: threading.Event,
+                  chunk: int) -> None:
+    with s3_errors(client, f"s3://{bucket}/{fetch.item.key}", bucket, "download"):
+        if stop.is_set():
+            raise _Stopped()
+        _open(fetch)
+        futures = [parts.submit(_get_part, client, bucket, fetch, index, stop, chunk)
+                   for index in range(len(fetch.parts))]
+        if wait(futures, return_when=FIRST_EXCEPTION).not_done:
+            stop.set()  # a part failed: no GET starts any more; those under way run to their end
+        wait(futures)
+        try:
+            for future in futures:
+                future.result()
+        except BaseException as error:
+            stop.set()
+            _set_aside(fetch, keep=not fetch.private and (isinstance(error, _Stopped) or is_transient(error)))
+            raise
+        fetch.resume.replace(fetch.dest)  # same directory: one rename, into the caller's scratch name
+        fetch.progress_path.unlink(missing_ok=True)
+        os.close(fetch.fd)
+
+
+def _set_aside(fetch: _Fetch, keep: bool) -> None:
+    """After a failed attempt: keep what arrived for the next one, or, when no retry can use it (the object
+    changed, access was denied), remove it."""
+    if keep and len(fetch.parts) > 1:
+        write_atomically(fetch.progress_path, json.dumps({"parts": fetch.parts, "have": fetch.have}))
+    if not keep:
+        fetch.resume.unlink(missing_ok=True)
+        fetch.progress_path.unlink(missing_ok=True)
+    os.close(fetch.fd)
+
+
+def _stash(fetch: _Fetch) -> None:
+    """A finished object of a batch that failed goes back to its resume name: the caller removes its scratch
+    names on the error, and the next attempt then finds the object whole instead of fetching it again."""
+    if fetch.dest.is_file() and not fetch.resume.exists() and not fetch.private:
+        fetch.dest.replace(fetch.resume)
+        if len(fetch.parts) > 1:
+            write_atomically(fetch.progress_path, json.dumps({"parts": fetch.parts,
+                                                              "have": [end - first for first, end in fetch.parts]}))
 
 
 def download_objects(client: Any, bucket: str, items: list[tuple[S3Object, Path]],
                      transfer: TransferConfig = DEFAULT_TRANSFER) -> dict[str, str | None]:
-    """Download each object to its path, all through one transfer manager (so `max_concurrency` bounds the
-    requests across objects, and large objects are split into parallel ranged GETs).
+    """Download each object to its path: at most `max_concurrency` GETs at once across all objects, a large
+    object split into parallel ranged GETs, and whatever an earlier attempt left (a resume file) not fetched
+    again. On an error the objects already whole are kept for the next attempt, and so are the bytes of those
+    cut off by a transient error (phase1a/retries.py); the error is raised, naming its object.
 
     Returns each key's expected MD5 (or None when the ETag is not one) for the caller's verification; an
     object whose size or ETag changed since it was listed is refused before any byte is fetched."""
-    md5s: dict[str, str | None] = {}
+    md5s = _check_unchanged(client, bucket, [item for item, _ in items], transfer)
+    fetches = [_plan(bucket, item, Path(dest), transfer) for item, dest in items]
+    stop = threading.Event()
+    with ThreadPoolExecutor(transfer.max_concurrency) as parts, \
+            ThreadPoolExecutor(max(1, min(transfer.max_concurrency, len(fetches)))) as objects:
+        futures = [objects.submit(_fetch_object, client, bucket, fetch, parts, stop, transfer.io_chunksize)
+                   for fetch in fetches]
+        errors = [future.exception() for future in futures]
+    failed = [error for error in errors if error is not None]
+    if failed:
+        for fetch, error in zip(fetches, errors):
+            if error is None:
+                _stash(fetch)
+        raise next((error for error in failed if not isinstance(error, _Stopped)), failed[0])
+    return md5s
 
+
+def _check_unchanged(client: Any, bucket: str, items: list[S3Object],
+                     transfer: TransferConfig) -> dict[str, str | None]:
     def check(item: S3Object) -> tuple[str, str | None]:
         current, head = _head(client, bucket, item.key)
         if (current.size, current.etag) != (item.size, item.etag):
@@ -228,11 +391,4 @@ def download_objects(client: Any, bucket: str, items: list[tuple[S3Object, Path]
         return item.key, expected_md5(item.etag, head)
 
     with ThreadPoolExecutor(max_workers=max(1, min(transfer.max_concurrency, len(items)))) as pool:
-        md5s.update(pool.map(check, [item for item, _ in items]))
-    with create_transfer_manager(client, transfer) as manager:  # leaving on an error cancels the rest
-        futures = [(item, manager.download(bucket, item.key, str(dest), subscribers=[_Pinned(item)]))
-                   for item, dest in items]
-        for item, future in futures:
-            with s3_errors(client, f"s3://{bucket}/{item.key}", bucket, "download"):
-                future.result()
-    return md5s
+        return dict(pool.map(check, items))

@@ -1,4 +1,5 @@
-"""Prefect glue shared by the stage tasks: content-keyed caching, and a no-op `task` where Prefect is absent.
+"""Prefect glue shared by the stage tasks: content-keyed caching, retries of the stages that cross the network,
+and a no-op `task` where Prefect is absent.
 
 The train and benchmark code must import on GPU hosts that have torch but no Prefect, so the task modules
 take `task` from here instead of from prefect directly.
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from phase1a.config import ConfigError
+from phase1a.config import ConfigError, RetryConfig
 from phase1a.errors import DataError
 from phase1a.fingerprint import code_fingerprint, hash_json
+from phase1a.retries import is_transient, retry_delays
 
 try:
     from prefect import task
@@ -54,3 +56,18 @@ class StageCache(CachePolicy):
         if output is not None and not output.exists() and task_ctx.result_store.exists(key):
             return None
         return key
+
+
+def with_retries(stage: Any, settings: RetryConfig) -> Any:
+    """The stage as the flow runs it when it crosses the network: retried by Prefect after `settings`' delays
+    when it failed with a transient error (phase1a/retries.py), failed at once with its own error otherwise."""
+    return stage.with_options(retries=settings.count, retry_delay_seconds=retry_delays(settings),
+                              retry_jitter_factor=settings.jitter or None, retry_condition_fn=_failed_transiently)
+
+
+def _failed_transiently(stage: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except BaseException as error:  # the task's own error, as it raised it
+        return is_transient(error)
+    return False

@@ -231,3 +231,42 @@ def test_the_merged_model_loads_without_peft_and_computes_what_base_plus_adapter
         base = load_for_eval(tiny_model_dir, None, torch.device("cpu"))(input_ids=ids).logits
     torch.testing.assert_close(plain, with_adapter, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(plain, base, atol=1e-3)  # the adapter really changed the weights
+
+
+def test_an_s3_promotion_cut_off_at_the_pointer_is_retried_to_the_end(adapters, endpoint, bucket):
+    """A 503 on the pointer's PUT after botocore's own attempts: the version is stored, the pointer not moved,
+    and the retry (what the promote stage's Prefect retry runs) writes the version again and moves it."""
+    from helpers.faults import Fault, FaultProxy
+    from phase1a.retries import is_transient
+    from phase1a.s3 import S3Error
+
+    destination = f"s3://{bucket}/m/"
+    with FaultProxy(endpoint) as proxy:
+        proxy.faults = [Fault("slow_down", "PUT", rf"^/{bucket}/m/promoted\.json", times=3)]
+        with pytest.raises(S3Error, match=rf"s3://{bucket}/m/promoted.json: PUT failed with S3 error "
+                                                 "SlowDown") as slow:
+            promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=proxy.url)
+        assert is_transient(slow.value) and read_pointer(destination, endpoint) is None
+        assert "m/versions/v1/version.json" in s3_keys(endpoint, bucket)  # stored, but pointed at by nothing
+
+        again = promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination,
+                        endpoint_url=proxy.url)
+    assert again.promoted and read_pointer(destination, endpoint).version == "v1"
+    # Another run's version of the same name is never overwritten.
+    with pytest.raises(PromotionError, match="version v1 already exists"):
+        promote(Promotion({"adapter": adapters[1]}, "v1", record(adapters[1], run="other")), destination,
+                endpoint_url=endpoint)
+
+
+def test_a_pointer_put_whose_answer_was_lost_is_recognised_as_ours(adapters, endpoint, bucket):
+    """The PUT lands but its answer is cut off: botocore sends it again, the condition (no pointer yet) now
+    fails with 412, and the pointer found is this promotion's own: promoted, not a conflict."""
+    from helpers.faults import Fault, FaultProxy
+
+    destination = f"s3://{bucket}/m/"
+    with FaultProxy(endpoint) as proxy:
+        proxy.faults = [Fault("drop", "PUT", rf"^/{bucket}/m/promoted\.json", times=1, after_bytes=0)]
+        outcome = promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination,
+                          endpoint_url=proxy.url)
+        assert [seen.fault for seen in proxy.requests("PUT", rf"^/{bucket}/m/promoted\.json")] == ["drop", None]
+    assert outcome.promoted and read_pointer(destination, endpoint).version == "v1"
