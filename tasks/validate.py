@@ -35,10 +35,8 @@ from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, writ
 from phase1a.hardware import training_device, training_dtype
 from phase1a.models import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
 from phase1a.packing import TokenRows
-from phase1a.promotion import PromotedPointer, PromotionOutcome, read_pointer
+from phase1a.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
-from phase1a.s3 import is_s3_url
-from phase1a.staging import stage_model
 from phase1a.tokenized import TokenizedData
 from tasks.caching import StageCache, task
 
@@ -111,12 +109,7 @@ class PromotedSource:
     trust_remote_code: bool = False
 
     def fetch(self, pointer: PromotedPointer) -> Path:
-        location = pointer.artifacts.get("adapter", "")
-        if is_s3_url(location):
-            return stage_model(location, Path(self.staging_dir) / "promoted", self.endpoint_url)
-        if not Path(location).is_dir():
-            raise BaselineError(f"promoted version {pointer.version}: its adapter {location!r} is missing")
-        return Path(location)
+        return fetch_adapter(pointer, self.staging_dir, self.endpoint_url)
 
 
 def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: PromotedSource,
