@@ -44,6 +44,7 @@ def main() -> None:
     from phase1a.hardware import detect
     from phase1a.history import history_path, record_run
     from phase1a.models import load_tokenizer, prepare_model, resolve_model
+    from phase1a.warmstart import resolve_start
     from tasks.plan import format_plan, make_plan
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import train, train_settings
@@ -75,7 +76,8 @@ def main() -> None:
     plan = make_plan(config, model, data)
     plan_seconds = time.perf_counter() - began
     print(format_plan(plan), flush=True)
-    settings = train_settings(config, plan, data, model).model_copy(update={"show_progress": False})
+    settings = train_settings(config, plan, data, model, resolve_start(config, model)).model_copy(
+        update={"show_progress": False})
     result = train(settings)
     record = record_run(history_path(config.cache_dir), config, model, plan, result)
 

@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import prepare_model
+from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task
@@ -43,6 +44,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     report = RunReport.create(config, flow_run.get_name() or "local")
     with report.finishing() as outcome:
         model = prepare_model(config)
+        start = resolve_start(config, model)  # before any stage: a missing or mismatched adapter fails in seconds
+        report.set("lineage", lineage(start))
         # The stages that cross the network, retried on transient errors (config.retries).
         stage, promote = (with_retries(task, config.retries) for task in (stage_task, promote_task))
         staged = report.run("stage", stage, config=config)
@@ -58,7 +61,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             outcome.status = "planned"
             return str(report.path)
 
-        trained = report.run("train", train_task, config=config, model=model, data=data, plan=plan)
+        trained = report.run("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
         if trained.recorded is not None:
             report.set("estimate_vs_actual", trained.recorded.model_dump(mode="json"))
 
@@ -75,6 +78,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             promotion = report.run("promote", promote, config=config, model=model, verdict=verdict,
                                    trained=trained, run_dir=str(report.run_dir))
             report.set("validation", validation_section(verdict, promotion))
+            report.set("lineage", lineage(start, promotion))
             print(f"promoted: {promotion.pointer.version} at {promotion.pointer.path}"
                   + ("" if promotion.promoted else " (already the promoted model)"))
         outcome.status = "passed"

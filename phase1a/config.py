@@ -151,11 +151,24 @@ class MethodConfig(_Section):
         "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, "
                             "else sdpa_packed (SDPA once per packed example, phase1a/attention.py); sdpa: one "
                             "block-diagonal mask over the whole row.")
+    init_from: str = Field("base", min_length=1, description=(
+        "Where the trainable weights start. base: fresh adapters on the base model; promoted: the adapter that "
+        "`validation.promote_to`'s pointer names (nothing promoted yet: base, said in the report's lineage); or a "
+        "LoRA adapter directory (local, file:// or s3://) whose r, alpha and target_modules are `lora`'s. Not "
+        "base: the gate's baseline defaults to promoted, and the training key includes the adapter's content. "
+        "kind full starts from model.name_or_path."))
 
     @model_validator(mode="after")
     def _quantised_base_is_lora(self) -> "MethodConfig":
         if self.base_precision == "4bit" and self.kind != "lora":
             raise ValueError("base_precision 4bit trains LoRA adapters on a frozen base; set kind: lora")
+        return self
+
+    @model_validator(mode="after")
+    def _warm_start_is_lora(self) -> "MethodConfig":
+        if self.init_from != "base" and self.kind != "lora":
+            raise ValueError(f"init_from {self.init_from!r} continues a LoRA adapter; kind full starts from "
+                             "model.name_or_path: point that at the full weights to continue from")
         return self
 
 
@@ -331,6 +344,18 @@ class Phase1aConfig(_Section):
     retries: RetryConfig = Field(RetryConfig(), description=(
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
 
+    @model_validator(mode="after")
+    def _warm_start_baseline(self) -> "Phase1aConfig":
+        """A warm start is gated against the model it continues: baseline promoted unless one was chosen."""
+        init_from, validation = self.method.init_from, self.validation
+        if init_from == "promoted" and not validation.promote_to:
+            raise ValueError("method.init_from promoted needs validation.promote_to, where the promoted pointer lives")
+        if init_from != "base" and validation.promote_to and "baseline" not in validation.model_fields_set:
+            derived = validation.model_copy(update={"baseline": "promoted"})
+            derived.__pydantic_fields_set__.discard("baseline")  # still a default: derived anew after overrides
+            self.validation = derived
+        return self
+
 
 def _format_errors(error: ValidationError, origin: str) -> str:
     lines = [f"invalid config ({origin}):"]
@@ -404,7 +429,9 @@ def config_from(config: Phase1aConfig | dict[str, Any] | None = None, config_fil
     if config_file is not None:
         path = Path(config_file).expanduser()
         return load_config(path if path.is_absolute() else base / path, overrides)
-    tree = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(config)
+    # Only what was set: a default the validators derive (a warm start's baseline) is derived again after overrides.
+    tree = (config.model_dump(mode="json", exclude_unset=True) if isinstance(config, BaseModel)
+            else copy.deepcopy(config))
     origin = "config parameter" + (" with overrides" if overrides else "")
     return resolve_paths(validate_config(apply_overrides(tree, overrides or []), origin=origin), base=base)
 
@@ -432,6 +459,9 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
     model_path = config.model.name_or_path
     if "/" in model_path or model_path.startswith("."):
         model_path = location(model_path)
+    method = config.method
+    if method.init_from not in ("base", "promoted") and "://" not in method.init_from:
+        method = method.model_copy(update={"init_from": str(absolute(Path(method.init_from)))})
     validation = config.validation
     if validation.baseline_file is not None:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
@@ -442,6 +472,7 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
             "work_dir": absolute(config.work_dir),
             "cache_dir": absolute(config.cache_dir),
             "data": data,
+            "method": method,
             "model": config.model.model_copy(
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from phase1a.adapters import load_adapter_weights
 from phase1a.attention import NAME as SDPA_PACKED  # importing it registers it: transformers finds it by name
 from phase1a.config import MethodConfig
 from phase1a.hardware import training_device, training_dtype
@@ -14,7 +15,9 @@ from phase1a.models import load_model
 
 
 def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False,
-                compile: bool = False):
+                compile: bool = False, init_adapter: Path | None = None):
+    """`init_adapter`: a LoRA adapter whose weights the trainable adapter starts from (a warm start) instead of
+    peft's fresh initialisation."""
     device = training_device()
     dtype = training_dtype(device)
     quantization = _nf4_config(dtype, device) if method.base_precision == "4bit" else None
@@ -39,6 +42,10 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
             LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                        target_modules=lora.target_modules, task_type="CAUSAL_LM"),
         )
+        if init_adapter is not None:  # before compiling: the state-dict keys are the eager model's
+            load_adapter_weights(model, Path(init_adapter), lora)
+    elif init_adapter is not None:
+        raise ValueError(f"{init_adapter}: a warm start continues a LoRA adapter; method.kind is {method.kind}")
     set_gradient_checkpointing(model, gradient_checkpointing)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -5,7 +5,9 @@ Layout, the same in a local directory and under an s3://bucket/prefix/:
     promoted.json                      the pointer: version, where it lives, its metrics, when
     versions/<version>/adapter/...     the adapter (or full weights) as training saved it
     versions/<version>/merged/...      optional: the model with the adapter merged in
-    versions/<version>/version.json    the pointer as it was written for this version
+    versions/<version>/version.json    the pointer as it was written for this version, with its `parent`: the
+                                       version it was trained from (`method.init_from`), so the chain
+                                       base -> v1 -> v2 reads back (`version_chain`)
 
 Every file of a version is written and verified before the pointer moves, and the pointer is replaced in one
 atomic step (locally a temporary file and os.replace, on S3 a single PUT), so a reader sees the old pointer or
@@ -30,6 +32,7 @@ from phase1a.atomic import atomic_path, write_atomically
 from phase1a.fingerprint import sha256_file
 from phase1a.locks import exclusive
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
+from phase1a.staging import stage_model
 
 POINTER = "promoted.json"
 
@@ -51,6 +54,8 @@ class PromotionRecord(BaseModel):
     sample_fingerprint: str
     metric_settings: str
     metrics: dict[str, Any]
+    parent: str | None = None  # the promoted version this model was trained from; None: fresh from the base model
+    started_from: str | None = None  # where its training started, in words: the base model, a version, an adapter
 
 
 class PromotedPointer(PromotionRecord):
@@ -124,6 +129,43 @@ def read_pointer(destination: str, endpoint_url: str | None = None) -> PromotedP
         url = parse_s3_url(destination.rstrip("/") + "/")
         return _read_s3_pointer(make_client(endpoint_url), url)[0]
     return _read_local_pointer(Path(destination))
+
+
+def fetch_adapter(pointer: PromotedPointer, staging_dir: Path, endpoint_url: str | None = None) -> Path:
+    """The promoted version's adapter on local disk: staged under `staging_dir/promoted/` from S3 (verified,
+    reused while unchanged), or where it lies locally."""
+    location = pointer.artifacts.get("adapter", "")
+    if is_s3_url(location):
+        return stage_model(location, Path(staging_dir) / "promoted", endpoint_url)
+    if not Path(location).is_dir():
+        raise PromotionError(f"promoted version {pointer.version}: its adapter {location!r} is missing")
+    return Path(location)
+
+
+def version_chain(destination: str, endpoint_url: str | None = None) -> list[PromotedPointer]:
+    """The promoted version, then the version it was trained from, and so on back to one trained from the base
+    model, each as its `version.json` recorded it. Empty when nothing is promoted."""
+    pointer = read_pointer(destination, endpoint_url)
+    chain = [pointer] if pointer is not None else []
+    while chain and chain[-1].parent is not None:
+        if any(seen.version == chain[-1].parent for seen in chain):
+            raise PromotionError(f"{destination}: version {chain[-1].version} names {chain[-1].parent} as its "
+                                 "parent, which is already in its chain")
+        chain.append(_read_version(destination, chain[-1].parent, endpoint_url))
+    return chain
+
+
+def _read_version(destination: str, version: str, endpoint_url: str | None) -> PromotedPointer:
+    if is_s3_url(destination):
+        url = parse_s3_url(destination.rstrip("/") + "/")
+        key, client = f"{url.key}versions/{version}/version.json", make_client(endpoint_url)
+        with s3_errors(client, f"s3://{url.bucket}/{key}", url.bucket, "GET"):
+            raw = client.get_object(Bucket=url.bucket, Key=key)["Body"].read()
+        return _parse_pointer(raw, f"s3://{url.bucket}/{key}")
+    path = Path(destination) / "versions" / version / "version.json"
+    if not path.is_file():
+        raise PromotionError(f"{path}: version {version}, a parent in the promoted chain, is missing")
+    return _parse_pointer(path.read_bytes(), str(path))
 
 
 # --- a local directory -------------------------------------------------------------------------------------

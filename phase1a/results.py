@@ -3,6 +3,8 @@ report.json records and the task caches store. Stages read each other's results 
 dataset's from phase1a/tokenized.py), never from each other's modules."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel
 
 from phase1a.calibration import Calibration
@@ -63,6 +65,26 @@ class Plan(BaseModel):
     notes: list[str]
 
 
+class StartPoint(BaseModel):
+    """Where a run's trainable weights start (`method.init_from`, phase1a/warmstart.py): fresh adapters on the base
+    model (or the base itself, full fine-tuning), a promoted version's adapter, or a given adapter."""
+
+    init_from: str  # as configured: base, promoted, or the adapter's location
+    kind: Literal["base", "promoted", "adapter"]  # what it resolved to
+    base_model: str  # model.name_or_path
+    version: str | None = None  # the promoted version it continues
+    path: str | None = None  # where that adapter lives: the version's adapter, or the location given
+    adapter_dir: str | None = None  # its local copy, which training loads
+    fingerprint: str | None = None  # the adapter's content (phase1a/adapters.py): part of the training key
+    note: str | None = None  # why it is not what init_from asked for (nothing promoted yet)
+
+    def describe(self) -> str:
+        if self.kind == "base":
+            return f"base model {self.base_model}"
+        named = f"promoted {self.version}" if self.kind == "promoted" else "adapter"
+        return f"{named} at {self.path} (sha256 {(self.fingerprint or '')[:12]})"
+
+
 class TrainResult(BaseModel):
     adapter_dir: str
     output_dir: str
@@ -82,6 +104,7 @@ class TrainResult(BaseModel):
     padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
     mean_mfu: float | None = None
     recorded: RunRecord | None = None  # the history line this run appended (None when a finished run was reused)
+    start: StartPoint | None = None  # where its weights started (set by the train task)
 
 
 class ValidationResult(BaseModel):

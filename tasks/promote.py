@@ -15,7 +15,7 @@ import torch
 from phase1a.config import Phase1aConfig
 from phase1a.models import ResolvedModel, is_adapter, load_model, load_tokenizer
 from phase1a.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
-from phase1a.results import TrainResult, ValidationResult
+from phase1a.results import StartPoint, TrainResult, ValidationResult
 from phase1a.templates import apply_chat_template_setting
 from tasks.caching import task
 
@@ -53,8 +53,9 @@ def _adapter_with_template(adapter_dir: Path, model_dir: Path, chat_template: st
 
 
 def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, adapter_dir: Path,
-                      run_dir: Path) -> PromotionOutcome:
-    """Promote the run in `run_dir` (its name is the version) whose verdict passed."""
+                      run_dir: Path, start: StartPoint | None = None) -> PromotionOutcome:
+    """Promote the run in `run_dir` (its name is the version) whose verdict passed; `start`, where its training
+    started, is recorded as the version's parent (None: the base model)."""
     settings, trust, template = config.validation, config.model.trust_remote_code, config.data.chat_template
     if not verdict.passed:  # the flow never calls this on a fail; a direct caller must not either
         raise PromotionError("refusing to promote a model that failed the gate: " + "; ".join(verdict.reasons))
@@ -70,7 +71,9 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
     record = PromotionRecord(run=str(run_dir), adapter_sha256=verdict.adapter_sha256,
                              base_model_fingerprint=verdict.model_fingerprint,
                              sample_fingerprint=verdict.sample_fingerprint, metric_settings=verdict.metric_settings,
-                             metrics=verdict.candidate.model_dump(mode="json"))
+                             metrics=verdict.candidate.model_dump(mode="json"),
+                             parent=start.version if start else None,
+                             started_from=start.describe() if start else None)
     # Against a promoted baseline the pointer must still be the one the gate saw; else whatever it is now.
     expected = verdict.promoted_seen if settings.baseline == "promoted" else ...
     try:
@@ -84,4 +87,4 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
 @task(name="promote")
 def promote_task(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, trained: TrainResult,
                  run_dir: str) -> PromotionOutcome:
-    return promote_candidate(config, model, verdict, Path(trained.adapter_dir), Path(run_dir))
+    return promote_candidate(config, model, verdict, Path(trained.adapter_dir), Path(run_dir), trained.start)

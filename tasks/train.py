@@ -2,7 +2,8 @@
 
 The recipe, `train()`, in named phases (torchtune's setup / train / save):
   0. reuse     a run with the same training key that finished is returned as it is
-  1. setup     build the model and optimizer the plan chose (`phase1a/modeling.py`); resume from the latest
+  1. setup     build the model and optimizer the plan chose (`phase1a/modeling.py`), its adapter starting from
+               the warm start's weights when there is one (`method.init_from`); resume from the latest
                complete checkpoint of this run: weights, optimizer, scheduler, RNG, step. The data position is
                the step number itself (`StepBatches` is a pure function of the step), so nothing is re-iterated
   2. train     each optimizer step: this rank's packed rows, the loss normalised over the whole step's
@@ -47,7 +48,7 @@ from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
-from phase1a.results import Plan, TrainResult
+from phase1a.results import Plan, StartPoint, TrainResult
 from phase1a.steps import optimizer_step
 from phase1a.tokenized import TokenizedData
 from phase1a.units import Clock, parse_interval
@@ -73,23 +74,30 @@ class TrainSettings(BaseModel):
     model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
+    init_adapter: str | None = None  # a warm start: the adapter the trainable one starts from (local)
 
 
-def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int) -> str:
-    """What makes two runs the same run: same data, weights and training semantics (not micro-batching). The
-    code is left out on purpose: a run preempted before a fix resumes from its checkpoints after it."""
-    return hash_json({"data": tokenized_fingerprint, "model": model_fingerprint, "method": method.model_dump(),
-                      "max_seq_length": max_seq_length})[:16]
+def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int,
+                 start_fingerprint: str | None = None) -> str:
+    """What makes two runs the same run: same data, weights (the base's, and the adapter a warm start continues)
+    and training semantics (not micro-batching). The code is left out on purpose: a run preempted before a fix
+    resumes from its checkpoints after it. `init_from` enters as its adapter's content, not its name: `promoted`
+    names another adapter after each promotion. A start from the base keeps the key it had before warm starts."""
+    key = {"data": tokenized_fingerprint, "model": model_fingerprint, "max_seq_length": max_seq_length,
+           "method": method.model_dump(exclude={"init_from"})}
+    return hash_json(key if start_fingerprint is None else {**key, "start": start_fingerprint})[:16]
 
 
-def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel) -> TrainSettings:
+def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
+                   start: StartPoint) -> TrainSettings:
     """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
-    them), its truncation; the output directory is keyed by what makes two runs the same run."""
+    them), its truncation, its starting adapter; the output directory is keyed by what makes two runs the same
+    run."""
     method = config.method.model_copy(update={"epochs": plan.epochs})
-    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length)
+    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint)
     return TrainSettings(
         model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
-        output_dir=str(config.work_dir / config.name / f"train-{run_key}"),
+        output_dir=str(config.work_dir / config.name / f"train-{run_key}"), init_adapter=start.adapter_dir,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
@@ -157,8 +165,9 @@ class TrainRecipe:
     def setup(self, on_model=None) -> None:
         settings, method = self.settings, self.method
         # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
+        init_adapter = Path(settings.init_adapter) if settings.init_adapter else None
         model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
-                            settings.trust_remote_code, settings.compile and not self.sharded)
+                            settings.trust_remote_code, settings.compile and not self.sharded, init_adapter)
         if on_model is not None:
             on_model(model)
         self.model = distributed.wrap(model, self.world, settings.strategy)
@@ -371,15 +380,17 @@ def _out_of_memory_notes(output_dir: Path) -> list[int]:
 # ---- the task ------------------------------------------------------------------------------------------------
 
 @task(name="train")
-def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, plan: Plan) -> TrainResult:
-    """Trains what the plan chose, then appends the run's measured speed to the history the next plan reads."""
-    settings = train_settings(config, plan, data, model)
+def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, plan: Plan,
+               start: StartPoint) -> TrainResult:
+    """Trains what the plan chose from `start`, then appends the run's measured speed to the history the next
+    plan reads. The result names its start, which promotion records as the new version's parent."""
+    settings = train_settings(config, plan, data, model, start)
     # Two runs with the same training key share output_dir (a duplicate manual run, or one during the nightly
     # run): training side by side would interleave metrics, race on checkpoint renames and write one
     # final.partial. The second waits, then reuses the finished run, or resumes if the first one died. The
     # launching process holds the lock for all its torchrun ranks.
     with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
-        result = run(settings)
+        result = run(settings).model_copy(update={"start": start})
     if result.reused_completed_run:
         return result
     record = record_run(history_path(config.cache_dir), config, model, plan, result)

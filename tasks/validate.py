@@ -6,8 +6,9 @@ greedy-generated answers scored by exact match, with their expected calibration 
 
 The baseline (`validation.baseline`) is the base model (the same weights with the adapter switched off; its
 metrics are cached on disk by model, sample and scoring, so they are computed once), a metrics file (e.g.
-from a full-precision reference run), or the model the `promoted` pointer names. The gate (phase1a/gate.py)
-compares each metric that has a tolerance; only a pass is promoted (tasks/promote.py).
+from a full-precision reference run), or the model the `promoted` pointer names (the base model on a warm
+start's first night, nothing promoted yet). The gate (phase1a/gate.py) compares each metric that has
+a tolerance; only a pass is promoted (tasks/promote.py).
 
 The recipe, `validate`, in named phases:
   1. sample     the held-out sample and its fingerprint; the baseline's source is read before any model loads
@@ -35,10 +36,8 @@ from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, writ
 from phase1a.hardware import training_device, training_dtype
 from phase1a.models import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
 from phase1a.packing import TokenRows
-from phase1a.promotion import PromotedPointer, PromotionOutcome, read_pointer
+from phase1a.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
-from phase1a.s3 import is_s3_url
-from phase1a.staging import stage_model
 from phase1a.tokenized import TokenizedData
 from tasks.caching import StageCache, task
 
@@ -111,12 +110,7 @@ class PromotedSource:
     trust_remote_code: bool = False
 
     def fetch(self, pointer: PromotedPointer) -> Path:
-        location = pointer.artifacts.get("adapter", "")
-        if is_s3_url(location):
-            return stage_model(location, Path(self.staging_dir) / "promoted", self.endpoint_url)
-        if not Path(location).is_dir():
-            raise BaselineError(f"promoted version {pointer.version}: its adapter {location!r} is missing")
-        return Path(location)
+        return fetch_adapter(pointer, self.staging_dir, self.endpoint_url)
 
 
 def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: PromotedSource,
@@ -136,9 +130,12 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
     return Baseline.of(f"{name} (scored on this sample)", metrics, scoring.sample)
 
 
-def _promoted_pointer(settings: ValidationConfig, endpoint_url: str | None) -> PromotedPointer:
-    pointer = read_pointer(settings.promote_to, endpoint_url)
-    if pointer is None:
+def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
+    """The pointer the gate compares with; None on a warm start's first night (nothing promoted yet), which is
+    gated against the base model: the nightly job needs no special first run."""
+    settings = config.validation
+    pointer = read_pointer(settings.promote_to, config.data.s3_endpoint_url)
+    if pointer is None and config.method.init_from == "base":
         raise BaselineError(f"validation.baseline promoted: nothing is promoted at {settings.promote_to} (no "
                             "promoted.json); promote a model first (e.g. a run with baseline: base) or choose "
                             "baseline: base or file")
@@ -153,7 +150,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
     scoring = Scoring(load_tokenizer(Path(model.path), trust), rows, np.arange(min(len(rows), settings.max_examples)),
                       settings, config.cache_dir, model.fingerprint)
     file_baseline = read_baseline_file(settings.baseline_file, scoring.sample) if settings.baseline == "file" else None
-    pointer = _promoted_pointer(settings, endpoint) if settings.baseline == "promoted" else None
+    pointer = _promoted_pointer(config) if settings.baseline == "promoted" else None
     # 2. score
     base, base_cached, candidate = _score(scoring, Path(model.path), Path(adapter_dir), trust)
     # 3. baseline
@@ -163,7 +160,8 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
         source = PromotedSource(Path(model.path), config.data.staging_dir, endpoint, trust)
         baseline = promoted_baseline(pointer, scoring, source, device)
     else:
-        baseline = Baseline.of("base model" + (" (cached)" if base_cached else ""), base, scoring.sample)
+        first = " (nothing promoted yet)" if settings.baseline == "promoted" else ""
+        baseline = Baseline.of("base model" + first + (" (cached)" if base_cached else ""), base, scoring.sample)
     # 4. gate
     checks = gate(candidate, baseline, settings.tolerances)
     reasons = [check.describe() for check in checks if not check.passed]

@@ -77,3 +77,18 @@ def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tre
     edit(code / "phase1a" / "answers.py")
     assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
     assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
+
+
+def test_the_training_key_changes_with_the_starting_adapter():
+    """A warm start from another promoted version is another run (never resumed from this one's checkpoints); the
+    same adapter named two ways (`promoted`, its path) is the same run, and so is a first night that found nothing
+    promoted and started from the base."""
+    from phase1a.config import MethodConfig
+    from tasks.train import training_key
+
+    def key(init_from: str = "base", start: str | None = None) -> str:
+        return training_key("data-fp", "model-fp", MethodConfig(init_from=init_from), 256, start)
+
+    assert key("promoted", "v1-sha") != key("promoted", "v2-sha") != key()
+    assert key("promoted", "v1-sha") == key("/promoted/versions/v1/adapter", "v1-sha")
+    assert key("promoted", None) == key()

@@ -24,6 +24,7 @@ from phase1a.promotion import (
     PromotionRecord,
     promote,
     read_pointer,
+    version_chain,
 )
 from tasks.promote import merge_adapter
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -49,10 +50,10 @@ def adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
     return out
 
 
-def record(adapter: Path, run: str = "run") -> PromotionRecord:
+def record(adapter: Path, run: str = "run", parent: str | None = None) -> PromotionRecord:
     return PromotionRecord(run=run, adapter_sha256=sha256_tree(adapter, ("*.safetensors", "*.json")),
                            base_model_fingerprint="model-fp", sample_fingerprint="sample-fp",
-                           metric_settings="settings", metrics={"exact_match": 0.5, "loss": 1.0})
+                           metric_settings="settings", metrics={"exact_match": 0.5, "loss": 1.0}, parent=parent)
 
 
 def files_of(directory: Path) -> dict[str, bytes]:
@@ -89,6 +90,20 @@ def test_local_promotion_versions_the_adapter_and_moves_the_pointer(adapters, tm
     assert (root / "versions" / "v1" / "adapter").is_dir()  # old versions stay, for rollback
     with pytest.raises(PromotionError, match="version v2 already exists"):
         promote(Promotion({"adapter": adapters[0]}, "v2", record(adapters[0])), str(root))
+
+
+def test_each_version_names_its_parent_and_the_chain_reads_back(adapters, tmp_path):
+    """A warm start records the version it was trained from: base -> v1 -> v2 reads back from the versions."""
+    root = tmp_path / "promoted"
+    assert version_chain(str(root)) == []
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), str(root))
+    promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1], parent="v1")), str(root))
+    assert [(p.version, p.parent) for p in version_chain(str(root))] == [("v2", "v1"), ("v1", None)]
+    assert json.loads((root / "versions" / "v2" / "version.json").read_text())["parent"] == "v1"
+
+    shutil.rmtree(root / "versions" / "v1")  # pruned by hand: the chain says which link is gone
+    with pytest.raises(PromotionError, match=f"{root / 'versions' / 'v1' / 'version.json'}: version v1, a parent"):
+        version_chain(str(root))
 
 
 def test_a_failure_mid_copy_leaves_the_old_pointer_and_no_half_version(adapters, tmp_path):
@@ -141,9 +156,10 @@ def test_s3_promotion_uploads_the_version_then_the_pointer(adapters, endpoint, b
     assert body["Body"].read() == (adapters[0] / "adapter_model.safetensors").read_bytes()
     assert read_pointer(destination, endpoint).version == "v1"
 
-    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"), destination,
-                     endpoint_url=endpoint)
+    second = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1], parent="v1"), expected_version="v1"),
+                     destination, endpoint_url=endpoint)
     assert second.promoted and read_pointer(destination, endpoint).version == "v2"
+    assert [(p.version, p.parent) for p in version_chain(destination, endpoint)] == [("v2", "v1"), ("v1", None)]
 
 
 def test_s3_failure_mid_upload_leaves_the_old_pointer(adapters, endpoint, bucket):
