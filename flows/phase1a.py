@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import prepare_model
+from phase1a.replay import warm_start_data
 from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
@@ -53,6 +54,9 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
                     if config.data.validation_source else None)
         data = report.run("tokenize", tokenize_task, config=config, model=model, staged=staged, held_out=held_out)
         publish_length_report(data, report.run_dir)
+        data = warm_start_data(data, start, config.data.replay_fraction, config.method.seed)
+        if data.replay:
+            report.set("replay", data.replay)
 
         plan = report.run("plan", plan_task, config=config, model=model, data=data)
         publish_plan(plan, report.run_dir)

@@ -68,6 +68,10 @@ class DataConfig(_Section):
     tokenize_workers: int | None = Field(None, ge=1, description=(
         "Processes that tokenize (records are parsed and templated in Python, so one process holds one core); "
         "None: one per 8 MiB of input, up to the usable cores. The output is the same for any count."))
+    replay_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
+        "Warm starts only (`method.init_from` not base): train on the shards that are new since the starting "
+        "adapter was trained, plus old examples replayed at random to make up this share of the training set "
+        "(0: the new data alone). None: train on all the data."))
 
     @field_validator("format")
     @classmethod
@@ -348,6 +352,9 @@ class Phase1aConfig(_Section):
     def _warm_start_baseline(self) -> "Phase1aConfig":
         """A warm start is gated against the model it continues: baseline promoted unless one was chosen."""
         init_from, validation = self.method.init_from, self.validation
+        if self.data.replay_fraction is not None and init_from == "base":
+            raise ValueError("data.replay_fraction mixes new data with old for a warm start: set method.init_from "
+                             "to promoted or an adapter, or leave replay_fraction unset")
         if init_from == "promoted" and not validation.promote_to:
             raise ValueError("method.init_from promoted needs validation.promote_to, where the promoted pointer lives")
         if init_from != "base" and validation.promote_to and "baseline" not in validation.model_fields_set:

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel
 
+from phase1a.atomic import atomic_path, write_atomically
 from phase1a.lengths import LengthStats, Outliers, WasteRow
 
 
@@ -40,6 +41,7 @@ class TokenizedData(BaseModel):
     truncated_examples: int
     dropped_overlong: int
     dropped_without_labels: int
+    replay: dict[str, float] | None = None  # a warm start's mix of new and replayed examples (phase1a/replay.py)
 
 
 class SplitView(BaseModel):
@@ -52,8 +54,10 @@ class SplitView(BaseModel):
     max_length: int
 
     def write(self, path: Path, rows: np.ndarray) -> None:
-        np.save(Path(path).with_name(self.rows), rows.astype(np.int64), allow_pickle=False)
-        Path(path).write_text(self.model_dump_json(indent=2))
+        """The rows, then the view that names them: each whole or not there, for a reader in another run."""
+        with atomic_path(Path(path).with_name(self.rows)) as scratch, open(scratch, "wb") as handle:
+            np.save(handle, rows.astype(np.int64), allow_pickle=False)
+        write_atomically(Path(path), self.model_dump_json(indent=2))
 
     @classmethod
     def read(cls, path: str | Path) -> "SplitView":

@@ -2,12 +2,13 @@
 held-out split and length analysis, once per content.
 
 The recipe, `tokenize_dataset`, in four phases that keep memory flat:
-  1. encode    records -> token ids and labels, streamed to a temporary Arrow file, plus a few scalars per
-               example (length, content hash, shard and line or row); in worker processes where the input
-               is large (`phase1a.encoding`)
-  2. decide    over those scalars only: max_seq_length, overlong and duplicate examples, the held-out split,
-               outliers
-  3. split     truncate, drop and split batch by batch with Arrow compute into train.arrow and validation.arrow
+  1. encode    shard by shard, each once per content (`phase1a.shards`): records -> token ids and labels,
+               plus a few scalars per example (line or row, content hash, length, supervised positions); in
+               worker processes where the input is large (`phase1a.encoding`)
+  2. decide    over every shard's scalars only (old shards' tokens are not read): max_seq_length, overlong
+               and duplicate examples, the held-out split, outliers
+  3. split     train.json and validation.json: views over the shards' token files (row numbers, a length to cut
+               every example to on reading), no copy of a token
   4. describe  lengths (the run report draws their histogram) and every count (skipped, duplicates, truncated,
                dropped)
 The held-out split is either a stable content-hash share of the source, or every record of

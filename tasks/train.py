@@ -48,6 +48,7 @@ from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
+from phase1a.replay import write_trained_on
 from phase1a.results import Plan, StartPoint, TrainResult
 from phase1a.steps import optimizer_step
 from phase1a.tokenized import TokenizedData
@@ -313,7 +314,7 @@ class TrainRecipe:
         )
         weights = trainable_state_dict(self.model) if self.sharded else None  # every rank: FSDP gathers the shards
         if world.main:
-            _save_final(distributed.unwrap(self.model), final_dir, result, weights)
+            _save_final(distributed.unwrap(self.model), final_dir, result, self.settings.train_path, weights)
         distributed.barrier(world)
         return result
 
@@ -327,11 +328,13 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     write_atomically(path, "".join(line + "\n" for line in kept))  # a crash here must not lose the curve
 
 
-def _save_final(model, final_dir: Path, result: TrainResult, weights: dict | None = None) -> None:
-    """The adapter in peft's own format (PeftModel.from_pretrained loads it), marked complete last. `weights`:
-    the trainable tensors gathered whole, when the model holds only its shards (FSDP)."""
+def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, weights: dict | None = None) -> None:
+    """The adapter in peft's own format (PeftModel.from_pretrained loads it), with the shards it was trained
+    from (a later warm start replays from them), marked complete last. `weights`: the trainable tensors
+    gathered whole, when the model holds only its shards (FSDP)."""
     with atomic_path(final_dir) as partial:
         model.save_pretrained(partial, **({"state_dict": weights} if weights is not None else {}))
+        write_trained_on(partial, train_path)
         (partial / "result.json").write_text(result.model_dump_json(indent=2))
         (partial / "COMPLETE").write_text("ok\n")
 

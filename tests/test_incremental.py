@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
+from phase1a.errors import DataError
 from phase1a.fingerprint import FileHashes
+from phase1a.replay import read_trained_on, replay_mix, write_trained_on
 from phase1a.staging import stage_dataset
+from phase1a.tokenized import SplitView
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 OPTIONS = TokenizeOptions(validation_fraction=0.25)
@@ -143,3 +147,36 @@ def test_staged_blobs_are_shared_by_listings(tmp_path):
     again = stage_dataset(str(shards), tmp_path / "staging")
     assert (again.path, again.files_copied, again.copied) == (second.path, 0, False)
     assert sorted(os.listdir(again.path)) == [f"part-{number:03d}.jsonl" for number in range(4)]
+
+
+def test_a_warm_start_replays_a_share_of_the_old_examples_beside_the_new_shard(tmp_path, tokenizer):
+    shards = tmp_path / "shards"
+    for number in range(4):
+        write_shard(shards, number)
+    _, first = night(tmp_path, tokenizer, shards)
+    adapter = tmp_path / "v1"
+    adapter.mkdir()
+    write_trained_on(adapter, first.train_path)  # what the train stage leaves beside v1's weights
+    seen = read_trained_on(adapter, "v1")
+    assert len(seen) == 4
+
+    write_shard(shards, 4)
+    _, second = night(tmp_path, tokenizer, shards)
+    mixed = replay_mix(second, seen, 0.25, seed=0, what="v1")
+    replay = mixed.replay
+    new_rows = set(map(tuple, read_arrow(second.train_path).column("input_ids").to_pylist())) - \
+        set(map(tuple, read_arrow(first.train_path).column("input_ids").to_pylist()))
+    assert replay["new_examples"] == len(new_rows) > 0 and replay["old_examples"] == first.train_examples
+    assert replay["replayed_examples"] == round(0.25 / 0.75 * replay["new_examples"])
+    assert mixed.train_examples == replay["new_examples"] + replay["replayed_examples"]
+    rows = set(map(tuple, read_arrow(mixed.train_path).column("input_ids").to_pylist()))
+    assert new_rows <= rows and len(rows - new_rows) == replay["replayed_examples"]
+    assert mixed.fingerprint != second.fingerprint and mixed.validation_path == second.validation_path
+    assert replay_mix(second, seen, 0.25, seed=0, what="v1").train_path == mixed.train_path  # one mix, one file
+    assert replay_mix(second, seen, 0.0, seed=0, what="v1").train_examples == replay["new_examples"]
+
+    with pytest.raises(DataError, match="no training example is new since v2 was trained"):
+        replay_mix(second, seen | {Path(p).parent.name for p in SplitView.read(second.train_path).parts}, 0.25,
+                   seed=0, what="v2")
+    with pytest.raises(DataError, match=r"v0 has no trained_on.json \(it was not trained by phase1a\)"):
+        read_trained_on(tmp_path, "v0")

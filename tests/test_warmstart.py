@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import resolved
+from helpers import date_records, resolved, write_jsonl
 from phase1a.adapters import ADAPTER_WEIGHTS, AdapterError, adapter_fingerprint
 from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, config_from, load_config
 from phase1a.modeling import build_model
@@ -222,3 +222,41 @@ def test_a_nightly_warm_start_continues_the_promoted_model_and_records_its_paren
     chain = version_chain(str(promoted))
     assert [(p.version, p.parent) for p in chain] == [(v2, v1), (v1, None)]
     assert chain[0].started_from.startswith(f"promoted {v1}") and chain[1].started_from.startswith("base model")
+
+
+@pytest.mark.slow
+@pytest.mark.prefect_server
+def test_a_nightly_replay_trains_on_the_new_shard_and_a_share_of_the_old(config_tree, tmp_path):
+    from flows.phase1a import phase1a
+
+    shards, promoted = tmp_path / "nightly", tmp_path / "promoted"
+    shards.mkdir()
+    for number in range(2):
+        write_jsonl(shards / f"part-{number}.jsonl", date_records(48, seed=200 + number))
+    config_tree["data"] |= {"source": str(shards), "replay_fraction": 0.5}
+    config_tree["method"] |= {"init_from": "promoted", "epochs": 1}
+    config_tree["validation"] |= {"promote_to": str(promoted),  # the gate is not what this test is about
+                                  "tolerances": {"loss": 1.0, "token_accuracy": 1.0, "exact_match": None}}
+
+    night1 = run_flow(config_tree)  # nothing promoted yet: the base, on all the data
+    assert "replay" not in night1
+    v1 = night1["validation"]["promotion"]["version"]
+    trained_on = json.loads((promoted / "versions" / v1 / "adapter" / "trained_on.json").read_text())["shards"]
+    assert len(trained_on) == 2
+
+    write_jsonl(shards / "part-2.jsonl", date_records(48, seed=202))
+    night2 = run_flow(config_tree)
+    stage, tokenized = night2["stages"]["stage"]["result"], night2["stages"]["tokenize"]["result"]
+    assert (stage["files_copied"], stage["files_reused"]) == (1, 2)
+    assert (tokenized["shards_encoded"], tokenized["shards_reused"]) == (1, 2)
+    replay = night2["replay"]
+    assert replay["old_examples"] == night1["stages"]["tokenize"]["result"]["train_examples"]
+    assert replay["replayed_examples"] == replay["new_examples"] > 0  # half of the mix, when there is enough old
+    steps = night2["stages"]["train"]["result"]["steps"]
+    assert steps == -(-(replay["new_examples"] + replay["replayed_examples"]) // config_tree["method"]["batch_size"])
+    v2 = night2["validation"]["promotion"]["version"]
+    assert night2["lineage"]["version"] == v1
+    assert len(json.loads((promoted / "versions" / v2 / "adapter" / "trained_on.json").read_text())["shards"]) == 3
+
+    state = phase1a(Phase1aConfig.model_validate(config_tree), return_state=True)  # a night with nothing new
+    assert state.is_failed() and f"no training example is new since promoted {v2}" in state.message
