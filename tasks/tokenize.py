@@ -107,6 +107,8 @@ def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int
         with atomic_path(out_dir) as work:
             work.mkdir()
             encoded = _encode(sources, tokenizer, options, out_dir.parent / "shards")
+            run_logger().info("%d shards: %d tokenized now, %d from the shard cache", len(encoded.shards),
+                              len(encoded.shards) - encoded.reused, encoded.reused)
             decided = _decide(encoded, sources, model_max_length, options)
             split = _split(work, encoded, decided)
             result = _describe(work, out_dir, _Described(sources, tokenizer, model_max_length, options, encoded,

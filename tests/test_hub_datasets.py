@@ -86,6 +86,14 @@ def test_a_moved_branch_is_new_data_and_a_pinned_revision_is_not(tmp_path, hub_d
     pinned = stage_dataset(repo_id, tmp_path / "staging", revision=first)
     assert pinned.fingerprint == before
 
+    # Each revision's files by their blobs' names: the test split's file is the same blob in both commits, so
+    # the new revision tokenizes its changed train file alone.
+    options, tokenizer = TokenizeOptions(split="train_sft", validation_split="test_sft"), make_tokenizer()
+    tokenize_dataset(pinned, tokenizer, 256, options, tmp_path / "cache" / "first", validation=pinned)
+    moved = stage_dataset(repo_id, tmp_path / "staging")
+    again = tokenize_dataset(moved, tokenizer, 256, options, tmp_path / "cache" / "second", validation=moved)
+    assert (again.shards_encoded, again.shards_reused, again.train_examples) == (1, 1, 20)
+
 
 def test_unknown_config_split_and_uncached_repository(tmp_path, hub_dates):
     repo_id = hub_dates[0]
