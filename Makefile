@@ -3,7 +3,7 @@ SHELL := /bin/bash
 UV ?= $(shell command -v uv 2>/dev/null || echo $(CURDIR)/.tools/bin/uv)
 export UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
 
-.PHONY: setup demo test test-fast lint docs demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
+.PHONY: setup demo test test-postgres test-fast lint docs demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
 
 $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
@@ -19,7 +19,11 @@ demo: demo-data
 	$(UV) run --frozen phase1a run --config configs/demo.yaml
 
 test: setup
-	$(UV) run --frozen pytest -q
+	$(UV) run --frozen pytest -q -m "not postgres"
+
+# Prefect on a throwaway PostgreSQL server (tests/test_operations_postgres.py): two hosts, a lost host, a resume.
+test-postgres: setup
+	$(UV) run --frozen pytest -q -m postgres
 
 # The inner loop: every test not marked slow, prefect_server, s3 or gpu (pyproject.toml), in under two minutes.
 test-fast: setup

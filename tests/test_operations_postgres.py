@@ -24,7 +24,7 @@ import yaml
 from helpers.postgres import postgres_server, unavailable_reason
 from helpers.prefect_stack import PrefectStack, cmdline, descendants, kill9, states, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect_server,
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server, pytest.mark.postgres,
               pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")]
 
 ZOMBIE_AFTER = 60  # seconds without a heartbeat; flow runs send one every 30 s (the minimum) here
