@@ -1,4 +1,5 @@
-"""`phase1a run --config FILE [--set key=value ...]`: the flow, in-process on Prefect's embedded default."""
+"""`phase1a run|plan --config FILE [--set key=value ...]`: the flow, in-process on Prefect's embedded default;
+`phase1a runs --config FILE` and `phase1a show RUN`: earlier runs, read back from their reports."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from phase1a.config import ConfigError, config_from
+from phase1a.errors import DataError
 from phase1a.results import Plan, ValidationResult
 
 
@@ -43,22 +45,34 @@ def _summary(report_path: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phase1a", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run the whole flow: stage, tokenize, plan, train, validate"),
-                            ("plan", "stage, tokenize and plan only: print the plan and its estimate, no training")):
+                            ("plan", "stage, tokenize and plan only: print the plan and its estimate, no training"),
+                            ("runs", "list the job's runs: status, seconds, estimate error, metrics, promotion"),
+                            ("show", "print one run's summary from its report.json")):
         command = commands.add_parser(name, help=help_text)
-        command.add_argument("--config", required=True, type=Path, help="YAML config file")
+        if name == "show":
+            command.add_argument("run", help="a run directory, its report.json, or (with --config) its name or "
+                                             "flow run name")
+        command.add_argument("--config", required=name != "show", type=Path, help="YAML config file")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override a config field, e.g. --set method.epochs=2 (repeatable)")
-    args = parser.parse_args(argv)
+        if name == "runs":
+            command.add_argument("--last", type=int, default=20, help="the most recent N runs (default 20)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        config = config_from(config_file=args.config, overrides=args.overrides)
+        config = config_from(config_file=args.config, overrides=args.overrides) if args.config else None
     except ConfigError as error:
         print(f"phase1a: {error}", file=sys.stderr)
         return 2
+    if args.command in ("runs", "show"):
+        return _read_back(args, config)
 
     # The embedded server migrates a fresh database on its first start, which on 2 cores can outlast
     # Prefect's 20 s default; and there is no network to send telemetry to.
@@ -73,6 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     if not state.is_completed():
         print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _read_back(args: argparse.Namespace, config) -> int:
+    """`runs` and `show`: nothing runs, reports are read."""
+    from flows.runs import find_report, format_runs, run_reports
+
+    runs_dir = Path(config.work_dir) / config.name if config else None
+    if args.command == "runs":
+        reports, unreadable = run_reports(runs_dir)
+        print(format_runs(reports[-args.last:], unreadable) if reports else f"no runs under {runs_dir}")
+        return 0
+    try:
+        print(_summary(find_report(args.run, runs_dir)))
+    except DataError as error:
+        print(f"phase1a: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.cli import main as cli_main
 from flows.phase1a import phase1a
 from helpers import date_records, write_jsonl
 from phase1a.config import Phase1aConfig
@@ -28,7 +29,7 @@ def states(report: dict) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree, dataset):
+def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree, dataset, capsys):
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
     assert states(first) == dict.fromkeys(["stage", "tokenize", "plan", "train", "validate"], "Completed")
@@ -61,6 +62,24 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     _, fourth = run_flow(config_tree)
     assert states(fourth)["stage"] == "Completed" and states(fourth)["tokenize"] == "Completed"
     assert fourth["stages"]["stage"]["result"]["fingerprint"] != first["stages"]["stage"]["result"]["fingerprint"]
+
+    # The runs read back in a terminal: `phase1a runs` lists all four, `phase1a show` prints one's summary.
+    config_path = Path(config_tree["work_dir"]).parent / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    capsys.readouterr()
+    assert cli_main(["runs", "--config", str(config_path)]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["run", "status", "wall"] and len(rows) == 4
+    assert [row.split()[0] for row in rows] == [Path(r["run_dir"]).name for r in (first, second, third, fourth)]
+    assert all(row.split()[1] == "passed" for row in rows)
+    loss = first["validation"]["metrics"]["loss"]["candidate"]
+    assert f"{loss:.4f}" in rows[0] and f"{first['estimate_vs_actual']['time_accuracy'] - 1:+.0%}" in rows[0]
+    name = Path(first["run_dir"]).name.split("-", 1)[1]  # the flow run's name
+    assert cli_main(["show", name, "--config", str(config_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "validation (held-out):" in shown and f"report: {first['run_dir']}/report.json" in shown
+    assert cli_main(["show", "no-such-run", "--config", str(config_path)]) == 2
+    assert "no-such-run: no run of that name under" in capsys.readouterr().err
 
 
 def test_parquet_shards_with_a_separate_validation_source(config_tree, tmp_path):

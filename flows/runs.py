@@ -1,0 +1,67 @@
+"""`phase1a runs` and `phase1a show`: a job's runs read back from their report.json files, for people who live
+in a terminal. A run directory is `work_dir/name/<UTC time>-<flow run name>/`, so names sort by time."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from phase1a.errors import DataError
+
+_COLUMNS = ("run", "status", "wall s", "train s", "estimate", "loss", "token acc", "exact", "promoted")
+
+
+def run_reports(runs_dir: Path) -> tuple[list[tuple[Path, dict]], int]:
+    """Every run's report under `runs_dir`, oldest first, and how many could not be read (a run killed while
+    its report was written leaves none; a damaged one is counted, not fatal)."""
+    reports, unreadable = [], 0
+    for path in sorted(Path(runs_dir).glob("*/report.json")):
+        try:
+            reports.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            unreadable += 1
+    return reports, unreadable
+
+
+def _row(path: Path, report: dict) -> tuple[str, ...]:
+    train = report.get("estimate_vs_actual") or {}
+    metrics = (report.get("validation") or {}).get("metrics", {})
+    promotion = (report.get("validation") or {}).get("promotion") or {}
+    accuracy = train.get("time_accuracy")
+
+    def candidate(metric: str, digits: int) -> str:
+        value = metrics.get(metric, {}).get("candidate")
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    return (path.parent.name, report.get("status", "?"), f"{report.get('wall_seconds', 0):.0f}",
+            f"{train['actual_train_seconds']:.0f}" if train else "-",
+            f"{accuracy - 1:+.0%}" if accuracy else "-",
+            candidate("loss", 4), candidate("token_accuracy", 3), candidate("exact_match", 3),
+            promotion.get("version", "-") if promotion.get("promoted") else "-")
+
+
+def format_runs(reports: list[tuple[Path, dict]], unreadable: int = 0) -> str:
+    """A table of runs: status, wall and training seconds, the plan's training estimate against the actual
+    (+: it said longer), the candidate's held-out metrics, the version it was promoted as."""
+    rows = [_COLUMNS] + [_row(path, report) for path, report in reports]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    if unreadable:
+        lines.append(f"({unreadable} run directories with an unreadable report.json left out)")
+    return "\n".join(lines)
+
+
+def find_report(run: str, runs_dir: Path | None) -> Path:
+    """A run's report.json from its directory, its report's path, or (under `runs_dir`) its directory's name or
+    the flow run name it ends with."""
+    given = Path(run)
+    for candidate in (given, given / "report.json"):
+        if candidate.is_file():
+            return candidate
+    if runs_dir is None:
+        raise DataError(f"{run}: no such run directory or report.json (give --config to look a run up by name)")
+    matches = [path for path in sorted(Path(runs_dir).glob("*/report.json"))
+               if path.parent.name == run or path.parent.name.endswith(f"-{run}")]
+    if len(matches) != 1:
+        found = "no run" if not matches else f"{len(matches)} runs ({', '.join(p.parent.name for p in matches)})"
+        raise DataError(f"{run}: {found} of that name under {runs_dir}")
+    return matches[0]
