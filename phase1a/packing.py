@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from phase1a.distributed import World
 from phase1a.labels import IGNORE_INDEX
-from phase1a.tokenized import SplitView
+from phase1a.tokenized import SplitView, read_mapped
 
 
 @dataclass
@@ -36,7 +35,7 @@ class TokenRows:
             table = view.table(path)
             max_length = min(max_length or view.max_length, view.max_length)
         else:
-            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+            table = read_mapped(path)
         ids = table.column("input_ids").combine_chunks()
         labels = table.column("labels").combine_chunks()
         return cls(

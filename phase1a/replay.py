@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json
-from phase1a.tokenized import SplitView, TokenizedData
+from phase1a.tokenized import SplitView, TokenizedData, read_mapped
 
 if TYPE_CHECKING:
     from phase1a.results import StartPoint
@@ -84,5 +83,5 @@ def replay_mix(data: TokenizedData, seen: set[str], fraction: float, seed: int, 
 
 
 def _rows(part: str) -> int:
-    return pa.ipc.open_file(pa.memory_map(part, "r")).read_all().num_rows
+    return read_mapped(part).num_rows
 

@@ -28,6 +28,7 @@ from phase1a.datasource import Shard, SourceRecord, iter_records
 from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSettings, auto_workers, encode_chunks
 from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.labels import IGNORE_INDEX
+from phase1a.tokenized import read_mapped
 
 TOKENS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
 EXAMPLES_SCHEMA = pa.schema([("line", pa.int64()), ("key", pa.uint64()), ("length", pa.int32()),
@@ -69,7 +70,7 @@ class EncodedShard:
 
     @classmethod
     def read(cls, directory: Path, reused: bool) -> "EncodedShard":
-        table = pa.ipc.open_file(pa.memory_map(str(directory / "examples.arrow"), "r")).read_all()
+        table = read_mapped(directory / "examples.arrow")
         summary = json.loads((directory / "summary.json").read_text())
         return cls(directory, {name: table.column(name).to_numpy() for name in EXAMPLES_SCHEMA.names},
                    Counter(summary["skipped"]), summary["shown"], reused)

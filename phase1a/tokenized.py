@@ -44,6 +44,11 @@ class TokenizedData(BaseModel):
     replay: dict[str, float] | None = None  # a warm start's mix of new and replayed examples (phase1a/replay.py)
 
 
+def read_mapped(path: str | Path) -> pa.Table:
+    """An Arrow IPC file as a table over its memory map: no copy, pages read as they are touched."""
+    return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+
+
 class SplitView(BaseModel):
     """A split of the tokenized dataset without a copy of its tokens: the shards' token files in order (their
     rows numbered through as one table), the rows of this split (a .npy beside the view), and the length every
@@ -68,7 +73,7 @@ class SplitView(BaseModel):
 
     def table(self, path: str | Path) -> pa.Table:
         """input_ids and labels of the split's rows, in order, full length: memory-mapped parts, one take."""
-        parts = [pa.ipc.open_file(pa.memory_map(part, "r")).read_all() for part in self.parts]
+        parts = [read_mapped(part) for part in self.parts]
         return pa.concat_tables(parts).take(pa.array(self.row_indices(path)))
 
 

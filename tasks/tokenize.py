@@ -47,7 +47,7 @@ from phase1a.logs import run_logger
 from phase1a.models import ResolvedModel, load_tokenizer
 from phase1a.shards import EncodedShard, ShardStore
 from phase1a.templates import apply_chat_template_setting, template_fingerprint
-from phase1a.tokenized import SplitView, TokenizedData
+from phase1a.tokenized import SplitView, TokenizedData, read_mapped
 from tasks.caching import StageCache, task
 
 if TYPE_CHECKING:  # staging imports boto3, which a bare GPU host (that tokenizes local files) lacks
@@ -281,7 +281,7 @@ def _supervised_after_truncation(encoded: _Encoded, decided: _Decisions) -> int:
         for number, shard in enumerate(encoded.shards):
             rows = cut[(cut >= starts[number]) & (cut < starts[number + 1])] - starts[number]
             if rows.size:
-                table = pa.ipc.open_file(pa.memory_map(str(shard.tokens_path), "r")).read_all().take(pa.array(rows))
+                table = read_mapped(shard.tokens_path).take(pa.array(rows))
                 labels = pc.list_slice(table.column("labels"), 1, decided.max_seq_length).combine_chunks()
                 total += int(np.count_nonzero(labels.values.to_numpy(zero_copy_only=False) != IGNORE_INDEX))
     return total

@@ -86,11 +86,9 @@ def date_records(count: int, seed: int = 0) -> list[dict]:
 
 def read_arrow(path: str | Path) -> pa.Table:
     """A tokenized split (its view, cut to max_length), or a plain Arrow file, as one table."""
-    from phase1a.tokenized import split_table
+    from phase1a.tokenized import read_mapped, split_table
 
-    if str(path).endswith(".json"):
-        return split_table(path)
-    return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    return split_table(path) if str(path).endswith(".json") else read_mapped(path)
 
 
 def resolved(config):
