@@ -12,6 +12,7 @@ from prefect.runtime import flow_run
 
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig, config_from
+from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
 from phase1a.warmstart import lineage, resolve_start
@@ -42,6 +43,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     """
     # Deployment parameters arrive with `~` and relative paths: they resolve against the working directory.
     config = config_from(config, config_file, overrides, base=Path.cwd())
+    configure_progress(config.progress)  # how the stages show progress: a bar, log lines (a worker), or neither
     report = RunReport.create(config, flow_run.get_name() or "local")
     with report.finishing() as outcome:
         model = prepare_model(config)

@@ -40,6 +40,7 @@ from phase1a.config import Phase1aConfig
 from phase1a.cost_model import MemoryModel
 from phase1a.evaluation import ValidationSpeed, time_validation
 from phase1a.hardware import usable_cores
+from phase1a.meter import Meter, stage_meter
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.steps import optimizer_step
 from phase1a.units import GIB, parse_duration_seconds
@@ -126,24 +127,36 @@ class CalibrationJob:
 
 
 def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Calibration:
-    session = _Session(config, model_dir, job)  # 1. the model and optimizer as training builds them
-    best = session.run(job.start, session.cap)  # 2. the memory model's pick
-    if best.status != "measured":
-        raise MemoryError(f"calibration: the memory model's pick ({job.start.label()}) could not run: {best.note}")
-    budget = min(session.cap, config.plan.calibration_share * job.train_tokens / best.tokens_per_second)
-    best = session.sweep(best, budget)  # 3. one knob at a time, within the budget
-    speed = session.confirm(best, budget)  # 4. the winner measured again
-    return session.result(best, speed, budget)  # 5. a checkpoint and the validate stage, timed
+    with stage_meter("calibration", planned_trials(config, job), "trials",
+                     what=f"budget {config.plan.calibration_budget}") as meter:
+        session = _Session(config, model_dir, job, meter)  # 1. the model and optimizer as training builds them
+        best = session.run(job.start, session.cap)  # 2. the memory model's pick
+        if best.status != "measured":
+            raise MemoryError(f"calibration: the memory model's pick ({job.start.label()}) could not run: "
+                              f"{best.note}")
+        budget = min(session.cap, config.plan.calibration_share * job.train_tokens / best.tokens_per_second)
+        best = session.sweep(best, budget)  # 3. one knob at a time, within the budget
+        speed = session.confirm(best, budget)  # 4. the winner measured again
+        return session.result(best, speed, budget)  # 5. a checkpoint and the validate stage, timed
+
+
+def planned_trials(config: Phase1aConfig, job: CalibrationJob) -> int:
+    """The trials a sweep from the start would run (for progress: "trial k of n"): the start, each knob's
+    alternatives to it, and the winner's confirmation when there is a choice. The greedy sweep proposes from
+    the best so far, so the count can move as it goes."""
+    alternatives = sum(len(job.alternatives(job.start, knob)) for knob in config.plan.sweep)
+    return 1 + alternatives + (1 if alternatives else 0)
 
 
 class _Session:
     """One model and optimizer, reused by every trial (a candidate changes how a step runs, not the model)."""
 
-    def __init__(self, config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> None:
+    def __init__(self, config: Phase1aConfig, model_dir: Path, job: CalibrationJob, meter: Meter) -> None:
         from phase1a.modeling import build_model, make_optimizer
 
         self.began = time.perf_counter()
-        self.config, self.job, self.trials = config, job, []
+        self.config, self.job, self.trials, self.meter = config, job, [], meter
+        meter.note("loading the model")
         method = config.method
         self.model = build_model(model_dir, method, job.start.gradient_checkpointing, config.model.trust_remote_code)
         self.optimizer = make_optimizer(self.model, method)
@@ -164,12 +177,21 @@ class _Session:
         method, job = self.config.method, self.job
         batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size,
                               token_budget(candidate.micro_batch_size, job.max_seq_length))
+        self._announce(candidate, budget)
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.hardware.calibration_steps, self.began + budget))
         self.trials.append(trial)
+        self.meter.advance(1)
         print(f"calibration trial {len(self.trials)} ({self.elapsed():.0f} of {budget:.0f} s): {candidate.label()}: "
               f"{_outcome(trial)}", flush=True)
         return trial
+
+    def _announce(self, candidate: Candidate, budget: float) -> None:
+        number = len(self.trials) + 1
+        if self.meter.total is not None and number > self.meter.total:
+            self.meter.total = number  # the sweep moved to a best with more alternatives than the start had
+        self.meter.note(f"trial {number} of {self.meter.total}: {candidate.label()} "
+                        f"({self.elapsed():.0f} of {budget:.0f} s used)")
 
     def sweep(self, best: Trial, budget: float) -> Trial:
         """Greedy, one knob at a time in `plan.sweep` order: a change is kept when it is faster by more than the
@@ -184,6 +206,7 @@ class _Session:
                     self.trials.append(Trial(candidate=candidate, status="skipped", note=(
                         f"not tried: {left:.0f} s of the {budget:.0f} s calibration budget left, a trial takes "
                         f"~{expected:.0f} s")))
+                    self.meter.advance(1)
                     continue
                 trial = self.run(candidate, budget)
                 if trial.status == "measured" and trial.tokens_per_second > best.tokens_per_second * (1 + _MIN_GAIN):
@@ -206,6 +229,7 @@ class _Session:
         from phase1a.modeling import set_gradient_checkpointing
 
         set_gradient_checkpointing(self.model, best.candidate.gradient_checkpointing)
+        self.meter.note("timing a checkpoint write" + (" and validation" if self.job.validation_path else ""))
         checkpoint_seconds = _time_checkpoint(self.model, self.optimizer, self.job.work_dir)
         validation = (_time_validation(self.model, self.job.validation_path, self.config)
                       if self.job.validation_path else None)

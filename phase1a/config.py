@@ -326,6 +326,23 @@ class RetryConfig(_Section):
         return value
 
 
+class ProgressConfig(_Section):
+    """How long stages other than training show their progress (phase1a/meter.py): staging, tokenize,
+    calibration, validation, promotion."""
+
+    display: Literal["auto", "bar", "lines", "off"] = Field("auto", description=(
+        "auto: a terminal bar where stderr is a terminal, else log lines (a worker); bar; lines; off: neither. "
+        "Inside a Prefect run every stage also keeps a progress artifact (`<stage>-progress`) up to date."))
+    interval: str = Field("15s", description=(
+        "Log lines: at most one per stage this often (the first and the last always), e.g. '15s' or '1m'."))
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: str) -> str:
+        parse_duration_seconds(value)
+        return value
+
+
 class Phase1aConfig(_Section):
     name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The job's name: its runs, checkpoints and adapters go under `work_dir/<name>/`."))
@@ -347,6 +364,8 @@ class Phase1aConfig(_Section):
         "The held-out evaluation, the gate against a baseline, and promotion."))
     retries: RetryConfig = Field(RetryConfig(), description=(
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
+    progress: ProgressConfig = Field(ProgressConfig(), description=(
+        "Progress of staging, tokenize, calibration, validation and promotion: a bar, log lines, an artifact."))
 
     @model_validator(mode="after")
     def _warm_start_baseline(self) -> "Phase1aConfig":

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from phase1a.errors import DataError
 from phase1a.records import UndecodableLine
+from phase1a.units import MIB
 
 # The one home of data file formats: suffix -> reader. Text formats may carry a compression suffix too.
 DATA_FILE_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet",
@@ -184,13 +185,47 @@ def iter_records(shards: list[Shard], offset: int = 0) -> Iterator[SourceRecord]
 
 
 _MAGIC = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ", lzma.open))
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_SAMPLE = 8 * MIB  # bytes of a text shard read to estimate its record count
+
+
+def estimate_records(shard: Shard) -> int | None:
+    """About how many records a shard holds, for progress only (never for a result): Parquet's and Arrow
+    files' counts from their metadata; a plain-text JSONL, CSV or TSV file's lines, counted in its first
+    8 MiB and scaled by its size (exact when it is smaller); None for a compressed file or a JSON array, and
+    for a file it cannot read (reading it proper says what is wrong)."""
+    try:
+        return _estimate_records(shard)
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError; so is an Arrow stream's missing footer
+        return None
+
+
+def _estimate_records(shard: Shard) -> int | None:
+    if shard.format == "parquet":
+        return pq.ParquetFile(shard.path).metadata.num_rows
+    if shard.format == "arrow":
+        return pa.ipc.open_file(pa.memory_map(str(shard.path))).count_rows()  # reads batch headers only
+    if shard.json_array:
+        return None
+    with open(shard.path, "rb") as handle:
+        sample = handle.read(_SAMPLE)
+    if any(sample.startswith(magic) for magic in (_ZSTD_MAGIC, *(prefix for prefix, _ in _MAGIC))):
+        return None
+    size, lines = Path(shard.path).stat().st_size, sample.count(b"\n")
+    if len(sample) == size:  # the whole file: a last line without its newline counts too
+        lines += bool(sample) and not sample.endswith(b"\n")
+    else:
+        lines = round(lines * size / len(sample))
+    return max(0, lines - (shard.format in ("csv", "tsv")))  # a header row
+
+
 
 
 def open_binary(path: Path) -> BinaryIO:
     """A file's bytes, decompressed by its magic bytes (not its name): gzip, bz2, xz or zstd."""
     with open(path, "rb") as probe:
         magic = probe.read(6)
-    if magic.startswith(b"\x28\xb5\x2f\xfd"):
+    if magic.startswith(_ZSTD_MAGIC):
         import zstandard
 
         # Buffered: zstandard's reader has no readline, and JSONL is read a line at a time.

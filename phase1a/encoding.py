@@ -67,6 +67,15 @@ class EncodedChunk:
     skipped: Counter[str]
     shown: list[str]  # the first few skipped records' messages
 
+    @property
+    def records(self) -> int:
+        """The source records this chunk read: its examples and the bad records it skipped."""
+        return len(self.places) + sum(self.skipped.values())
+
+    @property
+    def token_count(self) -> int:
+        return 0 if self.tokens is None else int(self.tokens.input_ids.size)
+
 
 class ChunkEncoder:
     """Encodes chunks of records; keeps the renderer's per-shape recipes across chunks."""

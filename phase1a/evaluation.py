@@ -19,7 +19,16 @@ from pydantic import BaseModel
 from phase1a.answers import extract_answer
 from phase1a.config import ValidationConfig
 from phase1a.fingerprint import code_fingerprint, hash_json
-from phase1a.generation import decode_steps, generate_greedy, generation_examples, stop_token_ids, time_decode_step
+from phase1a.generation import (
+    Generated,
+    GenerationExample,
+    decode_steps,
+    generate_greedy,
+    generation_examples,
+    stop_token_ids,
+    time_decode_step,
+)
+from phase1a.meter import Meter, stage_meter
 from phase1a.packing import TokenRows, pack, summed_loss
 
 # Metric name -> the direction that is better; the gate and the report read this.
@@ -91,8 +100,9 @@ def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bin
 
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
-                   batch_size: int) -> tuple[float, int, int]:
-    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches."""
+                   batch_size: int, meter: Meter | None = None) -> tuple[float, int, int]:
+    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches; `meter` counts the
+    batches and their supervised tokens."""
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0
     for start in range(0, len(indices), batch_size):
@@ -101,13 +111,17 @@ def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
         loss_sum += loss.item()
         correct += int(right)
         tokens += count
+        if meter is not None:
+            meter.advance(1, tokens=count)
     return loss_sum, correct, tokens
 
 
 def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.ndarray,
-             settings: ValidationConfig) -> Metrics:
+             settings: ValidationConfig, label: str = "validate") -> Metrics:
+    """`label` names the model in the progress of its two passes (`validate candidate, loss` and `, generation`)."""
     model.eval()
-    loss_sum, correct, tokens = teacher_forced(model, rows, indices, settings.batch_size)
+    with stage_meter(f"{label}, loss", math.ceil(len(indices) / settings.batch_size), "batches") as meter:
+        loss_sum, correct, tokens = teacher_forced(model, rows, indices, settings.batch_size, meter)
     mean = loss_sum / max(tokens, 1)
     metrics = Metrics(examples=len(indices), tokens=tokens, loss=mean, perplexity=math.exp(min(mean, 50.0)),
                       token_accuracy=correct / max(tokens, 1))
@@ -124,11 +138,7 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
         raise ValueError(f"validation.extractor {settings.extractor}: the reference "
                          f"{tokenizer.decode(bad.reference.tolist())!r} has no answer to extract "
                          f"(pattern {settings.answer_pattern!r}); exact match would be meaningless")
-    longest = max(len(e.reference) for e in examples)
-    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated = generate_greedy(model, [e.prompt for e in examples], max_new,
-                                stop_token_ids(tokenizer, model, examples), pad_id, settings.generation_batch_size)
+    generated = _generate(model, tokenizer, examples, settings, label)
 
     hits, confidences, answers = [], [], []
     for reference, output in zip(references, generated):
@@ -145,6 +155,22 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
     metrics.generated_tokens = sum(len(output.tokens) for output in generated)
     metrics.answers = answers
     return metrics
+
+
+def _generate(model, tokenizer, examples: list[GenerationExample], settings: ValidationConfig,
+              label: str) -> list[Generated]:
+    """Greedy answers, one generation batch at a time (the batches `generate_greedy` makes itself), counted."""
+    longest = max(len(e.reference) for e in examples)
+    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids, size = stop_token_ids(tokenizer, model, examples), settings.generation_batch_size
+    prompts, generated = [e.prompt for e in examples], []
+    with stage_meter(f"{label}, generation", math.ceil(len(prompts) / size), "batches") as meter:
+        for start in range(0, len(prompts), size):
+            batch = generate_greedy(model, prompts[start : start + size], max_new, stop_ids, pad_id, size)
+            generated += batch
+            meter.advance(1, tokens=sum(len(output.tokens) for output in batch))
+    return generated
 
 
 class ValidationSpeed(BaseModel):

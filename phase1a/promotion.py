@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from phase1a.atomic import atomic_path, write_atomically
 from phase1a.fingerprint import sha256_file
 from phase1a.locks import exclusive
+from phase1a.meter import stage_meter
 from phase1a.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
 from phase1a.staging import stage_model
 
@@ -93,6 +94,12 @@ def _files(artifacts: dict[str, Path]) -> list[tuple[str, Path]]:
         listing += [(f"{name}/{path.relative_to(root).as_posix()}", path)
                     for path in sorted(root.rglob("*")) if path.is_file()]
     return listing
+
+
+def _promote_meter(listing: list[tuple[str, Path]], version: str, destination: str):
+    """Progress of a version's copy or upload, a file at a time."""
+    return stage_meter("promote", sum(path.stat().st_size for _, path in listing), "bytes",
+                       what=f"{len(listing)} files as {version} under {destination}")
 
 
 def _check_expected(current: PromotedPointer | None, expected_version: str | None | EllipsisType, where: str) -> None:
@@ -197,8 +204,9 @@ def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, 
     if final.exists():
         raise PromotionError(f"{final}: version {version} already exists; versions are never overwritten")
     files: dict[str, str] = {}
-    with atomic_path(final, existing="fail") as partial:  # the whole version appears at once, or not at all
-        for relative, source in _files(artifacts):
+    listing = _files(artifacts)
+    with atomic_path(final, existing="fail") as partial, _promote_meter(listing, version, str(root)) as meter:
+        for relative, source in listing:  # the whole version appears at once, or not at all
             target = partial / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             expected = sha256_file(source)
@@ -206,6 +214,7 @@ def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, 
             if sha256_file(target) != expected:
                 raise PromotionError(f"{source}: the promoted copy failed verification")
             files[relative] = expected
+            meter.advance(source.stat().st_size)
         pointer = _new_pointer(record, version, str(final), artifacts, files, lambda name: str(final / name))
         (partial / "version.json").write_text(pointer.model_dump_json(indent=2) + "\n")
     with exclusive(root / ".promoted.lock", f"the promoted pointer under {root}"):
@@ -291,17 +300,20 @@ def _upload_version(promotion: Promotion, url: S3Url, client: Any, upload_file,
     uploaded is removed (best effort) and the error raised."""
     uploaded: list[str] = []
     files: dict[str, str] = {}
+    listing = _files(promotion.artifacts)
     try:
-        for relative, source in _files(promotion.artifacts):
-            key = prefix + relative
-            what = f"s3://{url.bucket}/{key}"
-            files[relative] = sha256_file(source)
-            with s3_errors(client, what, url.bucket, "upload"):
-                uploaded.append(key)
-                upload_file(client, source, url.bucket, key)
-                size = client.head_object(Bucket=url.bucket, Key=key)["ContentLength"]
-            if size != source.stat().st_size:
-                raise PromotionError(f"{what}: {size} bytes stored, {source} has {source.stat().st_size}")
+        with _promote_meter(listing, promotion.version, str(url)) as meter:
+            for relative, source in listing:
+                key = prefix + relative
+                what = f"s3://{url.bucket}/{key}"
+                files[relative] = sha256_file(source)
+                with s3_errors(client, what, url.bucket, "upload"):
+                    uploaded.append(key)
+                    upload_file(client, source, url.bucket, key)
+                    size = client.head_object(Bucket=url.bucket, Key=key)["ContentLength"]
+                if size != source.stat().st_size:
+                    raise PromotionError(f"{what}: {size} bytes stored, {source} has {source.stat().st_size}")
+                meter.advance(size)
         pointer = _new_pointer(promotion.record, promotion.version, f"s3://{url.bucket}/{prefix}",
                                promotion.artifacts, files, lambda name: f"s3://{url.bucket}/{prefix}{name}/")
         body = (pointer.model_dump_json(indent=2) + "\n").encode()

@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
@@ -44,6 +44,9 @@ from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S
 from phase1a.atomic import write_atomically
 from phase1a.retries import is_transient
 from phase1a.units import MIB
+
+if TYPE_CHECKING:
+    from phase1a.meter import Meter
 
 # Objects above the threshold are fetched as parallel ranged GETs; 64 MiB parts keep the request count low on
 # multi-GB shards while still spreading one object over all connections.
@@ -230,6 +233,7 @@ class _Fetch:
     have: list[int] = field(default_factory=list)  # bytes of each part on disk
     fd: int = -1
     private: bool = False  # another process holds the shared resume file: ours is not kept
+    meter: Meter | None = None  # counts the bytes as they arrive (phase1a/meter.py)
 
     @property
     def progress_path(self) -> Path:
@@ -270,6 +274,8 @@ def _open(fetch: _Fetch) -> None:
     fetch.have = _progress(fetch, os.fstat(fd).st_size)
     if not any(fetch.have):
         os.ftruncate(fd, 0)  # nothing usable on disk: no stale byte may outlive the download
+    elif fetch.meter is not None:
+        fetch.meter.carry(sum(fetch.have))  # an earlier attempt's bytes: done, but not this attempt's speed
 
 
 def _progress(fetch: _Fetch, on_disk: int) -> list[int]:
@@ -309,6 +315,8 @@ def _get_part(client: Any, bucket: str, fetch: _Fetch, index: int, stop: threadi
             os.pwrite(fetch.fd, data, offset)
             offset += len(data)
             fetch.have[index] = offset - first
+            if fetch.meter is not None:  # once per io_chunksize read (256 KiB), not per byte
+                fetch.meter.advance(len(data))
 
 
 def _fetch_object(client: Any, bucket: str, fetch: _Fetch, parts: ThreadPoolExecutor, stop: threading.Event,
@@ -356,16 +364,20 @@ def _stash(fetch: _Fetch) -> None:
 
 
 def download_objects(client: Any, bucket: str, items: list[tuple[S3Object, Path]],
-                     transfer: TransferConfig = DEFAULT_TRANSFER) -> dict[str, str | None]:
+                     transfer: TransferConfig = DEFAULT_TRANSFER, *,
+                     meter: Meter | None = None) -> dict[str, str | None]:
     """Download each object to its path: at most `max_concurrency` GETs at once across all objects, a large
     object split into parallel ranged GETs, and whatever an earlier attempt left (a resume file) not fetched
     again. On an error the objects already whole are kept for the next attempt, and so are the bytes of those
     cut off by a transient error (phase1a/retries.py); the error is raised, naming its object.
 
     Returns each key's expected MD5 (or None when the ETag is not one) for the caller's verification; an
-    object whose size or ETag changed since it was listed is refused before any byte is fetched."""
+    object whose size or ETag changed since it was listed is refused before any byte is fetched. `meter`, when
+    given, counts the bytes as they arrive, from every transfer thread."""
     md5s = _check_unchanged(client, bucket, [item for item, _ in items], transfer)
     fetches = [_plan(bucket, item, Path(dest), transfer) for item, dest in items]
+    for fetch in fetches:
+        fetch.meter = meter
     stop = threading.Event()
     with ThreadPoolExecutor(transfer.max_concurrency) as parts, \
             ThreadPoolExecutor(max(1, min(transfer.max_concurrency, len(fetches)))) as objects:

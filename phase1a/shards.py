@@ -24,10 +24,11 @@ import numpy as np
 import pyarrow as pa
 
 from phase1a.atomic import atomic_path
-from phase1a.datasource import Shard, SourceRecord, iter_records
+from phase1a.datasource import Shard, SourceRecord, estimate_records, iter_records
 from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSettings, auto_workers, encode_chunks
 from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.labels import IGNORE_INDEX
+from phase1a.meter import Meter, stage_meter
 from phase1a.tokenized import read_mapped
 
 TOKENS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
@@ -122,22 +123,37 @@ class ShardStore:
         encoder = ChunkEncoder(self.tokenizer, shards, self.settings)
         records = _records_of(shards, pending)
         writer: _ShardWriter | None = None
-        try:
-            for chunk in encode_chunks(records, encoder, self.workers):
-                if writer is None or writer.number != chunk.shard:
-                    if writer is not None:
-                        writer.finish()
-                    writer = _ShardWriter(chunk.shard, dirs[chunk.shard])
-                writer.add(chunk)
-        except BaseException:  # a bad record: the shards finished before it stay cached, this one goes
+        # Progress in the parent, once per chunk of records: examples and tokens, against an estimate of the
+        # records that each shard corrects as it ends.
+        estimates = {number: estimate_records(shards[number]) for number in pending}
+        total = None if None in estimates.values() else sum(estimates.values())
+        what = f"{len(pending)} of {len(shards)} shards to encode in {self.workers} process(es)"
+        with stage_meter("tokenize", total, "examples", what=what) as meter:
+            try:
+                for chunk in encode_chunks(records, encoder, self.workers):
+                    if writer is None or writer.number != chunk.shard:
+                        if writer is not None:
+                            _finish(writer, meter, estimates)
+                        writer = _ShardWriter(chunk.shard, dirs[chunk.shard])
+                    writer.add(chunk)
+                    meter.advance(chunk.records, tokens=chunk.token_count)
+            except BaseException:  # a bad record: the shards finished before it stay cached, this one goes
+                if writer is not None:
+                    writer.abort()
+                raise
             if writer is not None:
-                writer.abort()
-            raise
-        if writer is not None:
-            writer.finish()
+                _finish(writer, meter, estimates)
         for number in pending:  # a shard with no records at all produced no chunk: it is cached empty
             if not (dirs[number] / "summary.json").is_file():
                 _ShardWriter(number, dirs[number]).finish()
+
+
+def _finish(writer: "_ShardWriter", meter: Meter, estimates: dict[int, int | None]) -> None:
+    """Close a shard's output; its records are now counted, so the meter's total loses that shard's guess."""
+    writer.finish()
+    estimate = estimates.get(writer.number)
+    if meter.total is not None and estimate is not None:
+        meter.total += writer.records - estimate
 
 
 def _records_of(shards: list[Shard], numbers: list[int]):
@@ -159,8 +175,10 @@ class _ShardWriter:
         self.columns: dict[str, list[np.ndarray]] = {name: [] for name in EXAMPLES_SCHEMA.names}
         self.skipped: Counter[str] = Counter()
         self.shown: list[str] = []
+        self.records = 0  # read from the source: examples and skipped records
 
     def add(self, chunk: EncodedChunk) -> None:
+        self.records += chunk.records
         self.skipped.update(chunk.skipped)
         self.shown += chunk.shown[: SHOWN_SKIPS - len(self.shown)]
         if chunk.tokens is None:

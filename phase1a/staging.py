@@ -31,6 +31,7 @@ from phase1a.atomic import atomic_path, write_atomically
 from phase1a.datasource import DataLocation, download_hub_dataset, is_data_file
 from phase1a.errors import DataError
 from phase1a.fingerprint import READ_CHUNK, FileHashes, hash_json
+from phase1a.meter import Meter, stage_meter
 from phase1a.s3 import (
     DEFAULT_TRANSFER,
     S3Error,
@@ -275,16 +276,20 @@ def verify_download(path: Path, expected_size: int, expected_md5: str | None, wh
     return sha.hexdigest()
 
 
-def _copy_verified(source: Path, destination: Path, hashes: FileHashes | None = None) -> str:
+def _copy_verified(source: Path, destination: Path, hashes: FileHashes | None = None,
+                   meter: Meter | None = None) -> str:
     """Copy one file, hashing it while it is read and again once written; renamed into place only when both
     agree. Returns its sha256. The copy keeps the source's mtime (as `cp -p`): the hash of what was written
-    is then remembered in `hashes` (FileHashes trusts a hash taken well after the file's mtime)."""
+    is then remembered in `hashes` (FileHashes trusts a hash taken well after the file's mtime). `meter`
+    counts the bytes copied, a chunk at a time."""
     digest = hashlib.sha256()
     with atomic_path(destination) as partial:
         with open(source, "rb") as reader, open(partial, "wb") as writer:
             while chunk := reader.read(READ_CHUNK):
                 digest.update(chunk)
                 writer.write(chunk)
+                if meter is not None:
+                    meter.advance(len(chunk))
         stat = source.stat()
         os.utime(partial, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         copied = (hashes or FileHashes()).sha256(partial)
@@ -304,7 +309,9 @@ def _stage_local_file(source: str, path: Path, staging_dir: Path) -> StagedData:
     if copied:
         target.parent.mkdir(parents=True, exist_ok=True)
         _require_free_space(target.parent, size, str(path))
-        if _copy_verified(path, target, hashes) != sha:  # the source changed while it was copied
+        with stage_meter("stage", size, "bytes", what=f"copying {path}") as meter:
+            copied_sha = _copy_verified(path, target, hashes, meter)
+        if copied_sha != sha:  # the source changed while it was copied
             raise DataError(f"{path}: the file changed while it was staged; stage again")
     hashes.save()
     return StagedData(source=source, path=str(target), origin=str(path), fingerprint=sha, size_bytes=size,
@@ -327,9 +334,11 @@ def _stage_local_tree(source: str, base: Path, files: list[str], staging_dir: Pa
     pending = [name for name in missing if not _intact(blobs[name], sizes[name], shas[name], hashes)]
     target.mkdir(parents=True, exist_ok=True)
     _require_free_space(target, sum(sizes[name] for name in pending), source)
-    for name in pending:
-        if _copy_verified(base / name, blobs[name], hashes) != shas[name]:
-            raise DataError(f"{base / name}: the file changed while it was staged; stage again")
+    with stage_meter("stage", sum(sizes[name] for name in pending), "bytes",
+                     what=f"copying {len(pending)} of {len(files)} files of {base}") as meter:
+        for name in pending:
+            if _copy_verified(base / name, blobs[name], hashes, meter) != shas[name]:
+                raise DataError(f"{base / name}: the file changed while it was staged; stage again")
     for name in missing:
         _link(blobs[name], target / name)
     hashes.save()
@@ -360,8 +369,8 @@ def _stage_s3_object(source: str, url: S3Url, client: Any, item: S3Object, stagi
     manifest_path.unlink(missing_ok=True)  # the old record must not vouch for a file about to be replaced
     _require_free_space(target.parent, item.size, source)
     with atomic_path(target) as partial:
-        with _data_errors():
-            md5s = download_objects(client, url.bucket, [(item, partial)], transfer)
+        with _data_errors(), stage_meter("stage", item.size, "bytes", what=f"downloading {source}") as meter:
+            md5s = download_objects(client, url.bucket, [(item, partial)], transfer, meter=meter)
         sha = verify_download(partial, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
     _write_manifest(manifest_path, StageManifest(source=source, objects=[item], sha256=sha, size_bytes=item.size))
     return StagedData(source=source, path=str(target), origin=source, fingerprint=sha, size_bytes=item.size,
@@ -405,8 +414,9 @@ def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Objec
     shas: dict[str, str] = {}
     with ExitStack() as renames:  # every verified download takes its name at the end; on an error none does
         partials = [(item, renames.enter_context(atomic_path(path))) for item, path in pending]
-        with _data_errors():
-            md5s = download_objects(client, url.bucket, partials, transfer)
+        what = f"downloading {len(pending)} of {len(files)} objects of {source}"
+        with _data_errors(), stage_meter("stage", sum(item.size for item, _ in pending), "bytes", what=what) as meter:
+            md5s = download_objects(client, url.bucket, partials, transfer, meter=meter)
         for item, part in partials:
             shas[item.key] = verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
     for item, path in pending:  # into the blob store, for the next listing that shares it
@@ -482,8 +492,10 @@ def _copy_local_model(directory: Path, staging_dir: Path) -> Path:
         return target
     target.mkdir(parents=True, exist_ok=True)
     _require_free_space(target, sum(size for _, size, _ in listing), str(directory))
-    for relative, _, _ in listing:
-        _copy_verified(directory / relative, target / relative)
+    with stage_meter("stage model", sum(size for _, size, _ in listing), "bytes",
+                     what=f"copying {directory} to local disk") as meter:
+        for relative, _, _ in listing:
+            _copy_verified(directory / relative, target / relative, meter=meter)
     write_atomically(marker, json.dumps(listing) + "\n")  # its presence says the copy is whole
     return target
 

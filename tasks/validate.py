@@ -69,8 +69,9 @@ class Scoring:
                          "settings": self.key(device)})
         return Path(self.cache_dir) / "metrics" / f"{key[:32]}.json"
 
-    def evaluate(self, model) -> Metrics:
-        return evaluate(model, self.tokenizer, self.rows, self.indices, self.settings)
+    def evaluate(self, model, name: str) -> Metrics:
+        """`name` ("base", "candidate", "promoted v3") labels the model's progress: `validate candidate, loss`."""
+        return evaluate(model, self.tokenizer, self.rows, self.indices, self.settings, label=f"validate {name}")
 
 
 def cached_evaluate(path: Path, compute: Callable[[], Metrics]) -> tuple[Metrics, bool]:
@@ -95,7 +96,7 @@ def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
 
     def compute() -> Metrics:
         with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
-            return scoring.evaluate(model)
+            return scoring.evaluate(model, "base")
 
     return cached_evaluate(path, compute)
 
@@ -126,7 +127,7 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
                             "nothing to compare")
     weights = source.fetch(pointer)
     metrics, _ = cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device), lambda: scoring.evaluate(
-        for_scoring(load_for_eval(source.model_dir, weights, device, source.trust_remote_code))))
+        for_scoring(load_for_eval(source.model_dir, weights, device, source.trust_remote_code)), "promoted"))
     return Baseline.of(f"{name} (scored on this sample)", metrics, scoring.sample)
 
 
@@ -185,7 +186,7 @@ def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path,
         base, base_cached = base_model_metrics(base_model, scoring)
         del base_model
         model = load_for_eval(model_dir, adapter_dir, device, trust_remote_code)
-    return base, base_cached, scoring.evaluate(for_scoring(model))
+    return base, base_cached, scoring.evaluate(for_scoring(model), "candidate")
 
 
 # ---- reading a verdict ---------------------------------------------------------------------------------------

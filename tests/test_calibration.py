@@ -101,9 +101,10 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     assert trial.warmup_excess_seconds == 0.0
 
 
-def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train_path, capsys):
+def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train_path, capsys, caplog):
     """A one-second budget: the sweep ends within it, give or take the one step that crosses it, and prints a
-    line per trial."""
+    line per trial; its progress says which trial of how many runs, and what it tries."""
+    caplog.set_level("INFO", logger="phase1a")
     settings = config(tmp_path, tiny_model_dir, calibration_budget="1s", calibration_share=1.0)
     start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
     job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
@@ -114,5 +115,8 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     budget_from = max(1.0, result.startup_seconds)  # a start-up past the budget leaves the first trial one step
     assert result.seconds - result.checkpoint_seconds <= budget_from + one_step + 0.5
     assert re.search(r"calibration trial 1 \(\d+ of 1 s\): micro 8, checkpointing off", capsys.readouterr().out)
+    assert re.search(r"calibration: trial 1 of \d+: micro 8, checkpointing off, compile off, workers 0 \(\d+ of 1 s "
+                     r"used\)", caplog.text)
+    assert re.search(rf"calibration: {len(result.trials)} trials in ", caplog.text)
     assert all(t.note.startswith("not tried: ") and "of the 1 s calibration budget left" in t.note
                for t in result.trials if t.status == "skipped")

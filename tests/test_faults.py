@@ -15,6 +15,7 @@ from boto3.s3.transfer import TransferConfig
 from helpers.faults import Fault, FaultProxy
 from helpers.servers import s3_client
 from phase1a.errors import DataError
+from phase1a.meter import MeterSettings, stage_meter
 from phase1a.retries import is_transient
 from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 from phase1a.staging import stage_dataset
@@ -51,8 +52,10 @@ def test_a_download_cut_off_mid_object_resumes_with_a_ranged_get(tmp_path, endpo
     kept = partial.stat().st_size
     assert 0 < kept < len(body) and body.startswith(partial.read_bytes())
 
-    download_objects(client, bucket, [(item, dest)])
+    with stage_meter("stage", len(body), "bytes", settings=MeterSettings("off")) as meter:
+        download_objects(client, bucket, [(item, dest)], meter=meter)
     assert dest.read_bytes() == body and resume_files(tmp_path) == []
+    assert (meter.count.carried, meter.count.done) == (kept, len(body))  # the rest counted; what was kept, carried
     first, second = proxy.requests("GET", rf"^/{bucket}/d\.bin$")
     assert (first.range, first.fault) == (None, "drop")
     assert second.range == f"bytes={kept}-" and second.fault is None

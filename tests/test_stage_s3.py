@@ -122,7 +122,7 @@ def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_pat
     assert copy_present(source, staging, source_fingerprint(source, endpoint))
 
 
-def test_a_new_object_under_the_prefix_is_the_only_one_downloaded(tmp_path, endpoint, bucket):
+def test_a_new_object_under_the_prefix_is_the_only_one_downloaded(tmp_path, endpoint, bucket, caplog):
     for number in range(3):
         _put(endpoint, bucket, f"nightly/part-{number}.jsonl", _jsonl(4, number))
     source, staging = f"s3://{bucket}/nightly/", tmp_path / "staging"
@@ -130,8 +130,12 @@ def test_a_new_object_under_the_prefix_is_the_only_one_downloaded(tmp_path, endp
     assert (first.files_copied, first.files_reused) == (3, 0)
 
     _put(endpoint, bucket, "nightly/part-3.jsonl", _jsonl(4, 3))
+    caplog.set_level("INFO", logger="phase1a")
     second = stage_dataset(source, staging, endpoint)
     assert second.path != first.path and (second.files_copied, second.files_reused) == (1, 3)
+    # Its progress counts the one download: that object's bytes.
+    assert f"stage: {len(_jsonl(4, 3))} B to do; downloading 1 of 4 objects of {source}" in caplog.text
+    assert f"stage: {len(_jsonl(4, 3))} B in " in caplog.text
     assert second.file_sha256 == first.file_sha256 | {"part-3.jsonl": hashlib.sha256(_jsonl(4, 3)).hexdigest()}
     for name in first.files:  # one copy on disk, linked from both listings' directories
         assert os.path.samefile(Path(first.path) / name, Path(second.path) / name)
@@ -261,8 +265,8 @@ def test_a_download_corrupted_before_verification_is_never_staged(tmp_path, endp
     _put(endpoint, bucket, "d.jsonl", data)
     real_download = staging_module.download_objects
 
-    def corrupting(client, bucket_name, items, transfer):
-        md5s = real_download(client, bucket_name, items, transfer)
+    def corrupting(client, bucket_name, items, transfer, **options):
+        md5s = real_download(client, bucket_name, items, transfer, **options)
         for _, path in items:  # the real bytes arrived; damage them as a bad disk or proxy would
             raw = path.read_bytes()
             path.write_bytes(b"#" + raw[1:] if damage == "flip" else raw[:-5])
