@@ -20,7 +20,7 @@ from phase1a.answers import extract_answer
 from phase1a.config import ValidationConfig
 from phase1a.fingerprint import code_fingerprint, hash_json
 from phase1a.generation import decode_steps, generate_greedy, generation_examples, stop_token_ids, time_decode_step
-from phase1a.packing import TokenRows, pack, summed_loss
+from phase1a.packing import TokenRows, budget_rows, pack, summed_loss
 
 # Metric name -> the direction that is better; the gate and the report read this.
 HIGHER_IS_BETTER = {"loss": False, "perplexity": False, "token_accuracy": True, "exact_match": True, "ece": False}
@@ -91,12 +91,16 @@ def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bin
 
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
-                   batch_size: int) -> tuple[float, int, int]:
-    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches."""
+                   batch_size: int, token_budget: int | None = None) -> tuple[float, int, int]:
+    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches of `batch_size`
+    examples, or with `token_budget` over rows of at most that many tokens (training's own rows: what is known
+    to fit on the device beside the optimizer state, when training evaluates)."""
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0
-    for start in range(0, len(indices), batch_size):
-        batch = {k: v.to(device) for k, v in pack(rows, indices[start : start + batch_size]).items()}
+    groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
+              else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
+    for group in groups:
+        batch = {k: v.to(device) for k, v in pack(rows, group).items()}
         loss, right, count = summed_loss(model, batch)
         loss_sum += loss.item()
         correct += int(right)
