@@ -92,9 +92,12 @@ def main() -> None:
                   "max_seq_length": plan.max_seq_length, "epochs": plan.epochs, "steps": plan.steps},
         "estimated": {"startup_seconds": round(estimate.startup_seconds, 1),
                       "train_seconds": round(estimate.train_seconds, 1), "checkpoints": estimate.checkpoints,
+                      "evaluations": estimate.evaluations_during_training,
+                      "eval_seconds": round(estimate.eval_during_training_seconds, 1),
                       "tokens_per_second": round(plan.tokens_per_second, 1)},
         "actual": {"startup_seconds": result.startup_seconds, "train_seconds": result.wall_seconds,
-                   "checkpoints": result.checkpoints_written, "tokens_per_second": result.tokens_per_second,
+                   "checkpoints": result.checkpoints_written, "evaluations": result.evaluations,
+                   "eval_seconds": result.eval_seconds, "tokens_per_second": result.tokens_per_second,
                    "mean_mfu": result.mean_mfu, "final_loss": result.final_loss},
         "train_time_accuracy": round(record.time_accuracy, 3) if record.time_accuracy else None,
         "startup_accuracy": round(estimate.startup_seconds / result.startup_seconds, 3)

@@ -43,6 +43,7 @@ from phase1a.hardware import usable_cores
 from phase1a.meter import Meter, stage_meter
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.steps import optimizer_step
+from phase1a.training_eval import evaluating
 from phase1a.units import GIB, parse_duration_seconds
 
 _WARMUP_STEPS = 2
@@ -245,13 +246,8 @@ def _time_validation(model, validation_path: str, config: Phase1aConfig) -> Vali
     """Validation's costs on this model, uncompiled as the validate stage loads it."""
     rows = TokenRows.load(validation_path)
     indices = np.arange(min(len(rows), config.validation.max_examples))
-    compiled = getattr(model, "_compiled_call_impl", None)
-    model._compiled_call_impl = None
-    try:
-        with torch.no_grad():
-            return time_validation(model, rows, indices, config.validation)
-    finally:
-        model._compiled_call_impl = compiled
+    with evaluating(model), torch.no_grad():
+        return time_validation(model, rows, indices, config.validation)
 
 
 def _outcome(trial: Trial) -> str:

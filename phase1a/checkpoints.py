@@ -32,6 +32,7 @@ class TrainingState:
     torch_rng: torch.Tensor
     cuda_rng: list[torch.Tensor]
     elapsed_seconds: float = 0.0  # training time spent before this checkpoint, for honest ETAs after a resume
+    evaluation: dict | None = None  # evaluation during training: the best so far, evaluations since (plain values)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,6 +57,7 @@ def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: Trainin
             {
                 "step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler,
                 "torch_rng": state.torch_rng, "cuda_rng": state.cuda_rng, "elapsed_seconds": state.elapsed_seconds,
+                "evaluation": state.evaluation,
             },
             partial / "trainer_state.pt",
         )
@@ -76,17 +78,23 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> TrainingState:
     """Trainable weights into `model` (each rank its shard under FSDP); the rest is returned."""
-    weights = load_file(path / "trainable.safetensors")
+    load_trainable(path / "trainable.safetensors", model)
+    raw = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    return TrainingState(
+        step=int(raw["step"]), optimizer=raw["optimizer"], scheduler=raw["scheduler"],
+        torch_rng=raw["torch_rng"], cuda_rng=raw["cuda_rng"], elapsed_seconds=float(raw.get("elapsed_seconds", 0.0)),
+        evaluation=raw.get("evaluation"),
+    )
+
+
+def load_trainable(path: Path, model: torch.nn.Module) -> None:
+    """Whole trainable tensors by name (a safetensors file) into `model`, each rank its shard under FSDP."""
+    weights = load_file(path)
     missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in weights]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks trainable weights: {missing[:3]}")
+        raise ValueError(f"{path} lacks trainable weights: {missing[:3]}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in weights:
                 value = weights[name].to(p.device, p.dtype)
                 p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
-    raw = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
-    return TrainingState(
-        step=int(raw["step"]), optimizer=raw["optimizer"], scheduler=raw["scheduler"],
-        torch_rng=raw["torch_rng"], cuda_rng=raw["cuda_rng"], elapsed_seconds=float(raw.get("elapsed_seconds", 0.0)),
-    )

@@ -286,6 +286,34 @@ class ValidationConfig(_Section):
     promote_to: str | None = Field(None, description="On a pass, copy the adapter here (a local directory or "
                                                      "s3://bucket/prefix/) and move its `promoted.json` pointer.")
     promote_merged: bool = Field(False, description="Also promote the model with the LoRA adapter merged in.")
+    during_training: str | None = Field("checkpoint", description=(
+        "Evaluate eval loss and token accuracy on a fixed held-out sample while training, written to `eval.jsonl` "
+        "beside `metrics.jsonl`: 'checkpoint' (at each checkpoint: every eval point has weights to go back to), "
+        "an interval in checkpoint.interval's units ('500steps', '30m', '0.25ep'), or 'never'/null; and once "
+        "more on the final weights. Its cost is in the plan's estimate."))
+    during_training_examples: int = Field(64, ge=1, description=(
+        "The sample evaluated during training: the first N examples of the validation split (a subset of the "
+        "validate stage's sample)."))
+    early_stopping: int | None = Field(None, ge=1, description=(
+        "Patience: stop training after this many evaluations during training without an improvement of the eval "
+        "loss; the best weights are kept as `best/` and become the final adapter that validation scores. None: "
+        "train every step, the final adapter is the last weights."))
+    early_stopping_min_delta: float = Field(0.0, ge=0.0, description=(
+        "An evaluation improves only when its eval loss is below the best so far by more than this."))
+
+    @field_validator("during_training")
+    @classmethod
+    def _during_training(cls, value: str | None) -> str:
+        """Normalised: 'never', 'checkpoint' or an interval that parses."""
+        if value is None or value.strip().lower() in ("never", "none", "off"):
+            return "never"
+        if value.strip().lower() == "checkpoint":
+            return "checkpoint"
+        try:
+            parse_interval(value)
+        except ValueError as error:
+            raise ValueError(f"{error}; or 'checkpoint' (at each checkpoint), or 'never'") from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "ValidationConfig":
@@ -302,6 +330,10 @@ class ValidationConfig(_Section):
             raise ValueError("baseline 'file' needs baseline_file")
         if self.baseline == "promoted" and not self.promote_to:
             raise ValueError("baseline 'promoted' needs promote_to, where the promoted pointer lives")
+        if self.early_stopping is not None and self.during_training != "checkpoint" \
+                and str(parse_interval(self.during_training)) == "never":
+            raise ValueError(f"early_stopping {self.early_stopping} counts evaluations during training, and "
+                             f"during_training is {self.during_training!r}: set it to 'checkpoint' or an interval")
         return self
 
 
@@ -366,6 +398,16 @@ class Phase1aConfig(_Section):
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
     progress: ProgressConfig = Field(ProgressConfig(), description=(
         "Progress of staging, tokenize, calibration, validation and promotion: a bar, log lines, an artifact."))
+
+    @model_validator(mode="after")
+    def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
+        validation = self.validation
+        if validation.early_stopping is not None and validation.during_training == "checkpoint" \
+                and str(parse_interval(self.checkpoint.interval)) == "never":
+            raise ValueError(f"validation.early_stopping {validation.early_stopping} counts evaluations at "
+                             "checkpoints (validation.during_training: checkpoint), and checkpoint.interval is "
+                             "never: give during_training an interval of its own, e.g. '500steps'")
+        return self
 
     @model_validator(mode="after")
     def _warm_start_baseline(self) -> "Phase1aConfig":

@@ -118,6 +118,16 @@ def any_rank(flag: bool, world: World) -> bool:
     return bool(value.item() > 0)
 
 
+def from_main(values: list[float], world: World) -> list[float]:
+    """Rank 0's numbers on every rank: a decision taken from them (an evaluation improved, stop now) is the same
+    everywhere, even where ranks computed them to a different last bit."""
+    if world.size == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

@@ -29,7 +29,7 @@ from phase1a.generation import (
     time_decode_step,
 )
 from phase1a.meter import Meter, stage_meter
-from phase1a.packing import TokenRows, pack, summed_loss
+from phase1a.packing import TokenRows, budget_rows, pack, summed_loss
 
 # Metric name -> the direction that is better; the gate and the report read this.
 HIGHER_IS_BETTER = {"loss": False, "perplexity": False, "token_accuracy": True, "exact_match": True, "ece": False}
@@ -100,13 +100,18 @@ def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bin
 
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
-                   batch_size: int, meter: Meter | None = None) -> tuple[float, int, int]:
-    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches; `meter` counts the
-    batches and their supervised tokens."""
+                   batch_size: int, token_budget: int | None = None, meter: Meter | None = None
+                   ) -> tuple[float, int, int]:
+    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches of `batch_size`
+    examples, or with `token_budget` over rows of at most that many tokens (training's own rows: what is known
+    to fit on the device beside the optimizer state, when training evaluates); `meter` counts the batches and
+    their supervised tokens."""
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0
-    for start in range(0, len(indices), batch_size):
-        batch = {k: v.to(device) for k, v in pack(rows, indices[start : start + batch_size]).items()}
+    groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
+              else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
+    for group in groups:
+        batch = {k: v.to(device) for k, v in pack(rows, group).items()}
         loss, right, count = summed_loss(model, batch)
         loss_sum += loss.item()
         correct += int(right)
@@ -121,7 +126,7 @@ def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.nda
     """`label` names the model in the progress of its two passes (`validate candidate, loss` and `, generation`)."""
     model.eval()
     with stage_meter(f"{label}, loss", math.ceil(len(indices) / settings.batch_size), "batches") as meter:
-        loss_sum, correct, tokens = teacher_forced(model, rows, indices, settings.batch_size, meter)
+        loss_sum, correct, tokens = teacher_forced(model, rows, indices, settings.batch_size, meter=meter)
     mean = loss_sum / max(tokens, 1)
     metrics = Metrics(examples=len(indices), tokens=tokens, loss=mean, perplexity=math.exp(min(mean, 50.0)),
                       token_accuracy=correct / max(tokens, 1))

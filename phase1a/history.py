@@ -50,7 +50,7 @@ class RunRecord(BaseModel):
     compile: bool = False
     dataloader_workers: int = 0
     max_seq_length: int
-    tokens_per_second: float  # measured over the training run, checkpoint writes excluded
+    tokens_per_second: float  # measured over the training run, checkpoint writes and evaluations excluded
     startup_seconds: float | None = None  # model load to the first step
     checkpoint_seconds_each: float | None = None
     estimated_train_seconds: float | None
@@ -154,12 +154,15 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
-        # Steady speed: checkpoint writes are estimated separately, from their own measured cost.
-        tokens_per_second=result.train_tokens / max(result.wall_seconds - result.checkpoint_seconds, 1e-9),
+        # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.
+        tokens_per_second=result.train_tokens / max(
+            result.wall_seconds - result.checkpoint_seconds - result.eval_seconds, 1e-9),
         startup_seconds=result.startup_seconds,
         checkpoint_seconds_each=(result.checkpoint_seconds / result.checkpoints_written
                                  if result.checkpoints_written else None),
-        estimated_train_seconds=plan.estimated_train_seconds, actual_train_seconds=result.wall_seconds,
+        # A run that stopped early did not run what the plan estimated: it says nothing of the estimate.
+        estimated_train_seconds=None if result.stopped_early else plan.estimated_train_seconds,
+        actual_train_seconds=result.wall_seconds,
     )
     append_run(path, record)
     return record

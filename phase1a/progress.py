@@ -1,7 +1,8 @@
 """Honest progress for a training run: one record per optimizer step, to every sink that is available.
 
 Sinks: `metrics.jsonl` in the run directory (always; appended, so a resumed run continues the curve; events
-such as a resume or an out-of-memory back-off go to `events.jsonl`), a
+such as a resume or an out-of-memory back-off go to `events.jsonl`, evaluations during training to
+`eval.jsonl`), a
 terminal progress bar (step, tokens/s, ETA), TensorBoard under `tensorboard/` (when the `tensorboard` package is
 installed), and a Prefect progress artifact (inside a Prefect run).
 
@@ -51,7 +52,9 @@ class ProgressReporter:
                  show_progress: bool = True, enabled: bool = True):
         """`enabled` False (ranks other than 0): the numbers are computed, nothing is written."""
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
+        self.output_dir, self.enabled = Path(output_dir), enabled
         self.metrics = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None
+        self.evaluations = None  # eval.jsonl, opened at the first evaluation: a run without any has no file
         self.events = open(Path(output_dir) / "events.jsonl", "a") if enabled else None
         self.bar = _progress_bar(show_progress and enabled, total_steps, start_step)
         self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
@@ -89,6 +92,21 @@ class ProgressReporter:
             self.artifact_at = time.monotonic()
         return record
 
+    def evaluation(self, record: dict) -> None:
+        """`eval.jsonl` (phase1a/training_eval.py: EvalPoint, one line an evaluation during training), TensorBoard
+        `eval/loss` and `eval/token_accuracy`, and a line above the bar."""
+        if not self.enabled:
+            return
+        if self.evaluations is None:
+            self.evaluations = open(self.output_dir / "eval.jsonl", "a")
+        self._write(self.evaluations, record)
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("eval/loss", record["eval_loss"], record["step"])
+            self.tensorboard.add_scalar("eval/token_accuracy", record["eval_token_accuracy"], record["step"])
+        self.bar.write(f"eval at step {record['step']}: loss {record['eval_loss']:.4f}, token accuracy "
+                       f"{record['eval_token_accuracy']:.4f} on {record['examples']} examples in "
+                       f"{record['seconds']:.1f} s" + (" (best)" if record["best"] else ""))
+
     def event(self, kind: str, **fields) -> None:
         """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
         self._write(self.events, _event(kind, **fields))
@@ -97,7 +115,7 @@ class ProgressReporter:
 
     def close(self) -> None:
         self.bar.close()
-        for sink in (self.metrics, self.events, self.tensorboard):
+        for sink in (self.metrics, self.evaluations, self.events, self.tensorboard):
             if sink is not None:
                 sink.close()
 

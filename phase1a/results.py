@@ -22,8 +22,10 @@ class Estimate(BaseModel):
     warmup_seconds: float
     checkpoints: int
     checkpoint_seconds: float  # all checkpoints together
-    evaluation_seconds: float
-    train_seconds: float  # steady + warm-up + checkpoints: what the train stage's loop takes
+    evaluation_seconds: float  # the validate stage
+    evaluations_during_training: int = 0  # validation.during_training's, the final weights' included
+    eval_during_training_seconds: float = 0.0  # all of them, with early stopping's writes of best/
+    train_seconds: float  # steady + warm-up + checkpoints + evaluations during training: the train stage's loop
     total_seconds: float
 
 
@@ -103,6 +105,12 @@ class TrainResult(BaseModel):
     out_of_memory_backoffs: int = 0
     padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
     mean_mfu: float | None = None
+    evaluations: int = 0  # during training (eval.jsonl), the final weights' included; this process's
+    eval_seconds: float = 0.0  # their time, part of wall_seconds, early stopping's writes of best/ included
+    best_step: int | None = None  # the lowest eval loss during training; with early stopping, the final weights
+    best_eval_loss: float | None = None
+    stopped_early: bool = False  # early stopping's patience was spent before the last step
+    stopped_at_step: int | None = None
     recorded: RunRecord | None = None  # the history line this run appended (None when a finished run was reused)
     start: StartPoint | None = None  # where its weights started (set by the train task)
 

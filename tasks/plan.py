@@ -18,7 +18,12 @@ Estimate (seconds):
     startup      load the model, wrap it, build the optimizer (measured; else the weights at 1 GiB/s + 10 s)
     train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
                  + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
+                 + evaluations during training x seconds per evaluation
     checkpoints  how often `checkpoint.interval` fires within the train time (`phase1a/units.py`: Interval)
+    evaluations during training   how often `validation.during_training` fires (the checkpoints' count for
+                 'checkpoint'), plus one on the final weights; each the forward pass over its sample at the
+                 validate stage's forward speed, plus with early stopping a write of the trainable weights
+                 (phase1a/training_eval.py). Early stopping can only shorten the run: the estimate is the whole run
     evaluation   the validate stage for the base, the trained (and a promoted baseline's) model: a teacher-forced
                  pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
                  longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
@@ -58,6 +63,7 @@ from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, format_options
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
 from phase1a.tokenized import TokenizedData
+from phase1a.training_eval import EvalSettings
 from phase1a.units import GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from tasks.caching import StageCache, task
@@ -96,6 +102,7 @@ class _Fit:
     window: float | None  # seconds
     evaluation_seconds: float
     before_window: int  # max_seq_length the memory and FLOPs were sized at
+    eval_each_seconds: float = 0.0  # one evaluation during training (0: none)
 
 
 class _Planner:
@@ -123,6 +130,7 @@ class _Planner:
         self.memory = MemoryModel(self.facts, self.shape, trainable,
                                   int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
         self.lengths = TokenRows.load(data.train_path).lengths()
+        self.eval_settings = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
 
     # ---- 2. truncation -----------------------------------------------------------------------------------
 
@@ -225,17 +233,23 @@ class _Planner:
 
     def window(self, throughput: _Throughput, max_seq_length: int) -> _Fit:
         config, spt = self.config, throughput.seconds_per_token
-        evaluation = self._validation_estimate(throughput, max_seq_length)
+        speed = self._validation_speed(throughput, max_seq_length)
+        evaluation = self._validation_estimate(throughput, speed)
+        eval_each = self._eval_during_training_each(throughput, speed)
         tokens_per_epoch = float(np.minimum(self.lengths, max_seq_length).sum())
         steps_per_epoch = max(1, math.ceil(len(self.lengths) / self.method.batch_size))
-        # The window fit sees checkpoints as a surcharge on every token, the rate of whichever interval fires first.
-        checkpoints_per_token = parse_interval(config.checkpoint.interval).rate(
-            Clock(seconds=spt, steps=steps_per_epoch / tokens_per_epoch, tokens=1, epochs=1 / tokens_per_epoch))
+        # The window fit sees checkpoints and evaluations during training as a surcharge on every token, the rate
+        # of whichever limit of their interval fires first; the final weights' evaluation is a fixed cost.
+        per_token = Clock(seconds=spt, steps=steps_per_epoch / tokens_per_epoch, tokens=1, epochs=1 / tokens_per_epoch)
+        checkpoints_per_token = parse_interval(config.checkpoint.interval).rate(per_token)
+        evals_per_token = self.eval_settings.interval(config.checkpoint.interval).rate(per_token) if eval_each else 0.0
         work = Workload(lengths=self.lengths, epochs=self.method.epochs, max_seq_length=max_seq_length,
                         model_max_length=self.data.model_max_length,
-                        seconds_per_token=spt + checkpoints_per_token * throughput.checkpoint_seconds_each,
-                        fixed_seconds=throughput.startup_seconds + throughput.warmup_seconds + evaluation)
-        fit = _Fit(self.method.epochs, max_seq_length, self.policy.profile, [], None, evaluation, max_seq_length)
+                        seconds_per_token=(spt + checkpoints_per_token * throughput.checkpoint_seconds_each
+                                           + evals_per_token * eval_each),
+                        fixed_seconds=throughput.startup_seconds + throughput.warmup_seconds + evaluation + eval_each)
+        fit = _Fit(self.method.epochs, max_seq_length, self.policy.profile, [], None, evaluation, max_seq_length,
+                   eval_each)
         if config.window.max_duration:
             fit.window = parse_duration_seconds(config.window.max_duration)
             budget = fit.window - parse_duration_seconds(config.window.safety_margin)
@@ -243,26 +257,44 @@ class _Planner:
                 work, budget, self.policy.profile, self.policy.min_epochs)
         return fit
 
-    def _validation_estimate(self, throughput: _Throughput, max_seq_length: int) -> float:
+    def _validation_speed(self, throughput: _Throughput, max_seq_length: int) -> ValidationSpeed:
+        """Measured where the calibration timed it, else a forward pass at 2N of the step's FLOPs a token and a
+        greedy step at the weights' read from memory (or, with no bandwidth catalogued, one forward token per
+        row of the generation batch)."""
+        if throughput.calibration is not None and throughput.calibration.validation is not None:
+            return throughput.calibration.validation
+        facts = self.facts
+        flops = flops_per_token(facts, self.shape.full, throughput.chosen.gradient_checkpointing,
+                                _mean(self.lengths, max_seq_length))
+        forward = throughput.seconds_per_token * (2 * facts.parameters) / flops
+        step = (facts.parameters * self.shape.weight_bytes / self.target.memory_bandwidth
+                if self.target.memory_bandwidth else forward * self.config.validation.generation_batch_size)
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
+
+    def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
         """The validate stage as it will run: it scores the base, the trained and a promoted baseline's model
         (phase1a.evaluation.validation_seconds each) and loads the trained model, the base of a full fine-tune
-        and a promoted baseline anew. Measured costs where the calibration timed them, else a forward pass at
-        2N of the step's FLOPs a token and a greedy step at the weights' read from memory (or, with no
-        bandwidth catalogued, one forward token per row of the generation batch)."""
-        settings, facts = self.config.validation, self.facts
+        and a promoted baseline anew."""
+        settings = self.config.validation
         promoted = settings.baseline == "promoted"
         loads = 1 + (self.method.kind == "full") + promoted
         rows = TokenRows.load(self.data.validation_path)
         indices = np.arange(min(len(rows), settings.max_examples))
-        speed = throughput.calibration.validation if throughput.calibration is not None else None
-        if speed is None:
-            flops = flops_per_token(facts, self.shape.full, throughput.chosen.gradient_checkpointing,
-                                    _mean(self.lengths, max_seq_length))
-            forward = throughput.seconds_per_token * (2 * facts.parameters) / flops
-            step = (facts.parameters * self.shape.weight_bytes / self.target.memory_bandwidth
-                    if self.target.memory_bandwidth else forward * settings.generation_batch_size)
-            speed = ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
         return loads * throughput.startup_seconds + validation_seconds(speed, rows, indices, settings, 2 + promoted)
+
+    def _eval_during_training_each(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
+        """One evaluation during training (phase1a/training_eval.py): the forward pass over its sample at the
+        validate stage's speed and, with early stopping, a write of the trainable weights to best/ (their share
+        of a checkpoint, which also holds the optimizer state), counted at every evaluation: an upper bound."""
+        settings = self.eval_settings
+        if settings is None:
+            return 0.0
+        rows = TokenRows.load(settings.validation_path)
+        forward = float(rows.lengths()[settings.sample(rows)].sum()) * speed.forward_seconds_per_token
+        if settings.patience is None:
+            return forward
+        weights_share = 4 / (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])  # fp32 weights beside their state
+        return forward + weights_share * throughput.checkpoint_seconds_each
 
     # ---- 5. estimate -------------------------------------------------------------------------------------
 
@@ -270,13 +302,18 @@ class _Planner:
         steps = self._steps(fit.epochs)
         train_tokens = self._train_tokens(fit)
         steady = train_tokens * throughput.seconds_per_token
-        checkpoints = parse_interval(self.config.checkpoint.interval).count(
-            Clock(seconds=steady, steps=steps, tokens=train_tokens, epochs=fit.epochs))
+        run = Clock(seconds=steady, steps=steps, tokens=train_tokens, epochs=fit.epochs)
+        checkpoint_interval = self.config.checkpoint.interval
+        checkpoints = parse_interval(checkpoint_interval).count(run)
         checkpoint_seconds = checkpoints * throughput.checkpoint_seconds_each
-        train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds
+        # Early stopping may end the run sooner: the estimate is the whole run's, the most it can take.
+        evaluations = self.eval_settings.evaluations(checkpoint_interval, run) if self.eval_settings else 0
+        eval_seconds = evaluations * fit.eval_each_seconds
+        train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds + eval_seconds
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
             checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
+            evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds,
             total_seconds=throughput.startup_seconds + train_seconds + fit.evaluation_seconds)
 
@@ -392,7 +429,8 @@ def format_plan(plan: Plan) -> str:
              + (f", {plan.measured_peak_memory_gib:.2f} GiB measured" if plan.measured_peak_memory_gib else "")
              + f"; {plan.tokens_per_second:.0f} tokens/s; {plan.steps} steps, {plan.train_tokens} tokens",
              f"estimate: start-up {e.startup_seconds:.0f} s + train {e.train_seconds:.0f} s (warm-up "
-             f"{e.warmup_seconds:.0f} s, {e.checkpoints} checkpoints {e.checkpoint_seconds:.0f} s) + evaluation "
+             f"{e.warmup_seconds:.0f} s, {e.checkpoints} checkpoints {e.checkpoint_seconds:.0f} s, "
+             f"{e.evaluations_during_training} evaluations {e.eval_during_training_seconds:.0f} s) + evaluation "
              f"{e.evaluation_seconds:.0f} s = {e.total_seconds / 3600:.3f} h"
              + (f", ${plan.estimated_cost_usd:.2f}" if plan.estimated_cost_usd is not None else ""),
              f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]

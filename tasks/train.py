@@ -9,9 +9,12 @@ The recipe, `train()`, in named phases (torchtune's setup / train / save):
   2. train     each optimizer step: this rank's packed rows, the loss normalised over the whole step's
                supervised tokens, clip, step (`phase1a/steps.py`). Out of memory: halve the row's token budget
                (accumulation doubles, the global batch and the gradient stay the same), restore the step's
-               RNG, redo the step. Checkpoint when the interval fires (`phase1a/units.py`), and on
+               RNG, redo the step. Evaluate on the held-out sample when its interval fires (or at each
+               checkpoint), and once more at the end; with early stopping, stop when the patience is spent
+               (`phase1a/training_eval.py`). Checkpoint when the interval fires (`phase1a/units.py`), and on
                SIGTERM/SIGINT before exiting
-  3. save      the adapter in peft's format, with `result.json`, marked complete last
+  3. save      the adapter in peft's format (with early stopping: the best weights), with `result.json`, marked
+               complete last
 
 Several GPUs: `run` launches `torchrun` over this module's `__main__`; see `phase1a/distributed.py`.
 Imports without Prefect, so the same loop runs on a bare GPU host.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -52,6 +56,7 @@ from phase1a.replay import write_trained_on
 from phase1a.results import Plan, StartPoint, TrainResult
 from phase1a.steps import optimizer_step
 from phase1a.tokenized import TokenizedData
+from phase1a.training_eval import EvalSettings, Evaluator
 from phase1a.units import Clock, parse_interval
 from tasks.caching import task
 
@@ -76,17 +81,24 @@ class TrainSettings(BaseModel):
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
     init_adapter: str | None = None  # a warm start: the adapter the trainable one starts from (local)
+    evaluation: EvalSettings | None = None  # evaluation during training and early stopping; None: neither
 
 
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int,
-                 start_fingerprint: str | None = None) -> str:
+                 start_fingerprint: str | None = None, early_stopping: dict | None = None) -> str:
     """What makes two runs the same run: same data, weights (the base's, and the adapter a warm start continues)
     and training semantics (not micro-batching). The code is left out on purpose: a run preempted before a fix
     resumes from its checkpoints after it. `init_from` enters as its adapter's content, not its name: `promoted`
-    names another adapter after each promotion. A start from the base keeps the key it had before warm starts."""
+    names another adapter after each promotion. Early stopping enters (`EvalSettings.key`: it decides which
+    weights are final); the cadence of evaluations without it does not, since evaluating changes no weight. A
+    start from the base without early stopping keeps the key it had before either existed."""
     key = {"data": tokenized_fingerprint, "model": model_fingerprint, "max_seq_length": max_seq_length,
            "method": method.model_dump(exclude={"init_from"})}
-    return hash_json(key if start_fingerprint is None else {**key, "start": start_fingerprint})[:16]
+    if start_fingerprint is not None:
+        key["start"] = start_fingerprint
+    if early_stopping is not None:
+        key["early_stopping"] = early_stopping
+    return hash_json(key)[:16]
 
 
 def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
@@ -95,7 +107,9 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
     them), its truncation, its starting adapter; the output directory is keyed by what makes two runs the same
     run."""
     method = config.method.model_copy(update={"epochs": plan.epochs})
-    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint)
+    evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
+    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint,
+                           evaluation.key(config.checkpoint.interval) if evaluation else None)
     return TrainSettings(
         model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
         output_dir=str(config.work_dir / config.name / f"train-{run_key}"), init_adapter=start.adapter_dir,
@@ -105,7 +119,7 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
         trust_remote_code=config.model.trust_remote_code, num_processes=config.hardware.num_gpus,
         strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
-        planned_seconds=plan.estimated_train_seconds,
+        planned_seconds=plan.estimated_train_seconds, evaluation=evaluation,
     )
 
 
@@ -127,23 +141,36 @@ def finished_run(output_dir: Path) -> TrainResult | None:
     return summary.model_copy(update={"reused_completed_run": True})
 
 
+@dataclass(frozen=True)
+class _Mark:
+    """When something last happened (a checkpoint, an evaluation): the time, the step, the tokens so far."""
+
+    at: float
+    step: int
+    tokens: int
+
+
 class _Progress:
-    """Where the loop is, in every unit that checkpoint intervals and the result count."""
+    """Where the loop is, in every unit that checkpoint and evaluation intervals and the result count."""
 
     def __init__(self, start_step: int, prior_seconds: float, epochs_per_step: float) -> None:
         self.epochs_per_step = epochs_per_step  # the global batch over the training examples
         self.step, self.prior_seconds, self.tokens, self.loss, self.backoffs = start_step, prior_seconds, 0, None, 0
         self.checkpoints, self.checkpoint_seconds, self.mfus = 0, 0.0, []
-        self.started = self.saved_at = time.perf_counter()
-        self.saved_step, self.saved_tokens = start_step, 0
+        self.stopped_at: int | None = None  # early stopping's step
+        self.begin()
 
-    def since_save(self) -> Clock:
-        steps = self.step - self.saved_step
-        return Clock(seconds=time.perf_counter() - self.saved_at, steps=steps, tokens=self.tokens - self.saved_tokens,
+    def begin(self) -> None:
+        self.started = time.perf_counter()
+        self.last_save = self.last_eval = self.mark()
+
+    def mark(self) -> _Mark:
+        return _Mark(time.perf_counter(), self.step, self.tokens)
+
+    def since(self, mark: _Mark) -> Clock:
+        steps = self.step - mark.step
+        return Clock(seconds=time.perf_counter() - mark.at, steps=steps, tokens=self.tokens - mark.tokens,
                      epochs=steps * self.epochs_per_step)
-
-    def saved(self) -> None:
-        self.saved_at, self.saved_step, self.saved_tokens = time.perf_counter(), self.step, self.tokens
 
 
 class TrainRecipe:
@@ -160,6 +187,9 @@ class TrainRecipe:
         self.micro = settings.micro_batch_size
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy == "fsdp" and self.world.size > 1
+        evaluation = settings.evaluation
+        self.evaluator = Evaluator(evaluation, self.output_dir, self.world) if evaluation else None
+        self.eval_interval = evaluation.interval(settings.checkpoint_interval) if evaluation else None
 
     # ---- 1. setup ----------------------------------------------------------------------------------------
 
@@ -177,8 +207,9 @@ class TrainRecipe:
                                         self.total_steps)
         resumed_from = self._resume()
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if self.world.main:
-            _trim_metrics(self.output_dir / "metrics.jsonl", self.progress.step)  # later steps are redone
+        if self.world.main:  # later steps and their evaluations are redone
+            for curve in ("metrics.jsonl", "eval.jsonl"):
+                _trim_metrics(self.output_dir / curve, self.progress.step)
         yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
         self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,
                                          show_progress=settings.show_progress and self.world.main,
@@ -204,6 +235,8 @@ class TrainRecipe:
             torch.cuda.set_rng_state_all(state.cuda_rng)
         self.progress = _Progress(state.step, state.elapsed_seconds, self.epochs_per_step)
         self.resumed_from_step = state.step
+        if self.evaluator is not None:  # the best so far and the patience spent survive a preemption
+            self.evaluator.stopping.restore(state.evaluation)
         return existing[-1]
 
     def _batches(self, micro_batch_size: int) -> StepBatches:
@@ -220,7 +253,7 @@ class TrainRecipe:
     def train(self) -> None:
         progress, world = self.progress, self.world
         interval = parse_interval(self.settings.checkpoint_interval)
-        progress.started = progress.saved_at = time.perf_counter()
+        progress.begin()
         loader = self._loader(progress.step)
         with StopSignals() as stop:
             while progress.step < self.total_steps:
@@ -236,11 +269,39 @@ class TrainRecipe:
                                         checkpoint=path.name)
                     self.reporter.close()
                     raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path))
-                due = interval.due(progress.since_save())
-                if progress.step < self.total_steps and distributed.any_rank(due, world):
+                due = progress.step < self.total_steps and distributed.any_rank(
+                    interval.due(progress.since(progress.last_save)), world)
+                if self._evaluation_due(due) and self._evaluate():
+                    break  # early stopping: the patience is spent
+                if due:  # after the evaluation: the checkpoint holds early stopping's state as of this step
                     self._checkpoint()
-                    progress.saved()
+                    progress.last_save = progress.mark()
+        if self.evaluator is not None and progress.stopped_at is None:
+            self._evaluate()  # the final weights: the curve ends where training ended
         self.reporter.close()
+
+    def _evaluation_due(self, checkpoint_due: bool) -> bool:
+        """At each checkpoint, or at the evaluation's own interval; never at the last step, where the final
+        weights are evaluated after the loop."""
+        progress = self.progress
+        if self.evaluator is None or progress.step >= self.total_steps:
+            return False
+        if self.evaluator.settings.at_checkpoints:
+            return checkpoint_due
+        return distributed.any_rank(self.eval_interval.due(progress.since(progress.last_eval)), self.world)
+
+    def _evaluate(self) -> bool:
+        """The held-out sample on the weights as they are now; True when early stopping's patience is spent."""
+        progress, evaluator = self.progress, self.evaluator
+        point = evaluator(self.model, progress.step, token_budget(self.micro, self.max_length))
+        self.reporter.evaluation(point.model_dump())
+        progress.last_eval = progress.mark()
+        if not evaluator.stopping.exhausted:
+            return False
+        progress.stopped_at = progress.step
+        self.reporter.event("early_stopping", step=progress.step, best_step=evaluator.stopping.best_step,
+                            best_eval_loss=evaluator.stopping.best_loss, patience=evaluator.settings.patience)
+        return True
 
     def _step(self, step_batch: dict, rng: torch.Tensor) -> tuple[float, int, float] | None:
         """One optimizer step: (loss, tokens, grad norm), or None after an out-of-memory back-off."""
@@ -288,7 +349,8 @@ class TrainRecipe:
         if world.main:
             cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
             state = TrainingState(progress.step, optimizer_state, self.scheduler.state_dict(), torch.get_rng_state(),
-                                  cuda_rng, progress.prior_seconds + began - progress.started)
+                                  cuda_rng, progress.prior_seconds + began - progress.started,
+                                  self.evaluator.stopping.state() if self.evaluator else None)
             path = save_checkpoint(root, weights, state, self.settings.keep_last)
         distributed.barrier(world)
         progress.checkpoints += 1
@@ -311,12 +373,26 @@ class TrainRecipe:
             checkpoint_share=round(progress.checkpoint_seconds / max(wall, 1e-9), 5), micro_batch_size=self.micro,
             out_of_memory_backoffs=progress.backoffs,
             mean_mfu=round(sum(progress.mfus) / len(progress.mfus), 4) if progress.mfus else None,
+            **self._evaluation_summary(),  # with early stopping: the best weights are put back into the model
         )
         weights = trainable_state_dict(self.model) if self.sharded else None  # every rank: FSDP gathers the shards
         if world.main:
             _save_final(distributed.unwrap(self.model), final_dir, result, self.settings.train_path, weights)
         distributed.barrier(world)
         return result
+
+
+    def _evaluation_summary(self) -> dict:
+        """The result's evaluation fields. With early stopping the final adapter is the best weights, loaded back
+        from `best/`, whose record names them (even where a resume redid the steps since)."""
+        evaluator = self.evaluator
+        if evaluator is None:
+            return {}
+        stopping = evaluator.stopping
+        best = evaluator.restore_best(self.model) or {"step": stopping.best_step, "eval_loss": stopping.best_loss}
+        return {"evaluations": evaluator.count, "eval_seconds": round(evaluator.seconds, 3),
+                "best_step": best["step"], "best_eval_loss": best["eval_loss"],
+                "stopped_early": self.progress.stopped_at is not None, "stopped_at_step": self.progress.stopped_at}
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:

@@ -42,6 +42,7 @@ from phase1a.tokenized import TokenizedData
 from tasks.caching import StageCache, task
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
+DURING_TRAINING_FIELDS = {"during_training", "during_training_examples", "early_stopping", "early_stopping_min_delta"}
 
 
 @dataclass
@@ -263,8 +264,10 @@ def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Token
     """The validate stage's key, from its own inputs: the same weights on the same held-out examples against
     the same baseline give the same verdict."""
     endpoint = config.data.s3_endpoint_url
+    # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
+    settings = config.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
     return hash_json({"model": model.fingerprint, "adapter": sha256_tree(Path(trained.adapter_dir), ADAPTER_FILES),
-                      "data": data.fingerprint, "settings": config.validation.model_dump(mode="json"),
+                      "data": data.fingerprint, "settings": settings,
                       "baseline": baseline_identity(config.validation, endpoint)})
 
 

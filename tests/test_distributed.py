@@ -16,6 +16,7 @@ from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
 from phase1a.distributed import torchrun_command
 from phase1a.results import TrainResult
+from phase1a.training_eval import EvalSettings
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, run
 
@@ -30,13 +31,16 @@ def one_process(tiny_model_dir, tmp_path_factory) -> tuple[callable, TrainResult
     data = tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(45)), make_tokenizer(), 256,
                             TokenizeOptions(), root / "cache" / "fp")
 
-    def settings(name: str, processes: int, strategy: str = "ddp") -> TrainSettings:
+    def settings(name: str, processes: int, strategy: str = "ddp", evaluate: bool = False) -> TrainSettings:
         # 45 examples in steps of 8: the last step has 5, so one rank gets 3 and the other 2.
+        # Evaluating at each checkpoint with a patience never spent: every rank evaluates, best/ is gathered
+        # from the shards at each improvement, and the weights stay those of a run without it.
+        evaluation = EvalSettings(validation_path=data.validation_path, patience=100) if evaluate else None
         return TrainSettings(model_dir=str(tiny_model_dir), train_path=data.train_path,
                              output_dir=str(root / name), num_processes=processes, strategy=strategy,
                              method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=1, lora={"r": 4, "alpha": 8}),
                              micro_batch_size=2, gradient_checkpointing=False, checkpoint_interval="2steps",
-                             keep_last=3, show_progress=False)
+                             keep_last=3, show_progress=False, evaluation=evaluation)
 
     return settings, run(settings("one", 1))
 
@@ -54,11 +58,14 @@ def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
 def test_two_ranks_match_one_process(one_process, strategy):
     settings, one = one_process
     assert torchrun_command(2, Path("s.json"))[-4:] == ["--nproc_per_node=2", "-m", "tasks.train", "s.json"]
-    two = run(settings(f"two-{strategy}", 2, strategy))
+    two = run(settings(f"two-{strategy}", 2, strategy, evaluate=True))
     assert two.steps == one.steps == 6 and two.train_tokens == one.train_tokens  # tokens summed over ranks
     assert two.checkpoints_written == one.checkpoints_written == 2
     metrics = (Path(two.output_dir) / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 6  # rank 0 alone writes
+    points = [json.loads(line) for line in open(Path(two.output_dir) / "eval.jsonl")]
+    assert [(p["step"], p["best"]) for p in points] == [(2, True), (4, True), (6, True)]  # the final one is best
+    assert two.evaluations == 3 and two.best_step == 6 and (Path(two.output_dir) / "best").is_dir()
     assert_same_adapter(one, two)
     if strategy == "fsdp":  # the sharded run's step-2 checkpoint, resumed by one process, ends at the same weights
         resumed = Path(one.output_dir).with_name("fsdp-resumed")

@@ -10,6 +10,7 @@ import torch
 
 from helpers import date_records, make_tiny_model_dir, make_tokenizer, resolved, write_jsonl
 from phase1a.config import Phase1aConfig
+from phase1a.training_eval import EvalSettings
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
@@ -38,6 +39,8 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
         # Workers and compile are left out: forking and compiling would dominate a run this short.
         "plan": {"sweep": ["micro_batch", "gradient_checkpointing"], "calibration_share": 1.0},
         "checkpoint": {"interval": "20steps"},
+        # Evaluations during training are in the train stage's wall time, and so in the estimate.
+        "validation": {"during_training": "10steps"},
     })
     plan = make_plan(config, resolved(config), data)
     assert plan.calibrated and plan.calibration is not None and plan.estimate.checkpoints == (plan.steps - 1) // 20
@@ -48,9 +51,11 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
         gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile,
         dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
         checkpoint_interval=config.checkpoint.interval, show_progress=False,
+        evaluation=EvalSettings.of(config.validation, data.validation_path, data.validation_examples),
     ))
     assert result.train_tokens == plan.train_tokens and result.steps == plan.steps
     assert result.checkpoints_written == plan.estimate.checkpoints
+    assert result.evaluations == plan.estimate.evaluations_during_training == (plan.steps - 1) // 10 + 1
     trials = [(t.candidate.label(), t.status, t.tokens_per_second) for t in plan.calibration.trials]
     return plan.estimated_train_seconds, result.wall_seconds, f"calibration: {trials}"
 

@@ -36,6 +36,10 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert first["status"] == "passed" and first["stages"]["validate"]["result"]["passed"]
     assert first["stages"]["plan"]["result"]["calibrated"] and first["estimate_vs_actual"]["actual_train_seconds"] > 0
     assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
+    # Evaluated during training by default, at each checkpoint and at the end, as many times as the plan counted.
+    trained = first["stages"]["train"]["result"]
+    assert trained["evaluations"] == first["stages"]["plan"]["result"]["estimate"]["evaluations_during_training"] == 3
+    assert len((Path(trained["output_dir"]) / "eval.jsonl").read_text().splitlines()) == 3
     # The plan's estimate of validation (timed in calibration: teacher-forced pass and greedy steps) against the
     # stage. A validation this small (0.2 s) is mostly fixed costs, so only the order of magnitude is asserted;
     # the demo's figures are in docs/benchmarks.md.

@@ -1,0 +1,165 @@
+"""Evaluation during training (phase1a/training_eval.py): eval.jsonl at the interval, the same training with it on
+or off, early stopping that keeps the best weights as the final adapter and survives a resume, the config's
+errors, the training key, and the plan's estimate of its cost. The tiny model on a few steps."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
+from phase1a.checkpoints import list_checkpoints
+from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, validate_config
+from phase1a.training_eval import EvalSettings
+from tasks.plan import make_plan
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.train import TrainSettings, train, training_key
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-data")
+    return tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(48)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=6), root / "cache" / "fp")
+
+
+def settings(tiny_model_dir, data, output_dir: Path, evaluation: dict | None = None, **overrides) -> TrainSettings:
+    values = dict(
+        model_dir=str(tiny_model_dir), train_path=data.train_path, output_dir=str(output_dir),
+        # LoRA dropout draws from the RNG while training: an evaluation that moved it would change the run.
+        method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=1, lora={"r": 4, "alpha": 8, "dropout": 0.1}),
+        micro_batch_size=4, gradient_checkpointing=False, checkpoint_interval="never", show_progress=False,
+        evaluation=EvalSettings(validation_path=data.validation_path, **evaluation) if evaluation else None,
+    )
+    return TrainSettings(**{**values, **overrides})
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def adapter(result) -> dict[str, torch.Tensor]:
+    return load_file(Path(result.adapter_dir) / "adapter_model.safetensors")
+
+
+def as_adapter(trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable tensors under the names peft saves them with."""
+    return {name.replace(".default.", "."): tensor for name, tensor in trainable.items()}
+
+
+def test_evaluations_at_the_interval_leave_training_unchanged(tiny_model_dir, data, tmp_path):
+    plain = train(settings(tiny_model_dir, data, tmp_path / "plain"))
+    evaluated = train(settings(tiny_model_dir, data, tmp_path / "evaluated",
+                               evaluation={"cadence": "2steps", "examples": 4}))
+    assert plain.steps == evaluated.steps == 6 and not (tmp_path / "plain" / "eval.jsonl").exists()
+    losses = [[(r["step"], r["loss"], r["grad_norm"]) for r in lines(tmp_path / run / "metrics.jsonl")]
+              for run in ("plain", "evaluated")]
+    assert losses[0] == losses[1]  # exactly: same RNG, same steps
+    a, b = adapter(plain), adapter(evaluated)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+    points = lines(tmp_path / "evaluated" / "eval.jsonl")
+    assert [p["step"] for p in points] == [2, 4, 6]  # the interval (not at the last step), then the final weights
+    assert set(points[0]) == {"step", "eval_loss", "eval_token_accuracy", "examples", "tokens", "seconds", "best"}
+    assert all(0 < p["eval_loss"] < 10 and 0 <= p["eval_token_accuracy"] <= 1 for p in points)
+    assert all(p["examples"] == 4 and p["tokens"] == points[0]["tokens"] > 0 for p in points)  # a fixed sample
+    assert points[-1]["eval_loss"] < points[0]["eval_loss"] and points[0]["best"]
+    assert evaluated.evaluations == 3 and evaluated.eval_seconds > 0 and not evaluated.stopped_early
+    assert evaluated.best_eval_loss == pytest.approx(min(p["eval_loss"] for p in points), abs=1e-6)
+    assert evaluated.best_step == 6 and not (tmp_path / "evaluated" / "best").exists()  # no early stopping: no copy
+
+
+@pytest.fixture(scope="module")
+def stopped(tiny_model_dir, data, tmp_path_factory):
+    """Early stopping that no evaluation after the first can satisfy (min_delta 100): at each checkpoint, every
+    2 steps, patience 2, so the run stops at step 6 of 11 with step 2's weights as the best."""
+    output = tmp_path_factory.mktemp("stopped") / "run"
+    run_settings = settings(tiny_model_dir, data, output, method=MethodConfig(
+        learning_rate=5e-3, batch_size=8, epochs=2, lora={"r": 4, "alpha": 8}),
+        evaluation={"cadence": "checkpoint", "examples": 6, "patience": 2, "min_delta": 100.0},
+        checkpoint_interval="2steps", keep_last=9)
+    return run_settings, train(run_settings)
+
+
+def test_early_stopping_stops_after_the_patience_with_the_best_weights_final(stopped):
+    run_settings, result = stopped
+    output = Path(result.output_dir)
+    assert result.steps == 11 and result.stopped_early and result.stopped_at_step == 6 and result.best_step == 2
+    assert len(lines(output / "metrics.jsonl")) == 6
+    assert [(p["step"], p["best"]) for p in lines(output / "eval.jsonl")] == [(2, True), (4, False), (6, False)]
+    assert json.loads((output / "best" / "evaluation.json").read_text())["step"] == 2
+    assert [e["event"] for e in lines(output / "events.jsonl")] == ["early_stopping"]
+    assert [p.name for p in list_checkpoints(output / "checkpoints")] == ["step-00000002", "step-00000004"]
+    final = adapter(result)
+    at_best = as_adapter(load_file(output / "checkpoints" / "step-00000002" / "trainable.safetensors"))
+    later = as_adapter(load_file(output / "checkpoints" / "step-00000004" / "trainable.safetensors"))
+    assert final.keys() == at_best.keys()
+    assert all(torch.equal(final[name], at_best[name]) for name in final)
+    assert not all(torch.equal(final[name], later[name]) for name in final)
+
+
+def test_a_resume_keeps_the_best_so_far_and_the_patience_spent(stopped, tmp_path):
+    """A crash after step 5: the run resumes from step 4's checkpoint, whose state says the best was step 2 and
+    one evaluation has gone by since. A resume that forgot it would take step 6 as a new best and run on."""
+    run_settings, result = stopped
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    shutil.rmtree(copy / "final")
+    resumed = train(run_settings.model_copy(update={"output_dir": str(copy)}))
+    assert resumed.resumed_from_step == 4 and resumed.stopped_at_step == 6 and resumed.best_step == 2
+    assert [p["step"] for p in lines(copy / "eval.jsonl")] == [2, 4, 6]  # step 6 redone, not repeated
+    expected, actual = adapter(result), adapter(resumed)
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_config_errors_name_the_field(config_tree):
+    config = validate_config(config_tree)
+    assert config.validation.during_training == "checkpoint" and config.validation.early_stopping is None
+    for validation, words in [
+        ({"during_training": "5 parsecs"}, ["validation.during_training", "'checkpoint'"]),
+        ({"during_training": "never", "early_stopping": 3}, ["validation", "early_stopping 3", "during_training"]),
+        ({"early_stopping": 0}, ["validation.early_stopping", "greater than or equal to 1"]),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            validate_config({**config_tree, "validation": {**config_tree["validation"], **validation}})
+        assert all(word in str(error.value) for word in words), str(error.value)
+    with pytest.raises(ConfigError, match="checkpoint.interval is never"):
+        validate_config({**config_tree, "checkpoint": {"interval": "never"},
+                         "validation": {"early_stopping": 2}})
+    assert validate_config({**config_tree, "validation": {"during_training": None}}).validation.during_training == \
+        "never"
+
+
+def test_only_early_stopping_enters_the_training_key():
+    def key(**evaluation) -> str:
+        settings = EvalSettings(validation_path="v.json", **evaluation)
+        return training_key("data", "model", MethodConfig(), 256, None, settings.key("30m"))
+
+    plain = training_key("data", "model", MethodConfig(), 256)
+    assert key(cadence="checkpoint") == key(cadence="100steps") == plain  # evaluating changes no weight
+    stopping = key(cadence="checkpoint", patience=3)
+    assert stopping != plain and stopping != key(cadence="checkpoint", patience=4)
+    assert stopping == key(cadence="30m", patience=3)  # 'checkpoint' is the checkpoint's interval
+    assert stopping != key(cadence="checkpoint", patience=3, min_delta=0.01)
+
+
+def test_the_plan_estimates_the_evaluations(config_tree, data):
+    config_tree["hardware"] = {"target": "h100"}  # not present: no calibration, the assumed speed
+    config_tree["validation"]["early_stopping"] = 2
+
+    def estimate(**validation):
+        tree = {**config_tree, "validation": {**config_tree["validation"], **validation}}
+        config = Phase1aConfig.model_validate(tree)
+        return make_plan(config, resolved(config), data).estimate
+
+    at_checkpoints, never = estimate(), estimate(during_training="never", early_stopping=None)
+    assert at_checkpoints.checkpoints == 1 and at_checkpoints.evaluations_during_training == 2  # step 3 and the end
+    assert at_checkpoints.eval_during_training_seconds > 0 and never.evaluations_during_training == 0
+    assert at_checkpoints.train_seconds == pytest.approx(
+        never.train_seconds + at_checkpoints.eval_during_training_seconds)
+    assert at_checkpoints.total_seconds > never.total_seconds
+    every_step = estimate(during_training="1steps")
+    assert every_step.evaluations_during_training == 6  # every step of six: five before the end, and the end
+    assert every_step.eval_during_training_seconds == pytest.approx(at_checkpoints.eval_during_training_seconds * 3)
