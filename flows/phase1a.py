@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.report import RunReport
+from flows.tracking import RunTracking
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
@@ -43,7 +44,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     # Deployment parameters arrive with `~` and relative paths: they resolve against the working directory.
     config = config_from(config, config_file, overrides, base=Path.cwd())
     report = RunReport.create(config, flow_run.get_name() or "local")
-    with report.finishing() as outcome:
+    with report.finishing() as outcome, RunTracking.started(config, report) as tracking:
         model = prepare_model(config)
         start = resolve_start(config, model)  # before any stage: a missing or mismatched adapter fails in seconds
         report.set("lineage", lineage(start))
@@ -65,7 +66,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             outcome.status = "planned"
             return str(report.path)
 
-        trained = report.run("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
+        trained = tracking.followed("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
         if trained.recorded is not None:
             report.set("estimate_vs_actual", trained.recorded.model_dump(mode="json"))
 
