@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
 
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig
@@ -122,8 +123,9 @@ class RunTracking:
 
 def run_context(config: Phase1aConfig, run_dir: Path) -> RunContext:
     """The run's params (the resolved config, credentials cut out of its URLs) and its links back to Prefect."""
+    ui = PREFECT_UI_URL.value()  # None on the embedded server, where there is no UI to link to
     links = {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_name": flow_run.get_name(),
-             "prefect.flow_run_url": flow_run.ui_url, "phase1a.run_dir": str(run_dir)}
+             "prefect.flow_run_url": flow_run.ui_url if ui and flow_run.id else None, "phase1a.run_dir": str(run_dir)}
     return RunContext(job=config.name, run_name=flow_run.get_name() or Path(run_dir).name, run_dir=Path(run_dir),
                       params={"config": redacted(config.model_dump(mode="json"))},
                       tags={key: redacted(str(value)) for key, value in links.items() if value})

@@ -352,7 +352,9 @@ def _tracked_texts(mlflow_server: str, reports: list[dict], steps: int, download
         assert run.info.status == "FINISHED" and report["tracking"]["mlflow"]["dropped_metrics"] == 0, report
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, steps + 1))
         assert Path(report["tracking"]["wandb"]["dir"]).is_relative_to(report["run_dir"])
-        texts[f"mlflow run {run_id}"] = json.dumps([run.data.params, run.data.tags])
+        tags = run.data.tags  # the link back to the flow run, on the server's UI
+        assert tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{tags['prefect.flow_run_id']}"), tags
+        texts[f"mlflow run {run_id}"] = json.dumps([run.data.params, tags])
         artifacts = Path(client.download_artifacts(run_id, "", str(downloads / run_id)))
         files = [path for path in artifacts.rglob("*") if path.is_file()]
         texts.update({str(path): path.read_bytes().decode("latin-1") for path in files})

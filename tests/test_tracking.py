@@ -125,6 +125,7 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
 
     from flows.phase1a import phase1a
     from phase1a.config import Phase1aConfig
@@ -133,7 +134,8 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
         monkeypatch.setenv(name, value)
     config_tree["tracking"] = {"mlflow": {"tracking_uri": mlflow_server, "tags": {"team": "dates"}},
                                "wandb": {"mode": "offline", "dir": str(tmp_path / "wandb")}}
-    state = phase1a(Phase1aConfig.model_validate(config_tree), return_state=True)
+    with temporary_settings({PREFECT_UI_URL: "http://127.0.0.1:4200"}):  # the embedded server has no UI to link
+        state = phase1a(Phase1aConfig.model_validate(config_tree), return_state=True)
     [report_path] = (tmp_path / "runs" / "tiny").glob("*/report.json")
     report = json.loads(report_path.read_text())
     assert state.is_completed(), report["stages"]
@@ -150,7 +152,8 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     assert params["config.method.lora.r"] == "4" and params["config.data.source"] == config_tree["data"]["source"]
     assert params["plan.micro_batch_size"] == str(plan["micro_batch_size"])
     assert params["plan.steps"] == str(plan["steps"])
-    assert tags["prefect.flow_run_name"] == run_name and tags["prefect.flow_run_id"] and tags["team"] == "dates"
+    assert tags["prefect.flow_run_name"] == run_name and tags["team"] == "dates"
+    assert tags["prefect.flow_run_url"] == f"http://127.0.0.1:4200/flow-runs/flow-run/{tags['prefect.flow_run_id']}"
     assert tags["gate"] == "pass" and run.data.metrics["candidate_loss"] == report["validation"]["metrics"]["loss"][
         "candidate"]
     metrics = (Path(train["output_dir"]) / "metrics.jsonl").read_text().splitlines()
