@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.report import RunReport
+from flows.tracking import RunTracking
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
@@ -45,7 +46,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     config = config_from(config, config_file, overrides, base=Path.cwd())
     configure_progress(config.progress)  # how the stages show progress: a bar, log lines (a worker), or neither
     report = RunReport.create(config, flow_run.get_name() or "local")
-    with report.finishing() as outcome:
+    with report.finishing() as outcome, RunTracking.started(config, report) as tracking:
         model = prepare_model(config)
         start = resolve_start(config, model)  # before any stage: a missing or mismatched adapter fails in seconds
         report.set("lineage", lineage(start))
@@ -67,7 +68,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             outcome.status = "planned"
             return str(report.path)
 
-        trained = report.run("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
+        trained = tracking.followed("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
         if trained.recorded is not None:
             report.set("estimate_vs_actual", trained.recorded.model_dump(mode="json"))
 

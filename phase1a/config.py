@@ -375,6 +375,46 @@ class ProgressConfig(_Section):
         return value
 
 
+class MlflowSettings(_Section):
+    """An MLflow run per flow run. Credentials never go here: MLflow reads MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, from the environment."""
+
+    tracking_uri: str | None = Field(None, description=(
+        "The tracking server (http://host:5000) or a store (sqlite:///mlflow.db); None: MLFLOW_TRACKING_URI, else "
+        "MLflow's own default (sqlite:///mlflow.db in the working directory)."))
+    experiment: str | None = Field(None, description="Experiment, created when missing; None: MLFLOW_EXPERIMENT_NAME, "
+                                                     "else the job's `name`.")
+    run_name: str | None = Field(None, description="None: the Prefect flow run's name (the run directory's suffix).")
+    tags: dict[str, str] = Field({}, description="Tags on the run, beside the links to the Prefect flow run.")
+    log_adapter: bool | None = Field(None, description=(
+        "Upload the trained adapter as the run's `adapter/` artifact. None: when method.kind is lora (megabytes); "
+        "a full fine-tune's weights (gigabytes) only when true."))
+
+
+class WandbSettings(_Section):
+    """A Weights & Biases run per flow run. The API key comes only from WANDB_API_KEY or `wandb login`."""
+
+    project: str | None = Field(None, description="None: WANDB_PROJECT, else the job's `name`.")
+    entity: str | None = Field(None, description="Team or user; None: WANDB_ENTITY, else the key's default entity.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(None, description=(
+        "None: WANDB_MODE, else online. offline: the run stays in files under `dir` (`wandb sync` uploads it "
+        "later); disabled: no run, and the wandb package is not needed."))
+    dir: Path | None = Field(None, description="Where the run's files go (under `wandb/`); None: WANDB_DIR, else the "
+                                               "run directory (beside report.json).")
+    tags: list[str] = Field([], description="Tags on the run.")
+
+
+class TrackingConfig(_Section):
+    """Experiment trackers (docs/tracking.md); each is off unless its section is given, e.g. `mlflow: {}`."""
+
+    mlflow: MlflowSettings | None = Field(None, description=(
+        "Log to MLflow: params, per-step metrics, plots, the validation table and verdict, the adapter. Needs "
+        "`pip install 'phase1a[tracking]'`."))
+    wandb: WandbSettings | None = Field(None, description=(
+        "Log to Weights & Biases: config, per-step metrics, plots, the validation table and verdict. Needs "
+        "`pip install 'phase1a[tracking]'`."))
+
+
 class Phase1aConfig(_Section):
     name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The job's name: its runs, checkpoints and adapters go under `work_dir/<name>/`."))
@@ -398,6 +438,8 @@ class Phase1aConfig(_Section):
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
     progress: ProgressConfig = Field(ProgressConfig(), description=(
         "Progress of staging, tokenize, calibration, validation and promotion: a bar, log lines, an artifact."))
+    tracking: TrackingConfig = Field(TrackingConfig(), description=(
+        "Experiment tracking in MLflow and Weights & Biases; off unless a tracker's section is given."))
 
     @model_validator(mode="after")
     def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
@@ -535,6 +577,10 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
     if validation.promote_to and "://" not in validation.promote_to:
         validation = validation.model_copy(update={"promote_to": str(absolute(Path(validation.promote_to)))})
+    tracking = config.tracking
+    if tracking.wandb is not None and tracking.wandb.dir is not None:
+        tracking = tracking.model_copy(update={"wandb": tracking.wandb.model_copy(
+            update={"dir": absolute(tracking.wandb.dir)})})
     return config.model_copy(
         update={
             "work_dir": absolute(config.work_dir),
@@ -545,5 +591,6 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),
             "validation": validation,
+            "tracking": tracking,
         }
     )

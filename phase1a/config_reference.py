@@ -62,6 +62,17 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: `Section`, or `Section | None` (an optional section, off while null)."""
+    if _is_section(annotation):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [arg for arg in get_args(annotation) if arg is not type(None)]
+        if len(members) == 1 and _is_section(members[0]):
+            return members[0]
+    return None
+
+
 def _value(value: Any) -> str:
     """A default as it would be written in YAML (flow style)."""
     if value is None:
@@ -140,10 +151,10 @@ def _table(prefix: str, fields: dict[str, FieldInfo]) -> list[str]:
 
 def _sections(key: str, field: FieldInfo) -> list[str]:
     """A section's heading, its description, its table, then its nested sections, each the same way."""
-    model = field.annotation
+    model = _section_model(field.annotation)
     lines = ["", f"## `{key}`", "", _cell(field.description or ""), "", *_table(key + ".", model.model_fields)]
     for name, child in model.model_fields.items():
-        if _is_section(child.annotation):
+        if _section_model(child.annotation):
             lines += _sections(f"{key}.{name}", child)
     return lines
 

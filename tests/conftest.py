@@ -65,6 +65,17 @@ def endpoint(tmp_path_factory):
     stop(proc)
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """An `mlflow server` for the session (SQLite, HTTP on 127.0.0.1; its URL), started on first use: its
+    database migrates in about 5 s on two cores, once."""
+    from helpers.tracking import start_mlflow, stop_mlflow
+
+    proc, url = start_mlflow(tmp_path_factory.mktemp("mlflow"))
+    yield url
+    stop_mlflow(proc)
+
+
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):
     """Dummy credentials only (S3 test modules use it for every test: `pytestmark`)."""

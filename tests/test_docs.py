@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from phase1a.config import Phase1aConfig
-from phase1a.config_reference import PAGE, render
+from phase1a.config_reference import PAGE, _section_model, render
 from phase1a.records import RECORD_FORMATS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +48,9 @@ def _anchors(page: Path) -> set[str]:
 def _section_models(model: type[BaseModel] = Phase1aConfig, prefix: str = ""):
     yield prefix.rstrip(".") or model.__name__, model
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from _section_models(field.annotation, f"{prefix}{name}.")
+        section = _section_model(field.annotation)  # a section, or an optional one (`Section | None`)
+        if section is not None:
+            yield from _section_models(section, f"{prefix}{name}.")
 
 
 def test_configuration_reference_is_generated_from_the_schema():

@@ -46,6 +46,8 @@ PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
 PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
 PLANTED_TOKEN = "planted-token-ops-Vb7Kp2Xn4M"
 PLANTED_HF_TOKEN = "hf_" + secrets.token_hex(17)  # a Hugging Face token, shaped like one, new each run
+PLANTED_TRACKERS = {"MLFLOW_TRACKING_TOKEN": "planted-mlflow-ops-" + secrets.token_hex(8),
+                    "WANDB_API_KEY": secrets.token_hex(20)}  # the trackers' keys, as a tracked host has them
 SECRET_BLOCK = "phase1a-aws-secret-access-key"
 TIMEZONE = "Europe/Berlin"
 ZOMBIE_AFTER = 60  # seconds without a heartbeat; flow runs send one every 30 s (the minimum) in these tests
@@ -91,7 +93,7 @@ def ops(tmp_path_factory, hook):
     stack.env.update({"AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
                       "AWS_ACCESS_KEY_ID": PLANTED_KEY_ID, "AWS_SESSION_TOKEN": PLANTED_TOKEN,
-                      "HF_TOKEN": PLANTED_HF_TOKEN})
+                      "HF_TOKEN": PLANTED_HF_TOKEN, **PLANTED_TRACKERS})
     try:
         stack.make("server")
         assert "already running" in stack.make("server")  # a second `make server` starts nothing
@@ -230,7 +232,7 @@ def _engines(worker_proc) -> list[int]:
     return [pid for pid in descendants(worker_proc.pid) if "prefect.engine" in cmdline(pid)]
 
 
-def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree, endpoint, hook):
+def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree, endpoint, hook, mlflow_server):
     s3 = s3_client(endpoint, aws_access_key_id="testing", aws_secret_access_key="testing")
     s3.create_bucket(Bucket="nightly")
     s3.upload_file(config_tree["data"]["source"], "nightly", "data/part-000.jsonl")
@@ -266,9 +268,10 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
 
     # 3. a new worker, and the deployment run twice at once (a manual rerun beside the scheduled one): one
     # resumes from run 2's last checkpoint, the other waits for it and reuses the model; stage and tokenize
-    # are Cached for both.
+    # are Cached for both. Both are tracked (MLflow, W&B offline in the run directory): tracking is in no key.
+    tracked = {**config, "tracking": {"mlflow": {"tracking_uri": mlflow_server}, "wandb": {"mode": "offline"}}}
     with worker(ops, "worker-b"):
-        again = [_submit(ops, config), _submit(ops, config)]
+        again = [_submit(ops, tracked), _submit(ops, tracked)]
         finals = [_wait_final(ops, run) for run in again]
     second_state = wait_for(lambda: (s := _state(ops, second)).is_final() and s, 150, "the zombie automation",
                             interval=2, logs=ops.logs())
@@ -311,9 +314,13 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
              "failure notifications", interval=1)
     assert any("Crashed" in body and first.name in body for body in received), received
 
-    # No credential anywhere: API logs, events, artifacts, runs, deployments and pools, process output, files.
+    # Each tracked run has the whole curve in MLflow, the reused training's too (read back from its files).
+    texts = _tracked_texts(mlflow_server, reports, trains[trained]["steps"], ops.home / "mlflow-artifacts")
+
+    # No credential anywhere: API logs, events, artifacts, runs, deployments and pools, process output, files,
+    # the trackers' runs.
     runs = [first, second, *again]
-    texts = {"worker and server output": ops.logs() + "\n".join(ops.outputs)}
+    texts["worker and server output"] = ops.logs() + "\n".join(ops.outputs)
     with ops.client() as client:
         texts["artifacts"] = dump([a.model_dump() for a in client.read_artifacts()])
         texts["flow runs"] = dump([client.read_flow_run(run.id).model_dump() for run in runs])
@@ -323,9 +330,32 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
     for run in runs:
         texts[f"logs of {run.name}"] = "\n".join(flow_run_logs(ops, run.id))
     for path in [*Path(config["work_dir"]).rglob("*"), *ops.home.glob("*.log")]:
-        if path.is_file() and path.suffix in (".json", ".jsonl", ".log", ".txt", ".lock", ""):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".log", ".txt", ".lock", ".wandb", ".yaml", ""):
             texts[str(path)] = path.read_text(errors="replace")
     assert any(path.endswith("report.json") for path in texts) and any(path.endswith("plan.json") for path in texts)
     leaked = [where for where, text in texts.items()
-              if any(planted in text for planted in (PLANTED_SECRET, PLANTED_KEY_ID, PLANTED_TOKEN, PLANTED_HF_TOKEN))]
+              if any(planted in text for planted in (PLANTED_SECRET, PLANTED_KEY_ID, PLANTED_TOKEN, PLANTED_HF_TOKEN,
+                                                     *PLANTED_TRACKERS.values()))]
     assert leaked == []
+    assert any(path.endswith(".wandb") for path in texts)
+
+
+def _tracked_texts(mlflow_server: str, reports: list[dict], steps: int, downloads: Path) -> dict[str, str]:
+    """The tracked runs' MLflow params, tags and artifacts as text, after checking each run: finished, and
+    one `loss` point per step."""
+    from mlflow.tracking import MlflowClient
+
+    client, texts = MlflowClient(mlflow_server), {}
+    for report in reports:
+        run_id = report["tracking"]["mlflow"]["run_id"]
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and report["tracking"]["mlflow"]["dropped_metrics"] == 0, report
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, steps + 1))
+        assert Path(report["tracking"]["wandb"]["dir"]).is_relative_to(report["run_dir"])
+        tags = run.data.tags  # the link back to the flow run, on the server's UI
+        assert tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{tags['prefect.flow_run_id']}"), tags
+        texts[f"mlflow run {run_id}"] = json.dumps([run.data.params, tags])
+        artifacts = Path(client.download_artifacts(run_id, "", str(downloads / run_id)))
+        files = [path for path in artifacts.rglob("*") if path.is_file()]
+        texts.update({str(path): path.read_bytes().decode("latin-1") for path in files})
+    return texts

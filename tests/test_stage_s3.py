@@ -288,7 +288,7 @@ def test_staging_disk_too_small(tmp_path, endpoint, bucket, monkeypatch):
     assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
 
 
-def test_credentials_never_reach_manifests_reports_or_errors(tmp_path, endpoint, bucket, monkeypatch):
+def test_credentials_never_reach_manifests_reports_or_errors(tmp_path, endpoint, bucket, mlflow_server, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", PLANTED_KEY_ID)  # moto's default mode accepts any key
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", PLANTED_SECRET)
     monkeypatch.setenv("AWS_SESSION_TOKEN", PLANTED_SECRET + "-token")
@@ -300,8 +300,39 @@ def test_credentials_never_reach_manifests_reports_or_errors(tmp_path, endpoint,
         with pytest.raises(DataError) as caught:
             stage_dataset(source, tmp_path / "staging", where)
         texts += [str(caught.value), "".join(traceback.format_exception(caught.value))]
+    texts += _tracked_texts(tmp_path, f"s3://{bucket}/s/", f"http://{PLANTED_SECRET}@127.0.0.1:{free_port()}",
+                            mlflow_server, monkeypatch)
     for text in texts:
         assert PLANTED_SECRET not in text and PLANTED_KEY_ID not in text
+
+
+def _tracked_texts(tmp_path: Path, source: str, endpoint_url: str, mlflow_server: str, monkeypatch) -> list[str]:
+    """A job's MLflow run and W&B offline run, started as the flow starts them, with the trackers' own
+    credentials planted too: what they hold (params, tags, artifacts, every file W&B wrote), as text."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.tracking import run_context
+    from phase1a.tracking import Trackers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", PLANTED_SECRET)
+    monkeypatch.setenv("WANDB_API_KEY", PLANTED_SECRET + "0" * (40 - len(PLANTED_SECRET)))
+    config = Phase1aConfig.model_validate({
+        "data": {"source": source, "s3_endpoint_url": endpoint_url},
+        "tracking": {"mlflow": {"tracking_uri": mlflow_server},
+                     "wandb": {"mode": "offline", "dir": str(tmp_path / "wandb")}}})
+    trackers = Trackers.start(config.tracking, run_context(config, tmp_path / "run"))
+    trackers.log_records("train", [{"step": 1, "loss": 1.0}])
+    trackers.log_text("gate.txt", f"source {source}")
+    trackers.finish(succeeded=True)
+    assert set(trackers.up) == {"mlflow", "wandb"}, trackers.sections
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(trackers.sections["mlflow"]["run_id"])
+    assert run.data.params["config.data.s3_endpoint_url"].startswith("http://***@127.0.0.1:")
+    downloaded = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts")))
+    files = [path for root in (downloaded, tmp_path / "wandb") for path in root.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".wandb" for path in files) and any(path.name == "gate.txt" for path in files)
+    return [json.dumps([run.data.params, run.data.tags, trackers.sections]),
+            *(path.read_bytes().decode("latin-1") for path in files)]
 
 
 def test_model_directory_staged_from_a_prefix(tmp_path, endpoint, bucket):
