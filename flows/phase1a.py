@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.report import RunReport
+from flows.report_md import publish_length_report
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
@@ -19,7 +20,7 @@ from tasks.caching import with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task
 from tasks.stage import stage_task
-from tasks.tokenize import publish_length_report, tokenize_task
+from tasks.tokenize import tokenize_task
 from tasks.train import train_task
 from tasks.validate import format_table, publish_validation, validate_task, validation_section
 

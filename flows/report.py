@@ -1,5 +1,6 @@
 """report.json: one section per stage with its Prefect state (Completed or Cached), its seconds, how many times
-Prefect retried it (`retries`) and its result, written whatever the run's outcome."""
+Prefect retried it (`retries`) and its result, written whatever the run's outcome; then report.md, the plots and
+the `run-report` artifact drawn from it (flows/report_md.py)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
+from flows.report_md import finish_report
 from phase1a.atomic import write_atomically
 from phase1a.config import Phase1aConfig
 
@@ -39,7 +41,9 @@ class RunReport:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         run_dir = Path(config.work_dir) / config.name / f"{stamp}-{flow_run_name}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        return cls(run_dir, config)
+        report = cls(run_dir, config)
+        report.set("flow_run", _flow_run())
+        return report
 
     def run(self, stage: str, task: Any, **inputs: Any) -> Any:
         """Run a Prefect task, record its final state, seconds, retries and result, and return the result; a
@@ -78,15 +82,33 @@ class RunReport:
 
     @contextmanager
     def finishing(self) -> Iterator[Outcome]:
-        """The body sets the outcome's status; report.json is written when it ends, however it ends."""
+        """The body sets the outcome's status; report.json is written when it ends, however it ends (an error is
+        recorded as `error`), and report.md after it."""
         outcome = Outcome()
         try:
             yield outcome
+        except BaseException as error:
+            self.data["error"] = f"{type(error).__name__}: {error}"
+            raise
         finally:
             print(f"report: {self.write(outcome.status)}")
+            readable = finish_report(self.data, self.run_dir)
+            if readable:
+                print(f"run report: {readable}")
 
     def write(self, status: str) -> Path:
         self.data["status"] = status
+        self.data["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)
         write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
         return self.path
+
+
+def _flow_run() -> dict[str, str | None]:
+    """The Prefect flow run this report belongs to; its UI address only where PREFECT_UI_URL names a UI (the
+    embedded server's goes away with the process)."""
+    from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
+
+    run_id = flow_run.get_id()
+    return {"id": run_id, "name": flow_run.get_name(), "url": url_for("flow-run", obj_id=run_id) if run_id else None}

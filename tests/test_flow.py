@@ -76,8 +76,8 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert f"{loss:.4f}" in rows[0] and f"{first['estimate_vs_actual']['time_accuracy'] - 1:+.0%}" in rows[0]
     name = Path(first["run_dir"]).name.split("-", 1)[1]  # the flow run's name
     assert cli_main(["show", name, "--config", str(config_path)]) == 0
-    shown = capsys.readouterr().out
-    assert "validation (held-out):" in shown and f"report: {first['run_dir']}/report.json" in shown
+    shown = capsys.readouterr().out  # the run's report.md
+    assert "## Validation" in shown and f"report: {first['run_dir']}/report.md" in shown
     assert cli_main(["show", "no-such-run", "--config", str(config_path)]) == 2
     assert "no-such-run: no run of that name under" in capsys.readouterr().err
 
