@@ -117,20 +117,40 @@ def save_loss(metrics_path: Path, eval_path: Path | None, path: Path) -> Path | 
     return _save(figure, path)
 
 
+def step_rates(lines: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, tokens/s of each step) from metrics.jsonl's `tokens` and `elapsed_s`: its `tokens_per_s` is the
+    mean since the process started, which hides a slowdown. `elapsed_s` restarts with a resumed process, so a
+    step whose elapsed time is below the one before it counts from zero."""
+    steps, tokens = by_step(lines, "tokens")
+    _, elapsed = by_step(lines, "elapsed_s")
+    if steps.size == 0 or elapsed.size != steps.size:
+        return np.array([], dtype=np.int64), np.array([])
+    took = np.diff(elapsed, prepend=0.0)
+    took = np.where(took > 0, took, elapsed)
+    keep = took > 0
+    return steps[keep], tokens[keep] / took[keep]
+
+
 def save_throughput(metrics_path: Path, path: Path, planned: float | None = None) -> Path | None:
-    """throughput.png: tokens/s by step, its smoothed line, and the plan's rate when known. None without a step."""
-    steps, rate = by_step(read_lines(metrics_path), "tokens_per_s")
-    if steps.size == 0:
+    """throughput.png: each step's tokens/s, smoothed, the mean since the start, and the plan's rate when known.
+    None without a step."""
+    lines = read_lines(metrics_path)
+    steps, rate = step_rates(lines)
+    mean_steps, mean = by_step(lines, "tokens_per_s")
+    if steps.size == 0 and mean_steps.size == 0:
         return None
     figure, axis = _pyplot().subplots(figsize=SIZE)
-    axis.plot(steps, rate, color=_GREEN, alpha=0.35, linewidth=1, label="tokens/s")
-    axis.plot(steps, smoothed(rate), color=_GREEN, linewidth=2, label="tokens/s, smoothed")
+    if steps.size:
+        axis.plot(steps, rate, color=_GREEN, alpha=0.35, linewidth=1, label="tokens/s per step")
+        axis.plot(steps, smoothed(rate), color=_GREEN, linewidth=2, label="tokens/s per step, smoothed")
+    axis.plot(mean_steps, mean, color=_BLUE, linestyle=":", linewidth=1.5, label="mean since the start")
     if planned:
         axis.axhline(planned, color=_GREY, linestyle="--", label=f"planned {planned:,.0f} tokens/s")
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("tokens per second")
     axis.set_ylim(bottom=0)
-    axis.set_title(f"throughput: median {np.median(rate):,.0f} tokens/s over {steps.size} steps")
+    shown = rate if steps.size else mean
+    axis.set_title(f"throughput: median {np.median(shown):,.0f} tokens/s a step over {shown.size} steps")
     axis.grid(alpha=0.3)
     axis.legend()
     return _save(figure, path)

@@ -14,7 +14,7 @@ from flows.cli import main as cli_main
 from flows.report_md import finish_report, inline_images, write_report
 from helpers import write_jsonl
 from phase1a.history import RunRecord, append_run, history_path
-from phase1a.plots import BAND, by_step, smoothed
+from phase1a.plots import BAND, by_step, smoothed, step_rates
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")
@@ -72,8 +72,8 @@ def report_json(tmp_path: Path) -> tuple[dict, Path]:
     run_dir, train_dir, cache_dir = tmp_path / "runs/demo/20260101T000000Z-calm-otter", tmp_path / "train", tmp_path
     run_dir.mkdir(parents=True)
     train_dir.mkdir()
-    steps = [{"step": step, "loss": 2.5 / step ** 0.5, "tokens_per_s": 880.0 + 5 * (step % 4), "peak_memory_gib": 1.25}
-             for step in [*range(1, 31), 28, 29, 30]]
+    steps = [{"step": step, "loss": 2.5 / step ** 0.5, "tokens": 896, "elapsed_s": step - 0.1 * (step % 3),
+              "tokens_per_s": 880.0 + 5 * (step % 4), "peak_memory_gib": 1.25} for step in [*range(1, 31), 28, 29, 30]]
     write_jsonl(train_dir / "metrics.jsonl", steps)
     write_jsonl(train_dir / "eval.jsonl", [
         {"step": step, "eval_loss": loss, "eval_token_accuracy": accuracy, "examples": 120, "tokens": 960,
@@ -170,6 +170,13 @@ def test_steps_written_twice_keep_the_last_value_and_smoothing_starts_at_the_dat
                              {"step": 3}, {"loss": 9.0}], "loss")
     assert steps.tolist() == [1, 2] and values.tolist() == [3.0, 1.0]
     assert smoothed(values)[0] == pytest.approx(3.0)  # debiased: not pulled towards zero
+
+
+def test_each_steps_rate_from_its_tokens_and_time_and_a_resumed_process_counts_from_zero():
+    lines = [{"step": 1, "tokens": 100, "elapsed_s": 1.0}, {"step": 2, "tokens": 100, "elapsed_s": 3.0},
+             {"step": 3, "tokens": 100, "elapsed_s": 0.5}, {"step": 4, "tokens": 300, "elapsed_s": 1.5}]
+    steps, rates = step_rates(lines)
+    assert steps.tolist() == [1, 2, 3, 4] and rates.tolist() == [100.0, 50.0, 200.0, 300.0]
 
 
 def test_the_band_is_the_progress_on_track_tolerance():
