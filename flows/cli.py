@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("run", "run the whole flow: stage, tokenize, plan, train, validate"),
                             ("plan", "stage, tokenize and plan only: print the plan and its estimate, no training"),
                             ("runs", "list the job's runs: status, seconds, estimate error, metrics, promotion"),
-                            ("show", "print one run's summary from its report.json")):
+                            ("show", "print one run's report.md (or, without one, a summary of its report.json)")):
         command = commands.add_parser(name, help=help_text)
         if name == "show":
             command.add_argument("run", help="a run directory, its report.json, or (with --config) its name or "
@@ -100,10 +100,12 @@ def _read_back(args: argparse.Namespace, config) -> int:
         print(format_runs(reports[-args.last:], unreadable) if reports else f"no runs under {runs_dir}")
         return 0
     try:
-        print(_summary(find_report(args.run, runs_dir)))
+        report_path = find_report(args.run, runs_dir)
     except DataError as error:
         print(f"phase1a: {error}", file=sys.stderr)
         return 2
+    readable = report_path.parent / "report.md"  # the whole report, written at the end of the run
+    print(f"{readable.read_text()}\nreport: {readable}" if readable.is_file() else _summary(report_path))
     return 0
 
 

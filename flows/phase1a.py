@@ -11,6 +11,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.report import RunReport
+from flows.report_md import publish_length_report
 from flows.tracking import RunTracking
 from phase1a.config import Phase1aConfig, config_from
 from phase1a.meter import configure as configure_progress
@@ -21,7 +22,7 @@ from tasks.caching import with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task
 from tasks.stage import stage_task
-from tasks.tokenize import publish_length_report, tokenize_task
+from tasks.tokenize import tokenize_task
 from tasks.train import train_task
 from tasks.validate import format_table, publish_validation, validate_task, validation_section
 
@@ -46,7 +47,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     config = config_from(config, config_file, overrides, base=Path.cwd())
     configure_progress(config.progress)  # how the stages show progress: a bar, log lines (a worker), or neither
     report = RunReport.create(config, flow_run.get_name() or "local")
-    with report.finishing() as outcome, RunTracking.started(config, report) as tracking:
+    with report.finishing() as outcome:
+        tracking = RunTracking.start(config, report)  # MLflow / W&B when configured: finishes as the report closes
         model = prepare_model(config)
         start = resolve_start(config, model)  # before any stage: a missing or mismatched adapter fails in seconds
         report.set("lineage", lineage(start))

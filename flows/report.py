@@ -1,5 +1,6 @@
 """report.json: one section per stage with its Prefect state (Completed or Cached), its seconds, how many times
-Prefect retried it (`retries`) and its result, written whatever the run's outcome."""
+Prefect retried it (`retries`) and its result, written whatever the run's outcome; then report.md, the plots and
+the `run-report` artifact drawn from it (flows/report_md.py)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +9,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
+from flows.report_md import draw_plots, finish_report
 from phase1a.atomic import write_atomically
 from phase1a.config import Phase1aConfig
 
@@ -26,6 +28,7 @@ class RunReport:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "report.json"
         self._started = time.perf_counter()
+        self._closing: list[Callable[[str], None]] = []
         self.data: dict[str, Any] = {
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "run_dir": str(self.run_dir),
@@ -39,7 +42,9 @@ class RunReport:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         run_dir = Path(config.work_dir) / config.name / f"{stamp}-{flow_run_name}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        return cls(run_dir, config)
+        report = cls(run_dir, config)
+        report.set("flow_run", _flow_run())
+        return report
 
     def run(self, stage: str, task: Any, **inputs: Any) -> Any:
         """Run a Prefect task, record its final state, seconds, retries and result, and return the result; a
@@ -78,15 +83,41 @@ class RunReport:
 
     @contextmanager
     def finishing(self) -> Iterator[Outcome]:
-        """The body sets the outcome's status; report.json is written when it ends, however it ends."""
+        """The body sets the outcome's status; report.json is written when it ends, however it ends (an error is
+        recorded as `error`), and report.md after it."""
         outcome = Outcome()
         try:
             yield outcome
+        except BaseException as error:
+            self.data["error"] = f"{type(error).__name__}: {error}"
+            raise
         finally:
+            plots = draw_plots(self.data, self.run_dir)  # first: the closing hooks (trackers) log them
+            for hook in self._closing:
+                hook(outcome.status)
             print(f"report: {self.write(outcome.status)}")
+            readable = finish_report(self.data, self.run_dir, plots)
+            if readable:
+                print(f"run report: {readable}")
+
+    def on_closing(self, hook: Callable[[str], None]) -> None:
+        """`hook(status)` runs as the run ends, after the plots are drawn and before report.json is written: what
+        it sets in the report is written with it. It must not raise (the trackers turn failures into warnings)."""
+        self._closing.append(hook)
 
     def write(self, status: str) -> Path:
         self.data["status"] = status
+        self.data["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)
         write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
         return self.path
+
+
+def _flow_run() -> dict[str, str | None]:
+    """The Prefect flow run this report belongs to; its UI address only where PREFECT_UI_URL names a UI (the
+    embedded server's goes away with the process)."""
+    from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
+
+    run_id = flow_run.get_id()
+    return {"id": run_id, "name": flow_run.get_name(), "url": url_for("flow-run", obj_id=run_id) if run_id else None}

@@ -14,9 +14,8 @@ through its files. A tracker that fails is a warning in the run's log and its re
 run's failure."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
@@ -38,20 +37,17 @@ class RunTracking:
         self.plan_logged, self.adapter_dir = False, None
 
     @classmethod
-    @contextmanager
-    def started(cls, config: Phase1aConfig, report: RunReport) -> Iterator["RunTracking"]:
-        """A tracker the config asks for but that is not installed fails here, before any stage."""
+    def start(cls, config: Phase1aConfig, report: RunReport) -> "RunTracking":
+        """A tracker the config asks for but that is not installed fails here, before any stage. The trackers
+        finish as the report closes: after the plots are drawn (they log them), before report.json is written
+        (it records their sections)."""
         require_packages(config.tracking)
         context = run_context(config, report.run_dir)
         trackers = Trackers.start(config.tracking, context) if wanted(config.tracking) else Trackers()
         tracking = cls(config, report, trackers)
         tracking._announce()
-        try:
-            yield tracking
-        except BaseException:
-            tracking._finish(succeeded=False)
-            raise
-        tracking._finish(succeeded=True)
+        report.on_closing(lambda status: tracking._finish(succeeded=status != "failed"))
+        return tracking
 
     def followed(self, stage: str, task: Any, **inputs: Any) -> TrainResult:
         """`report.run(stage, task, **inputs)` for the train stage, with the directory the stage derives from the

@@ -1,7 +1,6 @@
 """Length analysis: percentiles, a right-sized max_seq_length, the padding each batching choice wastes."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -89,23 +88,3 @@ def waste_table(lengths: np.ndarray, configured_length: int, right_sized: int) -
     rows.append(WasteRow(batching="packed (phase1a)", sequence_length=None, computed_tokens=useful, waste_fraction=0.0))
     return rows
 
-
-def save_histogram(lengths: np.ndarray, stats: LengthStats, max_seq_length: int, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on training hosts
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
-    axis.hist(lengths, bins=min(100, max(10, int(np.sqrt(lengths.size)))), color="#4C72B0")
-    marks = ((stats.p50, "p50", ":"), (stats.p99, "p99", "--"), (max_seq_length, "max_seq_length", "-"))
-    for value, label, style in marks:
-        axis.axvline(value, color="#C44E52", linestyle=style, label=f"{label} = {value:g}")
-    axis.set_xlabel("tokens per example")
-    axis.set_ylabel("examples")
-    axis.set_title(f"{stats.count} examples, {stats.total_tokens} tokens")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path

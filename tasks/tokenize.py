@@ -39,7 +39,6 @@ from phase1a.lengths import (
     find_outliers,
     length_stats,
     right_size,
-    save_histogram,
     waste_table,
 )
 from phase1a.locks import exclusive
@@ -334,28 +333,6 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
 
 
 # ---- the task ----------------------------------------------------------------------------------------------
-
-def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
-    """Draw the lengths' histogram into the run directory and summarise lengths and waste as a Prefect artifact.
-    Drawn here, not by the stage: matplotlib's import (1-2 s) would be most of a night's tokenize when one new
-    shard is all it encodes."""
-    lengths = np.load(data.lengths_path, allow_pickle=False)
-    save_histogram(lengths, data.lengths, data.max_seq_length, Path(run_dir) / "lengths.png")
-    try:
-        from prefect.artifacts import create_markdown_artifact
-    except ImportError:
-        return
-    s = data.lengths
-    rows = "\n".join(f"| {w.batching} | {w.sequence_length or '-'} | {w.computed_tokens} | {w.waste_fraction:.1%} |"
-                     for w in data.waste)
-    create_markdown_artifact(key="lengths", description="Token lengths and padding waste", markdown=(
-        f"**{s.count} examples, {s.total_tokens} tokens ({s.supervised_tokens} supervised)**; "
-        f"min {s.min}, p50 {s.p50:g}, p90 {s.p90:g}, p99 {s.p99:g}, p99.9 {s.p99_9:g}, max {s.max}; "
-        f"max_seq_length {data.max_seq_length}\n\n"
-        "| batching | length | tokens computed | padding |\n|---|---|---|---|\n"
-        f"{rows}\n\nskipped: {data.skipped or 'none'}; duplicates: {data.duplicates}; "
-        f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
-
 
 def tokenized_fingerprint(config: Phase1aConfig, model: ResolvedModel, staged: StagedData,
                           held_out: StagedData | None = None) -> str:

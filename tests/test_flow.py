@@ -80,8 +80,8 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert f"{loss:.4f}" in rows[0] and f"{first['estimate_vs_actual']['time_accuracy'] - 1:+.0%}" in rows[0]
     name = Path(first["run_dir"]).name.split("-", 1)[1]  # the flow run's name
     assert cli_main(["show", name, "--config", str(config_path)]) == 0
-    shown = capsys.readouterr().out
-    assert "validation (held-out):" in shown and f"report: {first['run_dir']}/report.json" in shown
+    shown = capsys.readouterr().out  # the run's report.md
+    assert "## Validation" in shown and f"report: {first['run_dir']}/report.md" in shown
     assert cli_main(["show", "no-such-run", "--config", str(config_path)]) == 2
     assert "no-such-run: no run of that name under" in capsys.readouterr().err
 
@@ -113,6 +113,8 @@ def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
     assert states(report)["tokenize"] == "Failed"
     staged = Path(report["stages"]["stage"]["result"]["path"]).name
     assert f"{staged}:65: malformed JSON" in report["stages"]["tokenize"]["error"]
+    readable = (Path(report["run_dir"]) / "report.md").read_text()
+    assert "> **Failed at stage `tokenize`** (Failed): " in readable and f"{staged}:65: malformed JSON" in readable
 
 
 def test_missing_data_path_fails_clearly(config_tree, tmp_path):
@@ -161,7 +163,7 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
 
 def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing(config_tree, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     promoted = tmp_path / "promoted"
     config_tree["validation"].update({"promote_to": str(promoted), "promote_merged": True})
@@ -179,7 +181,19 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
     assert not (Path(first["run_dir"]) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation"])))
+        reports = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["run-report"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[first["flow_run"]["id"]])))
     assert artifacts and {row["metric"] for row in json.loads(artifacts[0].data)} >= {"loss", "exact_match"}
+    # The run report: report.md beside report.json, its plots, and the same report as an artifact, images inline.
+    run_dir = Path(first["run_dir"])
+    readable = (run_dir / "report.md").read_text()
+    for png in ("lengths.png", "loss.png", "throughput.png", "estimate_vs_actual.png"):
+        assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readable
+    assert readable.startswith("# Run report: tiny: passed")
+    assert f"| version | `{section['promotion']['version']}`" in readable
+    assert [report.type for report in reports] == ["markdown"]
+    assert reports[0].data.count("](data:image/png;base64,") == 4 and "## Validation" in reports[0].data
 
     # A stored reference no model of this size can meet: the same weights now fail against it.
     reference = tmp_path / "reference.json"
@@ -193,3 +207,6 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
                                         "baseline 0.0000 \\+ tolerance 0.05"):
         state.result()
     assert "promote" not in second["stages"] and (promoted / "promoted.json").read_bytes() == pointer
+    readable = (Path(second["run_dir"]) / "report.md").read_text()
+    assert "> **Failed**: GateFailed: validation gate failed against file" in readable
+    assert "**FAIL** against file" in readable and "| promoted | no: the gate failed |" in readable

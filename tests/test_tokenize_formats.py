@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flows.report_md import publish_length_report
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.errors import DataError
 from phase1a.render import IGNORE_INDEX, Renderer, render_segments
-from tasks.tokenize import TokenizeOptions, publish_length_report, tokenize_dataset
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 @pytest.fixture(scope="module")

@@ -161,8 +161,11 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     history = client.get_metric_history(mlflow["run_id"], "loss")
     assert [(m.step, m.value) for m in history] == list(enumerate(losses, start=1)) and len(losses) == train["steps"]
     assert len(client.get_metric_history(mlflow["run_id"], "tokens_per_s")) == train["steps"]
+    evaluations = client.get_metric_history(mlflow["run_id"], "eval_loss")  # evaluation during training
+    assert len(evaluations) == train["evaluations"] >= 1 and evaluations[-1].step == train["steps"]
     files = {a.path for folder in ("", "plots", "adapter") for a in client.list_artifacts(mlflow["run_id"], folder)}
-    assert {"plots/lengths.png", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+    assert {"plots/lengths.png", "plots/loss.png", "plots/throughput.png", "plots/estimate_vs_actual.png",
+            "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
             "validation.json", "gate.txt"} <= files, files
     with get_client(sync_client=True) as prefect:
         [link] = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mlflow-run"])))

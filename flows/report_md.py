@@ -1,0 +1,374 @@
+"""report.md: the run report a person reads, next to report.json, and the same as a Prefect markdown artifact.
+
+`finish_report(report, run_dir)` runs at the very end of every run, whatever its outcome (flows/report.py):
+it draws the plots (phase1a/plots.py) into the run directory, writes report.md with relative image links, and
+publishes it as the markdown artifact `run-report` with the images inline as data: URIs (Prefect's UI renders
+`data:image/...` sources in markdown artifacts: the V2 UI allows them past its sanitiser, the V1 UI renders
+image tokens as they are). The markdown itself is `render_report(report, run_dir, plots)`, a pure function of
+report.json's dict and the files in the run directory. A plot that cannot be drawn is logged and reported as
+missing; nothing here fails a run.
+"""
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from phase1a.atomic import write_atomically
+from phase1a.history import history_path
+from phase1a.logs import run_logger
+from phase1a.plots import BAND, read_lines
+from phase1a.tokenized import TokenizedData
+
+ARTIFACT_KEY = "run-report"
+STAGES = ("stage", "stage_validation", "tokenize", "plan", "train", "validate", "promote")
+
+
+@dataclass
+class Plot:
+    file: str  # its name in the run directory
+    caption: str
+    missing: str | None = None  # why it is not there: nothing to draw, or the error that stopped it
+
+
+# ---- plots -------------------------------------------------------------------------------------------------
+
+def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
+    """Draw the lengths' histogram into the run directory and summarise lengths and waste as a Prefect artifact.
+    Drawn here, not by the stage: matplotlib's import (1-2 s) would be most of a night's tokenize when one new
+    shard is all it encodes, and a plot's code is no part of the stage's cache key."""
+    from phase1a.plots import save_histogram
+
+    lengths = np.load(data.lengths_path, allow_pickle=False)
+    save_histogram(lengths, data.lengths, data.max_seq_length, Path(run_dir) / "lengths.png")
+    try:
+        from prefect.artifacts import create_markdown_artifact
+    except ImportError:
+        return
+    s = data.lengths
+    rows = "\n".join(f"| {w.batching} | {w.sequence_length or '-'} | {w.computed_tokens} | {w.waste_fraction:.1%} |"
+                     for w in data.waste)
+    create_markdown_artifact(key="lengths", description="Token lengths and padding waste", markdown=(
+        f"**{s.count} examples, {s.total_tokens} tokens ({s.supervised_tokens} supervised)**; "
+        f"min {s.min}, p50 {s.p50:g}, p90 {s.p90:g}, p99 {s.p99:g}, p99.9 {s.p99_9:g}, max {s.max}; "
+        f"max_seq_length {data.max_seq_length}\n\n"
+        "| batching | length | tokens computed | padding |\n|---|---|---|---|\n"
+        f"{rows}\n\nskipped: {data.skipped or 'none'}; duplicates: {data.duplicates}; "
+        f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
+
+
+def _result(report: dict, stage: str) -> dict:
+    return (report.get("stages", {}).get(stage) or {}).get("result") or {}
+
+
+def _train_files(report: dict) -> tuple[Path | None, Path | None]:
+    """metrics.jsonl and eval.jsonl of the run's training directory, when training got as far as a result."""
+    output_dir = _result(report, "train").get("output_dir")
+    if not output_dir:
+        return None, None
+    return Path(output_dir) / "metrics.jsonl", Path(output_dir) / "eval.jsonl"
+
+
+def draw_plots(report: dict, run_dir: Path) -> list[Plot]:
+    """The plots of the run (lengths.png is already drawn, after tokenize); each one's failure is logged and
+    becomes its `missing`, never the run's."""
+    from phase1a import plots
+
+    metrics, evaluations = _train_files(report)
+    history = history_path(Path(report["config"]["cache_dir"])) if report.get("config") else None
+    planned = _result(report, "plan").get("tokens_per_second")
+    drawings: list[tuple[Plot, Callable[[Path], Path | None]]] = [
+        (Plot("loss.png", "loss by step: training (raw and smoothed) and evaluation"),
+         lambda path: plots.save_loss(metrics, evaluations, path) if metrics else None),
+        (Plot("throughput.png", "tokens/s by step, against the plan's rate"),
+         lambda path: plots.save_throughput(metrics, path, planned) if metrics else None),
+        (Plot("estimate_vs_actual.png", "the plan's training estimate against the actual, last runs"),
+         lambda path: plots.save_estimate_vs_actual(history, path) if history else None),
+    ]
+    drawn = []
+    for plot, draw in drawings:
+        try:
+            if draw(Path(run_dir) / plot.file) is None:
+                plot.missing = "nothing to draw"
+        except Exception as error:  # a report must never fail the run it reports
+            plot.missing = f"not drawn: {type(error).__name__}: {error}"
+            run_logger().warning(f"run report: {plot.file} {plot.missing}")
+        drawn.append(plot)
+    lengths = Plot("lengths.png", "tokens per example")
+    lengths.missing = None if (Path(run_dir) / lengths.file).is_file() else "not drawn (tokenize did not finish)"
+    return [lengths, *drawn]
+
+
+# ---- formatting --------------------------------------------------------------------------------------------
+
+def _n(value, spec: str = ",") -> str:
+    """A number for a table cell; '-' for none."""
+    return "-" if value is None else format(value, spec)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 120:
+        return f"{value:.1f} s"
+    minutes, seconds = divmod(round(value), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes < 120 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cell(value) for value in row) + " |" for row in rows), ""]
+
+
+def _ratio(estimated: float | None, actual: float | None) -> str:
+    if not estimated or not actual:
+        return "-"
+    within = "within" if abs(estimated / actual - 1) <= BAND else "outside"
+    return f"{estimated / actual:.2f}x ({estimated / actual - 1:+.0%}, {within} ±{BAND:.0%})"
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+
+def _failure(report: dict) -> list[str]:
+    """Which stage failed and its error, or the run's own error (a failed gate, a bad config)."""
+    if report.get("status") in ("passed", "planned"):
+        return []
+    failed = [(name, section) for name, section in report.get("stages", {}).items() if section.get("error")]
+    if failed:
+        name, section = failed[0]
+        return [f"> **Failed at stage `{name}`** ({section['state']}): {section['error']}", ""]
+    return [f"> **Failed**: {report.get('error') or 'the run ended before any stage reported an error'}", ""]
+
+
+def _header(report: dict) -> list[str]:
+    config, flow_run = report.get("config") or {}, report.get("flow_run") or {}
+    name = flow_run.get("name") or Path(report.get("run_dir", "?")).name
+    run = f"[{name}]({flow_run['url']})" if flow_run.get("url") else f"`{name}`"
+    rows = [("flow run", run + (f" (`{flow_run['id']}`)" if flow_run.get("id") else "")),
+            ("started", report.get("started_at", "-")), ("finished", report.get("finished_at", "-")),
+            ("wall", _seconds(report.get("wall_seconds"))),
+            ("model", f"`{config.get('model', {}).get('name_or_path', '-')}`"),
+            ("run directory", f"`{report.get('run_dir', '-')}`")]
+    return [f"# Run report: {config.get('name', '?')}: {report.get('status', '?')}", "", *_failure(report),
+            *_table(("", ""), rows)]
+
+
+def _stages(report: dict) -> list[str]:
+    rows = [(name, section["state"], _seconds(section.get("seconds")), section.get("retries", 0),
+             "yes" if section["state"] == "Cached" else "no")
+            for name, section in report.get("stages", {}).items()]
+    return ["## Stages", "", *_table(("stage", "state", "seconds", "retries", "cached"), rows)] if rows else []
+
+
+def _data(report: dict) -> list[str]:
+    data, staged = _result(report, "tokenize"), _result(report, "stage")
+    if not data:
+        return []
+    lengths = data["lengths"]
+    rows = [("examples", f"{data['train_examples']:,} train, {data['validation_examples']:,} held out"),
+            ("tokens", f"{lengths['total_tokens']:,} ({lengths['supervised_tokens']:,} supervised)"),
+            ("tokens per example", f"p50 {lengths['p50']:g}, p99 {lengths['p99']:g}, max {lengths['max']:,}"),
+            ("max_seq_length", f"{data['max_seq_length']:,} (the model's: {data['model_max_length']:,})"),
+            ("shards", f"{data['shards']} ({data['shards_encoded']} encoded, {data['shards_reused']} reused)"),
+            ("staged files", f"{staged.get('files_copied', 0)} copied, {staged.get('files_reused', 0)} reused"
+             if staged.get("files") else ("copied" if staged.get("copied") else "reused")),
+            ("skipped", ", ".join(f"{reason}: {count}" for reason, count in data["skipped"].items()) or "none"),
+            ("duplicates", f"{data['duplicates']} ({data['duplicates_dropped']} dropped)"),
+            ("truncated", data["truncated_examples"]), ("dropped overlong", data["dropped_overlong"]),
+            ("dropped without labels", data["dropped_without_labels"])]
+    if report.get("replay"):
+        rows.append(("replay", ", ".join(f"{k}: {v}" for k, v in report["replay"].items())))
+    return ["## Data", "", *_table(("", ""), rows)]
+
+
+def _plan(report: dict) -> list[str]:
+    plan = _result(report, "plan")
+    if not plan:
+        return []
+    rows = [("profile", plan["profile"]), ("hardware", f"{plan['target']} (found: {plan['detected']})"),
+            ("precision", f"{plan['precision']} (base weights {plan['base_precision']})"),
+            ("optimizer, attention", f"{plan['optimizer']}, {plan['attention']}"),
+            ("micro-batch x accumulation", f"{plan['micro_batch_size']} x {plan['gradient_accumulation']}"),
+            ("gradient checkpointing, compile", f"{plan['gradient_checkpointing']}, {plan['compile']}"),
+            ("dataloader workers", plan["dataloader_workers"]), ("max_seq_length", plan["max_seq_length"]),
+            ("epochs, steps", f"{plan['epochs']:g}, {plan['steps']:,}"), ("train tokens", f"{plan['train_tokens']:,}"),
+            ("tokens/s", f"{plan['tokens_per_second']:,.0f} ({plan['throughput_source']})"),
+            ("estimated training", _seconds(plan["estimated_train_seconds"])),
+            ("estimated total", _seconds(plan["estimated_total_seconds"])),
+            ("estimated cost", "-" if plan["estimated_cost_usd"] is None else f"${plan['estimated_cost_usd']:,.2f}")]
+    if plan.get("window_seconds"):
+        rows.append(("window", f"{_seconds(plan['window_seconds'])}; fits: {plan['fits_in_window']}"))
+    train, validation = report.get("estimate_vs_actual") or {}, report.get("validation_estimate_vs_actual") or {}
+    pairs = (("training", train.get("estimated_train_seconds"), train.get("actual_train_seconds")),
+             ("validation", validation.get("estimated_seconds"), validation.get("actual_seconds")))
+    compared = [(what, _seconds(estimated), _seconds(actual), _ratio(estimated, actual))
+                for what, estimated, actual in pairs if actual]
+    lines = ["## Plan", "", *_table(("knob", "value"), rows)]
+    notes = [f"- {a['step']}: {a['before']} -> {a['after']} (~{a['estimated_hours']:.2f} h)"
+             for a in plan.get("adjustments", [])] + [f"- {note}" for note in plan.get("notes", [])]
+    lines += [*notes, ""] if notes else []
+    if compared:
+        lines += ["Estimate against actual (a stage that was cached is not compared):", "",
+                  *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
+    return lines
+
+
+def _evaluations(report: dict) -> list[tuple[str, str]]:
+    """Rows from eval.jsonl (evaluation during training), when training evaluated."""
+    _, path = _train_files(report)
+    lines = [line for line in read_lines(path) if isinstance(line.get("eval_loss"), (int, float))]
+    if not lines:
+        return []
+    best = [line for line in lines if line.get("best")] or [min(lines, key=lambda line: line["eval_loss"])]
+    last = lines[-1]
+    return [("evaluations", f"{len(lines)}, the last at step {last['step']}: eval loss {last['eval_loss']:.4f}, "
+                            f"token accuracy {_n(last.get('eval_token_accuracy'), '.3f')}"),
+            ("best evaluation", f"step {best[-1]['step']}: eval loss {best[-1]['eval_loss']:.4f}")]
+
+
+def _training(report: dict) -> list[str]:
+    train, plan = _result(report, "train"), _result(report, "plan")
+    if not train:
+        return []
+    metrics, _ = _train_files(report)
+    peaks = [line["peak_memory_gib"] for line in read_lines(metrics)
+             if isinstance(line.get("peak_memory_gib"), (int, float))]
+    steps = f"{train['steps']:,}" + (f" of {plan['steps']:,} planned" if plan and plan["steps"] != train["steps"]
+                                     else "")
+    steps += f", resumed from step {train['resumed_from_step']}" if train["resumed_from_step"] else ""
+    steps += " (a finished run, reused)" if train["reused_completed_run"] else ""
+    rows = [("steps", steps),
+            ("tokens", f"{train['train_tokens']:,}"), ("tokens/s", f"{train['tokens_per_second']:,.0f}"),
+            ("wall", f"{_seconds(train['wall_seconds'])} (start-up {_seconds(train.get('startup_seconds'))})"),
+            ("checkpoints", f"{train['checkpoints_written']} written, {_seconds(train['checkpoint_seconds'])} "
+                            f"({train.get('checkpoint_share', 0):.1%} of the wall time)"),
+            ("MFU", _n(train.get("mean_mfu"), ".1%")),
+            ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
+            ("micro-batch", f"{train.get('micro_batch_size', '-')} ({train.get('out_of_memory_backoffs', 0)} "
+                            "out-of-memory back-offs)"),
+            ("final loss", _n(train.get("final_loss"), ".4f")), *_evaluations(report)]
+    return ["## Training", "", f"Directory: `{train['output_dir']}`", "", *_table(("", ""), rows)]
+
+
+def _curves(plots: list[Plot]) -> list[str]:
+    lines = ["## Curves", ""]
+    for plot in plots:
+        lines += [f"_{plot.file}: {plot.missing}_" if plot.missing else f"![{plot.caption}]({plot.file})", ""]
+    return lines
+
+
+def _validation(report: dict) -> list[str]:
+    section = report.get("validation")
+    if not section:
+        return []
+    checks = {check["metric"]: check for check in section.get("checks", [])}
+
+    def gate(name: str) -> str:
+        check = checks.get(name)
+        if check is None:
+            return "-"
+        sign = ">= baseline -" if check["higher_is_better"] else "<= baseline +"
+        return f"{'pass' if check['passed'] else '**FAIL**'} ({sign} {check['tolerance']:g})"
+
+    rows = [(name, _n(row["base"], ".4f"), _n(row["baseline"], ".4f"), _n(row["candidate"], ".4f"),
+             _n(row["delta"], "+.4f"), gate(name)) for name, row in section["metrics"].items()
+            if any(row[key] is not None for key in ("base", "baseline", "candidate"))]
+    verdict = "**PASS**" if section["verdict"] == "pass" else "**FAIL**"
+    return ["## Validation", "", f"{verdict} against {section['baseline']}, on {section['examples']} held-out "
+            "examples.", "", *_table(("metric", "base", "baseline", "candidate", "delta", "gate"), rows),
+            *[f"- {reason}" for reason in section.get("reasons", [])], *([""] if section.get("reasons") else [])]
+
+
+def _promotion(report: dict) -> list[str]:
+    promotion = (report.get("validation") or {}).get("promotion")
+    lineage = report.get("lineage") or {}
+    promote_to = ((report.get("config") or {}).get("validation") or {}).get("promote_to")
+    rows = [("started from", lineage.get("started_from", "-"))]
+    if promotion:
+        rows += [("version", f"`{promotion['version']}`" + ("" if promotion["promoted"]
+                                                              else " (already the promoted model: nothing copied)")),
+                 ("path", f"`{promotion['path']}`"), ("pointer", f"`{Path(promote_to) / 'promoted.json'}`")]
+    elif promote_to:
+        rows.append(("promoted", "no: " + ("the gate failed" if (report.get("validation") or {}).get("verdict")
+                                           == "fail" else "the run did not get that far")))
+    else:
+        rows.append(("promoted", "no: validation.promote_to is not set"))
+    return ["## Promotion", "", *_table(("", ""), rows)]
+
+
+def _links(report: dict, run_dir: Path) -> list[str]:
+    flow_run, tracking = report.get("flow_run") or {}, report.get("tracking") or {}
+    lines = ["## Links", ""]
+    if flow_run.get("url"):
+        lines.append(f"- Prefect flow run: <{flow_run['url']}>")
+    elif flow_run.get("id"):
+        lines.append(f"- Prefect flow run: `{flow_run['id']}` (no PREFECT_UI_URL set)")
+    for name, section in tracking.items():
+        where = section.get("url") or section.get("dir")
+        if where:
+            lines.append(f"- {name}: <{where}>" if "://" in str(where) else f"- {name}: `{where}`")
+    files = [name for name in ("report.json", "plan.json", "candidate_metrics.json") if (run_dir / name).is_file()]
+    lines.append("- files: " + ", ".join(f"[{name}]({name})" for name in files))
+    metrics, evaluations = _train_files(report)
+    lines += [f"- training: `{path}`" for path in (metrics, evaluations) if path and path.is_file()]
+    return lines + [""]
+
+
+def render_report(report: dict, run_dir: Path, plots: list[Plot]) -> str:
+    """report.md's text from report.json's dict, the files in the run directory and what became of the plots."""
+    sections = [_header(report), _stages(report), _data(report), _plan(report), _training(report), _curves(plots),
+                _validation(report), _promotion(report), _links(report, Path(run_dir))]
+    return "\n".join(line for section in sections for line in section).rstrip() + "\n"
+
+
+# ---- the end of a run --------------------------------------------------------------------------------------
+
+def write_report(report: dict, run_dir: Path, plots: list[Plot] | None = None) -> Path:
+    """Write report.md into the run directory, with the plots drawn already or drawn now; returns its path."""
+    run_dir = Path(run_dir)
+    path = run_dir / "report.md"
+    write_atomically(path, render_report(report, run_dir, draw_plots(report, run_dir) if plots is None else plots))
+    return path
+
+
+def inline_images(markdown: str, run_dir: Path) -> str:
+    """The markdown with each relative PNG link replaced by the image itself, as a data: URI: Prefect's UI cannot
+    reach the run directory, it can show what the artifact carries."""
+    def embed(match: re.Match) -> str:
+        png = Path(run_dir) / match.group(2)
+        if not png.is_file():
+            return match.group(0)
+        return f"![{match.group(1)}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([\w.-]+\.png)\)", embed, markdown)
+
+
+def publish_report(path: Path) -> None:
+    """report.md as the Prefect markdown artifact `run-report`, images inline; only inside a flow run."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    create_markdown_artifact(key=ARTIFACT_KEY, markdown=inline_images(path.read_text(), path.parent),
+                             description="phase1a run report: stages, plan, curves, validation, promotion")
+
+
+def finish_report(report: dict, run_dir: Path, plots: list[Plot] | None = None) -> Path | None:
+    """report.md and its artifact, at the end of every run. Whatever goes wrong here is logged, never raised: the
+    run's outcome is already decided and written (report.json)."""
+    try:
+        path = write_report(report, run_dir, plots)
+    except Exception as error:
+        run_logger().warning(f"run report: report.md not written: {type(error).__name__}: {error}")
+        return None
+    try:
+        publish_report(path)
+    except Exception as error:
+        run_logger().warning(f"run report: the {ARTIFACT_KEY} artifact not published: {type(error).__name__}: {error}")
+    return path

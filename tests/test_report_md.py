@@ -1,0 +1,194 @@
+"""report.md and the plots: drawn from a report.json dict shaped as the flow writes it (the flow test in
+test_flow.py checks the real one end to end), the training directory's metrics.jsonl and eval.jsonl, and the
+history of earlier runs."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main as cli_main
+from flows.report_md import finish_report, inline_images, write_report
+from helpers import write_jsonl
+from phase1a.history import RunRecord, append_run, history_path
+from phase1a.plots import BAND, by_step, smoothed, step_rates
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")
+
+
+def _stage(result: dict | None, state: str = "Completed", seconds: float = 1.0, **extra) -> dict:
+    return {"state": state, "seconds": seconds, "retries": 0, **({"result": result} if result else {}), **extra}
+
+
+def _tokenized() -> dict:
+    lengths = {"count": 600, "total_tokens": 33_600, "supervised_tokens": 5_400, "min": 48, "p50": 56.0, "p90": 58.0,
+               "p99": 60.0, "p99_9": 61.0, "max": 61}
+    return {"train_examples": 480, "validation_examples": 120, "shards": 3, "shards_encoded": 1, "shards_reused": 2,
+            "lengths": lengths, "max_seq_length": 64, "model_max_length": 8192, "skipped": {"no assistant turn": 2},
+            "duplicates": 4, "duplicates_dropped": 0, "truncated_examples": 1, "dropped_overlong": 0,
+            "dropped_without_labels": 0}
+
+
+def _plan() -> dict:
+    return {"profile": "balanced", "target": "cpu", "detected": "CPU (2 cores)", "precision": "float32",
+            "base_precision": "16bit", "optimizer": "adamw_fused", "attention": "sdpa_packed", "micro_batch_size": 8,
+            "gradient_accumulation": 2, "gradient_checkpointing": False, "compile": False, "dataloader_workers": 0,
+            "max_seq_length": 64, "epochs": 1.0, "steps": 30, "train_tokens": 26_880, "tokens_per_second": 900.0,
+            "throughput_source": "measured", "estimated_train_seconds": 31.0, "estimated_total_seconds": 45.0,
+            "estimated_cost_usd": None, "window_seconds": None, "fits_in_window": None, "adjustments": [], "notes": []}
+
+
+def _train(output_dir: Path) -> dict:
+    return {"output_dir": str(output_dir), "adapter_dir": str(output_dir / "final"), "steps": 30,
+            "resumed_from_step": None, "reused_completed_run": False, "wall_seconds": 29.5, "train_tokens": 26_880,
+            "tokens_per_second": 911.2, "final_loss": 0.4321, "checkpoints_written": 2, "checkpoint_seconds": 0.8,
+            "startup_seconds": 1.5, "checkpoint_share": 0.027, "micro_batch_size": 8, "out_of_memory_backoffs": 0,
+            "mean_mfu": 0.123}
+
+
+def _validation() -> dict:
+    def row(base, candidate):
+        return {"base": base, "baseline": base, "candidate": candidate, "delta": candidate - base}
+
+    checks = [{"metric": "loss", "candidate": 0.61, "baseline": 2.5, "tolerance": 0.05, "higher_is_better": False,
+               "passed": True},
+              {"metric": "exact_match", "candidate": 0.875, "baseline": 0.0, "tolerance": 0.0, "higher_is_better": True,
+               "passed": True}]
+    return {"verdict": "pass", "reasons": [], "baseline": "base model", "examples": 120,
+            "metrics": {"loss": row(2.5, 0.61), "exact_match": row(0.0, 0.875),
+                        "ece": {"base": None, "baseline": None, "candidate": None, "delta": None}},
+            "checks": checks, "promotion": {"promoted": True, "version": "20260101T000000Z-calm-otter",
+                                            "path": "/srv/promoted/versions/20260101T000000Z-calm-otter"}}
+
+
+def report_json(tmp_path: Path) -> tuple[dict, Path]:
+    """A passed run's report.json dict and its run directory, with the files the report reads: the training
+    directory's metrics.jsonl (30 steps, the last three written twice as a resume does) and eval.jsonl, and a
+    history of six runs."""
+    run_dir, train_dir, cache_dir = tmp_path / "runs/demo/20260101T000000Z-calm-otter", tmp_path / "train", tmp_path
+    run_dir.mkdir(parents=True)
+    train_dir.mkdir()
+    steps = [{"step": step, "loss": 2.5 / step ** 0.5, "tokens": 896, "elapsed_s": step - 0.1 * (step % 3),
+              "tokens_per_s": 880.0 + 5 * (step % 4), "peak_memory_gib": 1.25} for step in [*range(1, 31), 28, 29, 30]]
+    write_jsonl(train_dir / "metrics.jsonl", steps)
+    write_jsonl(train_dir / "eval.jsonl", [
+        {"step": step, "eval_loss": loss, "eval_token_accuracy": accuracy, "examples": 120, "tokens": 960,
+         "seconds": 0.5, "best": best} for step, loss, accuracy, best in
+        ((10, 0.9, 0.61, True), (20, 0.7, 0.70, True), (30, 0.72, 0.69, False))])
+    for index, actual in enumerate((40.0, 35.0, 33.0, 30.0, 32.0, 29.5)):
+        append_run(history_path(cache_dir), RunRecord(
+            model_fingerprint="m", model_name="demo", hardware="cpu", device_name="CPU", precision="float32",
+            micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64, tokens_per_second=900.0,
+            estimated_train_seconds=31.0 + index, actual_train_seconds=actual))
+    (run_dir / "plan.json").write_text("{}")
+    report = {"started_at": "2026-01-01T00:00:00+00:00", "finished_at": "2026-01-01T00:01:05+00:00",
+              "run_dir": str(run_dir), "status": "passed", "wall_seconds": 65.2,
+              "flow_run": {"id": "0b5c-run-id", "name": "calm-otter", "url": "http://prefect:4200/runs/flow-run/0b5c"},
+              "config": {"name": "demo", "cache_dir": str(cache_dir), "model": {"name_or_path": "smollm2-135m"},
+                         "validation": {"promote_to": "/srv/promoted"}},
+              "stages": {"stage": _stage({"copied": False}, "Cached", 0.1), "tokenize": _stage(_tokenized()),
+                         "plan": _stage(_plan(), seconds=8.0), "train": _stage(_train(train_dir), seconds=31.2),
+                         "validate": _stage({"passed": True}, seconds=6.0), "promote": _stage({"promoted": True})},
+              "lineage": {"started_from": "base model smollm2-135m", "promoted_as": "20260101T000000Z-calm-otter"},
+              "estimate_vs_actual": {"estimated_train_seconds": 36.0, "actual_train_seconds": 29.5},
+              "validation_estimate_vs_actual": {"estimated_seconds": 6.3, "actual_seconds": 6.0},
+              "validation": _validation(),
+              "tracking": {"mlflow": {"run_id": "abc123", "url": "http://mlflow:5000/#/experiments/1/runs/abc123"},
+                           "wandb": {"run_id": "w1", "dir": "/tmp/wandb/run-w1"}}}
+    return report, run_dir
+
+
+def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    text = write_report(report, run_dir).read_text()
+    for name in CURVES:
+        data = (run_dir / name).read_bytes()
+        assert data[:8] == PNG and 10_000 < len(data) < 150_000, (name, len(data))
+        assert f"]({name})" in text
+    assert "_lengths.png: not drawn" in text  # tokenize draws it; this run directory never had one
+    for heading in ("# Run report: demo: passed", "## Stages", "## Data", "## Plan", "## Training", "## Curves",
+                    "## Validation", "## Promotion", "## Links"):
+        assert heading in text
+    assert "| stage | Cached | 0.1 s | 0 | yes |" in text and "| train | Completed | 31.2 s | 0 | no |" in text
+    assert "| examples | 480 train, 120 held out |" in text and "no assistant turn: 2" in text
+    assert "| micro-batch x accumulation | 8 x 2 |" in text
+    assert "| training | 36.0 s | 29.5 s | 1.22x (+22%, outside ±10%) |" in text
+    assert "| validation | 6.3 s | 6.0 s | 1.05x (+5%, within ±10%) |" in text
+    assert "| tokens/s | 911 |" in text and "| MFU | 12.3% |" in text and "| peak memory | 1.25 GiB |" in text
+    assert "3, the last at step 30: eval loss 0.7200" in text
+    assert "| best evaluation | step 20: eval loss 0.7000 |" in text
+    assert "**PASS** against base model" in text and "| exact_match | 0.0000 | 0.0000 | 0.8750 | +0.8750 |" in text
+    assert "ece" not in text.split("## Validation")[1].split("## Promotion")[0]  # no value anywhere: no row
+    assert "| version | `20260101T000000Z-calm-otter` |" in text and "`/srv/promoted/promoted.json`" in text
+    assert "[calm-otter](http://prefect:4200/runs/flow-run/0b5c)" in text
+    assert "- mlflow: <http://mlflow:5000/#/experiments/1/runs/abc123>" in text and "`/tmp/wandb/run-w1`" in text
+    assert "[plan.json](plan.json)" in text and "candidate_metrics.json" not in text  # only the files there
+
+
+def test_a_failed_run_names_the_stage_and_its_error_and_draws_what_it_can(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    error = "DataError: dates.jsonl:65: malformed JSON"
+    report |= {"status": "failed", "error": error}
+    report["stages"] = {"stage": report["stages"]["stage"], "tokenize": _stage(None, "Failed", 0.2, error=error)}
+    for key in ("estimate_vs_actual", "validation_estimate_vs_actual", "validation", "tracking"):
+        del report[key]
+    text = write_report(report, run_dir).read_text()
+    assert text.startswith("# Run report: demo: failed")
+    assert f"> **Failed at stage `tokenize`** (Failed): {error}" in text
+    assert "_loss.png: nothing to draw_" in text and "_throughput.png: nothing to draw_" in text
+    assert "](estimate_vs_actual.png)" in text  # the history is there whatever this run did
+    assert "## Training" not in text and "## Validation" not in text
+    assert "| promoted | no: the run did not get that far |" in text
+
+
+def test_a_plot_that_fails_is_reported_missing_and_the_run_goes_on(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    history = history_path(Path(report["config"]["cache_dir"]))
+    history.unlink()
+    history.mkdir()  # unreadable as a file
+    path = finish_report(report, run_dir)
+    text = path.read_text()
+    assert "_estimate_vs_actual.png: not drawn: IsADirectoryError" in text and "](loss.png)" in text
+
+
+def test_the_artifact_carries_the_images_inline(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    text = write_report(report, run_dir).read_text()
+    inlined = inline_images(text, run_dir)
+    embedded = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)\)", inlined)
+    assert [base64.b64decode(data) for data in embedded] == [(run_dir / name).read_bytes() for name in CURVES]
+    assert "](loss.png)" not in inlined and "_lengths.png: not drawn" in inlined
+    assert len(inlined) < 400_000  # a reasonable artifact
+
+
+def test_steps_written_twice_keep_the_last_value_and_smoothing_starts_at_the_data():
+    steps, values = by_step([{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 1.0},
+                             {"step": 3}, {"loss": 9.0}], "loss")
+    assert steps.tolist() == [1, 2] and values.tolist() == [3.0, 1.0]
+    assert smoothed(values)[0] == pytest.approx(3.0)  # debiased: not pulled towards zero
+
+
+def test_each_steps_rate_from_its_tokens_and_time_and_a_resumed_process_counts_from_zero():
+    lines = [{"step": 1, "tokens": 100, "elapsed_s": 1.0}, {"step": 2, "tokens": 100, "elapsed_s": 3.0},
+             {"step": 3, "tokens": 100, "elapsed_s": 0.5}, {"step": 4, "tokens": 300, "elapsed_s": 1.5}]
+    steps, rates = step_rates(lines)
+    assert steps.tolist() == [1, 2, 3, 4] and rates.tolist() == [100.0, 50.0, 200.0, 300.0]
+
+
+def test_the_band_is_the_progress_on_track_tolerance():
+    from phase1a.progress import ON_TRACK_TOLERANCE
+
+    assert BAND == ON_TRACK_TOLERANCE
+
+
+def test_show_prints_the_report_md(tmp_path, capsys):
+    report, run_dir = report_json(tmp_path)
+    (run_dir / "report.json").write_text(json.dumps(report))
+    write_report(report, run_dir)
+    assert cli_main(["show", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("# Run report: demo: passed") and shown.rstrip().endswith(f"report: {run_dir}/report.md")
