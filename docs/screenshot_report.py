@@ -1,10 +1,15 @@
 """Maintainer tool, not part of the tests: a PNG screenshot of a run's report.md, for the README.
 
     python docs/screenshot_report.py runs/demo/<UTC time>-<flow run name> [--out docs/images/run-report.png]
+    python docs/screenshot_report.py --url http://127.0.0.1:5000/#/experiments/1/runs/<id> \
+        --out docs/images/mlflow-run.png
 
-renders the run's report.md to HTML (markdown-it-py, which the project already installs through rich), with its
-plots beside it, and screenshots the page with headless Chromium (Debian: `apt-get install -y chromium`). The
-PNG is cropped at the end of the page and reduced to a palette so the committed file stays small.
+The first renders the run's report.md to HTML (markdown-it-py, which the project already installs through
+rich), with its plots beside it, and screenshots the page with headless Chromium (Debian: `apt-get install -y
+chromium`). The PNG is cropped at the end of the page and reduced to a palette so the committed file stays
+small. The second screenshots a page that a server renders with JavaScript (the MLflow run a tracked run
+logged to: its link is report.json's `tracking.mlflow.url`), letting its scripts run for `--wait` seconds of
+virtual time first.
 """
 from __future__ import annotations
 
@@ -38,14 +43,19 @@ def render_html(run_dir: Path) -> str:
             f"<style>{STYLE}</style></head><body>{body}</body></html>")
 
 
-def screenshot(html: str, out: Path, chromium: str, size: tuple[int, int]) -> None:
+def screenshot(page: str, out: Path, chromium: str, size: tuple[int, int], wait_seconds: float = 0.0) -> None:
+    """`page`: a URL, or HTML to load from a file."""
     with tempfile.TemporaryDirectory(prefix="report-shot-") as scratch:
-        page = Path(scratch) / "report.html"
-        page.write_text(html)
-        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        if not page.startswith(("http://", "https://")):
+            html = Path(scratch) / "report.html"
+            html.write_text(page)
+            page = html.as_uri()
+        wait = [f"--virtual-time-budget={int(wait_seconds * 1000)}"] if wait_seconds else []
+        subprocess.run([chromium, *wait, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                        "--disable-sync",
                         "--hide-scrollbars", f"--user-data-dir={Path(scratch) / 'profile'}",
-                        f"--screenshot={out}", f"--window-size={size[0]},{size[1]}", page.as_uri()],
+                        f"--screenshot={out}", f"--window-size={size[0]},{size[1]}", page],
                        check=True, capture_output=True, timeout=120)
 
 
@@ -60,14 +70,19 @@ def shrink(path: Path, colours: int = 128) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="a run directory with report.md and its plots")
+    parser.add_argument("run_dir", type=Path, nargs="?", help="a run directory with report.md and its plots")
+    parser.add_argument("--url", help="instead of a run directory: a page to screenshot (an MLflow run)")
+    parser.add_argument("--wait", type=float, default=15.0, help="--url: seconds of virtual time for its scripts")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "images" / "run-report.png")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     parser.add_argument("--width", type=int, default=1040)
     parser.add_argument("--height", type=int, default=4200, help="the window; the blank part is cropped")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    screenshot(render_html(args.run_dir), args.out.resolve(), args.chromium, (args.width, args.height))
+    if (args.url is None) == (args.run_dir is None):
+        parser.error("give a run directory or --url")
+    page = args.url or render_html(args.run_dir)
+    screenshot(page, args.out.resolve(), args.chromium, (args.width, args.height), args.wait if args.url else 0.0)
     shrink(args.out)
     print(f"{args.out}: {args.out.stat().st_size // 1024} KiB")
 
