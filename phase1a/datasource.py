@@ -204,7 +204,10 @@ def _estimate_records(shard: Shard) -> int | None:
     if shard.format == "parquet":
         return pq.ParquetFile(shard.path).metadata.num_rows
     if shard.format == "arrow":
-        return pa.ipc.open_file(pa.memory_map(str(shard.path))).count_rows()  # reads batch headers only
+        # Memory-mapped: each batch's row count comes from its header, no column is read (pyarrow < 26 has no
+        # RecordBatchFileReader.count_rows).
+        reader = pa.ipc.open_file(pa.memory_map(str(shard.path)))
+        return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
     if shard.json_array:
         return None
     with open(shard.path, "rb") as handle:
