@@ -4,10 +4,10 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from phase1a.hardware import HARDWARE_KINDS
 from phase1a.hub import looks_like_hub_id
@@ -17,6 +17,15 @@ from phase1a.units import parse_duration_seconds, parse_interval
 
 class ConfigError(ValueError):
     """A config problem, worded as `field: what was wrong`."""
+
+
+def _duration(value: str) -> str:
+    parse_duration_seconds(value)  # '10s', '30m', '12h': a ValueError names what it could not read
+    return value
+
+
+# A wall time written as text, checked as the config loads and kept as written.
+Duration = Annotated[str, AfterValidator(_duration)]
 
 
 class _Section(BaseModel):
@@ -208,16 +217,10 @@ class PlanConfig(_Section):
         ["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"],
         description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global "
                     "batch.")
-    calibration_budget: str = Field("10m", description="Most wall time the calibration sweep may spend.")
+    calibration_budget: Duration = Field("10m", description="Most wall time the calibration sweep may spend.")
     calibration_share: float = Field(0.05, ge=0.0, le=1.0,
                                      description="The calibration sweep also spends at most this share of the first "
                                                  "estimate of training time.")
-
-    @field_validator("calibration_budget")
-    @classmethod
-    def _budget(cls, value: str) -> str:
-        parse_duration_seconds(value)
-        return value
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
     scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
                                       description="Options table: throughput kept per GPU doubling.")
@@ -226,17 +229,10 @@ class PlanConfig(_Section):
 
 
 class WindowConfig(_Section):
-    max_duration: str | None = Field(None, description=(
+    max_duration: Duration | None = Field(None, description=(
         "Time window for the whole run, e.g. '12h': the plan fits the run into it or fails before training. "
         "None: no window."))
-    safety_margin: str = Field("30m", description="Kept free: the plan fits the run into max_duration minus this.")
-
-    @field_validator("max_duration", "safety_margin")
-    @classmethod
-    def _wall_time(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_duration_seconds(value)
-        return value
+    safety_margin: Duration = Field("30m", description="Kept free: the plan fits the run into max_duration minus this.")
 
 
 class CheckpointConfig(_Section):
@@ -344,18 +340,12 @@ class RetryConfig(_Section):
         "Retries after a transient failure (a dropped or refused connection, a timeout, a 5xx or 503 SlowDown) of "
         "S3 staging, Hub downloads and promotion: 3 means at most 4 attempts; 0: none. Permanent errors (no such "
         "bucket or key, access denied, bad data, a 404) fail at once."))
-    delay: str = Field("10s", description="Wait before the first retry, e.g. '10s' or '2m'.")
+    delay: Duration = Field("10s", description="Wait before the first retry, e.g. '10s' or '2m'.")
     backoff: float = Field(2.0, ge=1.0, description="Each later retry waits this many times longer than the one "
                                                     "before (2: 10 s, 20 s, 40 s).")
     jitter: float = Field(0.2, ge=0.0, le=1.0, description=(
         "Each wait is randomised around its value, at most this share longer (Prefect's `retry_jitter_factor`), so "
         "runs that failed together do not all retry at once; 0: exact waits."))
-
-    @field_validator("delay")
-    @classmethod
-    def _delay(cls, value: str) -> str:
-        parse_duration_seconds(value)
-        return value
 
 
 class ProgressConfig(_Section):
@@ -365,14 +355,8 @@ class ProgressConfig(_Section):
     display: Literal["auto", "bar", "lines", "off"] = Field("auto", description=(
         "auto: a terminal bar where stderr is a terminal, else log lines (a worker); bar; lines; off: neither. "
         "Inside a Prefect run every stage also keeps a progress artifact (`<stage>-progress`) up to date."))
-    interval: str = Field("15s", description=(
+    interval: Duration = Field("15s", description=(
         "Log lines: at most one per stage this often (the first and the last always), e.g. '15s' or '1m'."))
-
-    @field_validator("interval")
-    @classmethod
-    def _interval(cls, value: str) -> str:
-        parse_duration_seconds(value)
-        return value
 
 
 class MlflowSettings(_Section):

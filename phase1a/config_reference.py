@@ -15,7 +15,7 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -92,6 +92,8 @@ def _value(value: Any) -> str:
 
 def _type(annotation: Any, key: str) -> str:
     origin = get_origin(annotation)
+    if origin is Annotated:  # a checked scalar (config.Duration): described as what it holds
+        return _type(get_args(annotation)[0], key)
     if origin is Literal:
         return "one of " + ", ".join(f"`{_value(choice)}`" for choice in get_args(annotation))
     if origin in (Union, types.UnionType):
