@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import boto3
 
@@ -25,18 +26,26 @@ def start_moto(log_path: Path, timeout: float = 60) -> tuple[subprocess.Popen, s
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    wait_until_up(proc, f"{url}/moto-api/", log_path, timeout, lambda p: p.kill())
+    return proc, url
+
+
+def wait_until_up(proc: subprocess.Popen, probe_url: str, log_path: Path, timeout: float,
+                  stop_it: Callable[[subprocess.Popen], None]) -> None:
+    """Until the server answers `probe_url` (an HTTP error status is an answer too); the end of its log when it
+    exits first; `stop_it(proc)` and the last connection error when it does not answer within `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited: {log_path.read_text()[-2000:]}")
+            raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))} exited: {Path(log_path).read_text()[-3000:]}")
         try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
-            return proc, url
-        except urllib.error.HTTPError:  # an HTTP error status is still an answer
-            return proc, url
+            urllib.request.urlopen(probe_url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return
         except OSError:
             if time.monotonic() > deadline:
-                proc.kill()
+                stop_it(proc)
                 raise
             time.sleep(0.1)
 

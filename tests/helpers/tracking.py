@@ -10,11 +10,9 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
-from helpers.servers import free_port
+from helpers.servers import free_port, wait_until_up
 
 
 def start_mlflow(root: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
@@ -28,18 +26,8 @@ def start_mlflow(root: Path, timeout: float = 120) -> tuple[subprocess.Popen, st
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited: {(root / 'mlflow.log').read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2).close()
-            return proc, url
-        except OSError:
-            if time.monotonic() > deadline:
-                stop_mlflow(proc)
-                raise
-            time.sleep(0.2)
+    wait_until_up(proc, f"{url}/health", root / "mlflow.log", timeout, stop_mlflow)
+    return proc, url
 
 
 def stop_mlflow(proc: subprocess.Popen) -> None:
