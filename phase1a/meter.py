@@ -82,11 +82,11 @@ class Meter:
         self.note_text = ""
         self._lock = threading.Lock()
         self.active = count.total != 0
-        display = settings.display if settings.display != "auto" else ("bar" if _is_terminal() else "lines")
+        display = resolved_display(settings)
         self.logger = run_logger()  # taken here: advances may come from threads outside the run's context
         self.bar = _bar(name, count) if self.active and display == "bar" else None
         self.lines = self.active and display == "lines"
-        self.artifact = _Artifact.create(name, self.describe()) if self.active else None
+        self.artifact = ProgressArtifact.create(name, self.describe()) if self.active else None
         if self.lines:
             self._emit(self.start_line())
 
@@ -191,11 +191,25 @@ class Meter:
                 self.artifact.update(100.0 if finished else self.percent(), self.final_line(finished))
 
     def _emit(self, line: str) -> None:
-        logger = self.logger
-        if isinstance(logger, logging.LoggerAdapter) or logger.isEnabledFor(logging.INFO):
-            logger.info("%s", line)
-        else:  # no logging set up to show INFO (a bare host, a script): the line must still be seen
-            print(line, file=sys.stderr, flush=True)
+        emit(self.logger, line)
+
+
+def current_settings() -> MeterSettings:
+    """The process's settings (`configure`); training's progress (phase1a/progress.py) shows by them too."""
+    return _settings
+
+
+def resolved_display(settings: MeterSettings) -> str:
+    """bar, lines or off: `auto` is a bar where stderr is a terminal, else lines (a worker's log)."""
+    return settings.display if settings.display != "auto" else ("bar" if _is_terminal() else "lines")
+
+
+def emit(logger: logging.Logger | logging.LoggerAdapter, line: str) -> None:
+    """One progress line through `logger` (phase1a.logs.run_logger: the Prefect run's inside a run)."""
+    if isinstance(logger, logging.LoggerAdapter) or logger.isEnabledFor(logging.INFO):
+        logger.info("%s", line)
+    else:  # no logging set up to show INFO (a bare host, a script): the line must still be seen
+        print(line, file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -274,14 +288,14 @@ def artifact_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + "-progress"
 
 
-class _Artifact:
+class ProgressArtifact:
     """A Prefect progress artifact, inside a Prefect run only; dropped at its first failure."""
 
     def __init__(self, artifact_id) -> None:
         self.id = artifact_id
 
     @classmethod
-    def create(cls, name: str, description: str) -> "_Artifact | None":
+    def create(cls, name: str, description: str) -> "ProgressArtifact | None":
         try:
             from prefect.artifacts import create_progress_artifact
             from prefect.context import get_run_context

@@ -2,9 +2,10 @@
 
 Sinks: `metrics.jsonl` in the run directory (always; appended, so a resumed run continues the curve; events
 such as a resume or an out-of-memory back-off go to `events.jsonl`, evaluations during training to
-`eval.jsonl`), a
-terminal progress bar (step, tokens/s, ETA), TensorBoard under `tensorboard/` (when the `tensorboard` package is
-installed), and a Prefect progress artifact (inside a Prefect run).
+`eval.jsonl`), where a person watches (as the other stages show theirs, phase1a/meter.py: a terminal bar with
+loss, tokens/s and ETA where stderr is a terminal, else a log line every `progress.interval` through the run's
+logger, as a worker's log needs), TensorBoard under `tensorboard/` (when the `tensorboard` package is
+installed), and a Prefect progress artifact `train-progress` (inside a Prefect run).
 
 Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's steps, MFU, peak accelerator
 memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from phase1a.logs import run_logger
+from phase1a.meter import MeterSettings, ProgressArtifact, duration, emit, resolved_display
 from phase1a.units import GIB, KIB
 
 ON_TRACK_TOLERANCE = 0.10
@@ -49,16 +52,19 @@ class StepStats:
 
 class ProgressReporter:
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, yardstick: Yardstick = Yardstick(), *,
-                 show_progress: bool = True, enabled: bool = True):
-        """`enabled` False (ranks other than 0): the numbers are computed, nothing is written."""
+                 display: MeterSettings | None = None, enabled: bool = True):
+        """`display`: how progress shows (`current_settings()`, the process's `progress`); None: not at all.
+        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.output_dir, self.enabled = Path(output_dir), enabled
         self.metrics = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None
         self.evaluations = None  # eval.jsonl, opened at the first evaluation: a run without any has no file
         self.events = open(Path(output_dir) / "events.jsonl", "a") if enabled else None
-        self.bar = _progress_bar(show_progress and enabled, total_steps, start_step)
+        self.watch = _Watch(display if enabled else None, total_steps, start_step)
         self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
-        self.artifact_id = _progress_artifact(start_step, total_steps) if enabled else None
+        self.artifact = ProgressArtifact.create("train", "phase1a training: optimizer steps done") if enabled else None
+        if self.artifact is not None and start_step:
+            self.artifact.update(100.0 * start_step / max(total_steps, 1), "resumed")
         self.artifact_at, self.tokens = 0.0, 0
 
     def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> dict:
@@ -84,11 +90,10 @@ class ProgressReporter:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
             if self.tensorboard is not None and record.get(key) is not None:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
+        line = self.watch.step(step, self.total_steps, loss, tokens_per_second, remaining)
         due = time.monotonic() - self.artifact_at > _ARTIFACT_EVERY_SECONDS or step == self.total_steps
-        if self.artifact_id and due:
-            _update_artifact(self.artifact_id, 100.0 * step / self.total_steps)
+        if self.artifact is not None and due:
+            self.artifact.update(100.0 * step / self.total_steps, line)
             self.artifact_at = time.monotonic()
         return record
 
@@ -103,7 +108,7 @@ class ProgressReporter:
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("eval/loss", record["eval_loss"], record["step"])
             self.tensorboard.add_scalar("eval/token_accuracy", record["eval_token_accuracy"], record["step"])
-        self.bar.write(f"eval at step {record['step']}: loss {record['eval_loss']:.4f}, token accuracy "
+        self.watch.say(f"eval at step {record['step']}: loss {record['eval_loss']:.4f}, token accuracy "
                        f"{record['eval_token_accuracy']:.4f} on {record['examples']} examples in "
                        f"{record['seconds']:.1f} s" + (" (best)" if record["best"] else ""))
 
@@ -111,10 +116,10 @@ class ProgressReporter:
         """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
         self._write(self.events, _event(kind, **fields))
         if self.events is not None:
-            self.bar.write(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+            self.watch.say(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
     def close(self) -> None:
-        self.bar.close()
+        self.watch.close()
         for sink in (self.metrics, self.evaluations, self.events, self.tensorboard):
             if sink is not None:
                 sink.close()
@@ -159,22 +164,38 @@ def _tensorboard(log_dir: Path):
     return SummaryWriter(log_dir=str(log_dir))
 
 
-def _progress_artifact(start_step: int, total_steps: int):
-    try:
-        from prefect.artifacts import create_progress_artifact
-        from prefect.context import get_run_context
+class _Watch:
+    """Where a person watches training: a tqdm bar (a terminal), a line every `interval` through the run's logger
+    (a worker's log; the first step, the last and every evaluation and event always), or nothing (`off`, ranks
+    other than 0, no display settings)."""
 
-        get_run_context()
-    except Exception:  # not inside a Prefect run (a bare GPU host, a test): no artifact
-        return None
-    return create_progress_artifact(100.0 * start_step / max(total_steps, 1), key="train-progress",
-                                    description="phase1a training: optimizer steps done")
+    def __init__(self, settings: MeterSettings | None, total: int, initial: int) -> None:
+        self.mode = resolved_display(settings) if settings is not None else "off"
+        self.interval, self.clock = (settings.interval_seconds, settings.clock) if settings else (0.0, time.monotonic)
+        self.logger = run_logger() if self.mode == "lines" else None
+        self.bar = _progress_bar(self.mode == "bar", total, initial)
+        self.line_at: float | None = None
 
+    def step(self, step: int, total: int, loss: float, tokens_per_second: float, remaining: float) -> str:
+        """The bar's update; a line when one is due. Returns the line (the artifact's description)."""
+        line = (f"train: step {step} of {total} ({100.0 * step / max(total, 1):.1f} %), loss {loss:.4f}, "
+                f"{tokens_per_second:,.0f} tokens/s, {duration(remaining)} left")
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
+        now = self.clock()
+        if self.mode == "lines" and (self.line_at is None or now - self.line_at >= self.interval or step == total):
+            emit(self.logger, line)
+            self.line_at = now
+        return line
 
-def _update_artifact(artifact_id, percent: float) -> None:
-    from prefect.artifacts import update_progress_artifact
+    def say(self, line: str) -> None:
+        if self.mode == "bar":
+            self.bar.write(line)
+        elif self.mode == "lines":
+            emit(self.logger, line)
 
-    update_progress_artifact(artifact_id, progress=percent)
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _progress_bar(enabled: bool, total: int, initial: int):

@@ -47,6 +47,7 @@ from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, record_run
 from phase1a.locks import exclusive
+from phase1a.meter import current_settings
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
@@ -212,7 +213,7 @@ class TrainRecipe:
                 _trim_metrics(self.output_dir / curve, self.progress.step)
         yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
         self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,
-                                         show_progress=settings.show_progress and self.world.main,
+                                         display=current_settings() if settings.show_progress else None,
                                          enabled=self.world.main)
         if resumed_from is not None:
             self.reporter.event("resumed", from_step=self.progress.step, checkpoint=resumed_from.name)

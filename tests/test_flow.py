@@ -184,6 +184,12 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
         reports = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["run-report"]),
             flow_run_id=ArtifactFilterFlowRunId(any_=[first["flow_run"]["id"]])))
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["train-progress"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[first["flow_run"]["id"]])))
+    steps = first["stages"]["train"]["result"]["steps"]
+    assert [(a.type, a.data) for a in progress] == [("progress", 100.0)]  # training's progress, done
+    assert progress[0].description.startswith(f"train: step {steps} of {steps} (100.0 %)")
     assert artifacts and {row["metric"] for row in json.loads(artifacts[0].data)} >= {"loss", "exact_match"}
     # The run report: report.md beside report.json, its plots, and the same report as an artifact, images inline.
     run_dir = Path(first["run_dir"])

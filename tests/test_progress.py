@@ -3,12 +3,13 @@ import json
 
 import pytest
 
+from phase1a.meter import MeterSettings
 from phase1a.progress import ProgressReporter, StepStats, Yardstick
 
 
 def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
     yardstick = Yardstick(model_flops_per_token=1e9, peak_flops=1e12, planned_seconds=100.0)
-    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick, show_progress=False)
+    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick)
     first = reporter.step(3, StepStats(loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000), elapsed=4.0, prior_seconds=50.0)
     # 1000 tokens in 4 s: 250 tokens/s x 1 GFLOP = 0.25 TFLOP/s of a 1 TFLOP/s peak.
     assert first["mfu"] == pytest.approx(0.25) and first["tokens_per_s"] == pytest.approx(250.0)
@@ -32,8 +33,31 @@ def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    reporter = ProgressReporter(tmp_path, 4, 0, show_progress=False, enabled=False)
+    reporter = ProgressReporter(tmp_path, 4, 0, display=MeterSettings(), enabled=False)
     record = reporter.step(1, StepStats(loss=1.0, lr=0.1, grad_norm=1.0, tokens=10), elapsed=1.0)
     reporter.event("resumed", from_step=0)
     reporter.close()
     assert record["mfu"] is None and record["on_track"] is None and list(tmp_path.iterdir()) == []
+
+
+def test_without_a_terminal_training_logs_lines_not_bar_frames(tmp_path, capsys):
+    """A worker's log gets a line every `progress.interval` (the first step's and the last's always) and each
+    evaluation's and event's, never a tqdm frame."""
+    now = [0.0]
+    display = MeterSettings(display="lines", interval_seconds=8.0, clock=lambda: now[0])
+    reporter = ProgressReporter(tmp_path, total_steps=4, start_step=0, display=display)
+    for step in range(1, 5):
+        now[0] = 4.0 * step  # steps 1 (the first), 3 (8 s after it) and 4 (the last) are due
+        reporter.step(step, StepStats(loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens=100), elapsed=2.0 * step)
+    reporter.evaluation({"step": 4, "eval_loss": 0.5, "eval_token_accuracy": 0.75, "examples": 8, "tokens": 40,
+                         "seconds": 0.2, "best": True})
+    reporter.event("resumed", from_step=2)
+    reporter.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "train: step 1 of 4 (25.0 %), loss 1.0000, 50 tokens/s, 6s left",
+        "train: step 3 of 4 (75.0 %), loss 0.3333, 50 tokens/s, 2s left",
+        "train: step 4 of 4 (100.0 %), loss 0.2500, 50 tokens/s, 0s left",
+        "eval at step 4: loss 0.5000, token accuracy 0.7500 on 8 examples in 0.2 s (best)",
+        "resumed: from_step=2",
+    ]
