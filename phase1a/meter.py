@@ -242,7 +242,11 @@ def _bytes(value: float) -> str:
 def _amount(value: float, unit: str, with_unit: bool = True) -> str:
     if unit == "bytes":
         return _bytes(value)
-    return f"{_number(value)} {unit}" if with_unit else _number(value)
+    if not with_unit:
+        return _number(value)
+    if value == 1:  # "1 batch to do", not "1 batches"
+        unit = unit[:-2] if unit.endswith(("ches", "shes", "sses")) else unit.removesuffix("s")
+    return f"{_number(value)} {unit}"
 
 
 def _rates(count: _Count, elapsed: float) -> list[str]:

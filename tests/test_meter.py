@@ -86,9 +86,16 @@ def test_without_logging_set_up_the_lines_reach_stderr_and_off_prints_nothing(ca
     assert capsys.readouterr().err.splitlines() == ["promote: 2.0 MiB to do", "promote: 2.0 MiB in 0s"]
 
 
+def first_line(unit: str) -> str:
+    with stage_meter("x", 1, unit, settings=MeterSettings("off")) as meter:
+        return meter.start_line()
+
+
 def test_names_formats_and_the_bar():
     assert artifact_key("validate candidate, loss") == "validate-candidate-loss-progress"
     assert [duration(s) for s in (0.4, 59.6, 125, 3720)] == ["0s", "1m 00s", "2m 05s", "1h 02m"]
+    assert [first_line(unit) for unit in ("batches", "examples", "trials", "bytes")] == [
+        "x: 1 batch to do", "x: 1 example to do", "x: 1 trial to do", "x: 1 B to do"]  # one, not "1 batches"
     clock = FakeClock()
     with stage_meter("tokenize", 10, "examples", settings=MeterSettings("bar", 10.0, clock)) as meter:
         clock.now += 2
