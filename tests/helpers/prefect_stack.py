@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from uuid import UUID
@@ -183,6 +184,16 @@ def states(stack: PrefectStack, flow_run_id: UUID) -> tuple[str, dict[str, list[
         # A task run is named "<task name>-<3 hex digits>" (stage-04a); task_key uses the function name.
         tasks.setdefault(task_run.name.rsplit("-", 1)[0], []).append(task_run.state.name)
     return flow_run.state.name, tasks
+
+
+def task_window(stack: PrefectStack, flow_run_id: UUID, task: str) -> tuple[datetime, datetime]:
+    """When the flow run's (one) task run of that name started and ended."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with stack.client() as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    [run] = [task_run for task_run in task_runs if task_run.name.rsplit("-", 1)[0] == task]
+    return run.start_time, run.end_time
 
 
 def flow_run_logs(stack: PrefectStack, flow_run_id: UUID) -> list[str]:
