@@ -478,8 +478,4 @@ def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
 
 
 if __name__ == "__main__":  # a torchrun rank: python -m tasks.train SETTINGS.json
-    rank_world = distributed.init_world()
-    try:
-        train(TrainSettings.model_validate_json(Path(sys.argv[1]).read_text()))
-    finally:
-        distributed.finish(rank_world)
+    distributed.run_rank(lambda: train(TrainSettings.model_validate_json(Path(sys.argv[1]).read_text())))

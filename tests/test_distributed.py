@@ -4,6 +4,8 @@ checkpoint resumes in one process and ends where the sharded run ended."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -101,3 +103,30 @@ def test_a_rank_out_of_memory_relaunches_every_rank_with_half_the_budget(one_pro
     assert not list(Path(result.output_dir).glob("out_of_memory.rank*.json"))
     assert result.train_tokens == one.train_tokens
     assert_same_adapter(one, result)
+
+
+@pytest.mark.parametrize("body, code", [("print('trained', flush=True)", 0), ("raise ValueError('bad row')", 1)])
+def test_a_rank_exits_with_its_outcome_and_without_the_interpreter_shutdown(tmp_path, body, code):
+    """`run_rank` ends the process with os._exit after the entry: gloo threads freeing a finished collective's
+    tensors during the interpreter's shutdown aborted a finished rank. An atexit hook shows the shutdown was
+    skipped; a failed entry still prints its traceback and exits 1."""
+    script = textwrap.dedent(f'''
+        import atexit
+        from phase1a.distributed import run_rank
+
+        def entry():
+            {body}
+
+        atexit.register(lambda: print("interpreter shutdown", flush=True))
+        run_rank(entry)
+        print("after run_rank", flush=True)
+    ''')
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert "interpreter shutdown" not in done.stdout and "after run_rank" not in done.stdout
+    if code:
+        assert "ValueError: bad row" in done.stderr
+    else:
+        assert done.stdout == "trained\n"
