@@ -1,9 +1,12 @@
 """The record of earlier training runs that the next plan reads: one JSON object a line in a JSONL file.
 
 Each run appends a `RunRecord` after training: what it ran on, its measured tokens/s and how long the plan
-said training would take against how long it took. The plan can then start from the last measured throughput
-of the same model on the same hardware instead of an assumed MFU, and say how good its time estimates have
-been.
+said training would take against how long it took. The plan can then start from the measured throughput of
+the same model on the same hardware instead of an assumed MFU, and say how good its time estimates have been.
+
+    remembered throughput = the upper median tokens/s of the last `RECENT_RUNS` runs with the latest run's
+                         knobs: one run slowed by a neighbour (a shared host, a throttled GPU) does not set the
+                         next plan; of two runs, the faster, since contention only ever slows a run
 
     time_accuracy      = estimated_train_seconds / actual_train_seconds   (>1: the plan was pessimistic)
     absolute error     = |time_accuracy - 1|, a fraction of the actual time; the summary reports its mean and
@@ -19,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +34,9 @@ if TYPE_CHECKING:  # the results embed a RunRecord: typing only, to keep the imp
     from phase1a.models import ResolvedModel
     from phase1a.results import Plan, TrainResult
 
+
+
+RECENT_RUNS = 5
 
 
 def history_path(cache_dir: Path) -> Path:
@@ -126,10 +133,30 @@ def last_throughput(path: Path, model_fingerprint: str, hardware: str, micro_bat
     return matches[-1].tokens_per_second if matches else None
 
 
-def latest_run(path: Path, model_fingerprint: str, hardware: str, method_kind: str) -> RunRecord | None:
-    """The most recent run of this model, method and hardware, whatever its knobs: a plan may reuse them."""
+class Remembered(BaseModel):
+    """What a plan takes from the history: the latest run's knobs and costs, the recent runs' throughput."""
+
+    record: RunRecord  # the latest run of the model and method: its knobs, start-up and checkpoint seconds
+    tokens_per_second: float  # the upper median over `runs`
+    runs: int  # the latest runs with the record's knobs, at most RECENT_RUNS
+
+
+def remembered(path: Path, model_fingerprint: str, hardware: str, method_kind: str) -> Remembered | None:
+    """The latest run of this model, method and hardware (whatever its knobs: a plan may reuse them), with the
+    upper median throughput of the recent runs that used the same knobs."""
     matches = [r for r in matching_runs(path, model_fingerprint, hardware) if r.method_kind == method_kind]
-    return matches[-1] if matches else None
+    if not matches:
+        return None
+    latest = matches[-1]
+    same = [r for r in matches if _knobs(r) == _knobs(latest)][-RECENT_RUNS:]
+    return Remembered(record=latest, tokens_per_second=statistics.median_high([r.tokens_per_second for r in same]),
+                      runs=len(same))
+
+
+def _knobs(record: RunRecord) -> tuple:
+    """What a run's tokens/s depends on beyond the model and hardware: its rows and how they were run."""
+    return (record.precision, record.micro_batch_size, record.gradient_checkpointing, record.compile,
+            record.dataloader_workers, record.max_seq_length)
 
 
 def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> AccuracySummary:

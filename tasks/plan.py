@@ -7,9 +7,11 @@ The recipe, `make_plan`, in named phases:
   1. setup        the model's shape, the target hardware and whether it is the one present, the precision,
                   the attention, the memory model
   2. truncation   the profile's max_seq_length (fast, and balanced with outliers, cut at the p99.9 length)
-  3. throughput   best first: the last whole run of this model and method on this hardware (the history,
-                  with that run's knobs when they still fit); a calibration sweep when the target hardware is
-                  the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged as assumed
+  3. throughput   best first: the last whole runs of this model and method on this hardware (the history:
+                  the latest run's knobs when they still fit, the upper median speed of the last few runs with
+                  those knobs, so one run slowed by a neighbour does not set the plan); a calibration sweep
+                  when the target hardware is the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged
+                  as assumed
   4. window       epochs and truncation that fit `window.max_duration` (`phase1a/window.py`)
   5. estimate     seconds and dollars (below)
   6. plan         the knobs, the estimate and the options table
@@ -55,7 +57,7 @@ from phase1a.cost_model import (
 from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
-from phase1a.history import RunRecord, history_path, latest_run
+from phase1a.history import Remembered, RunRecord, history_path, remembered
 from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
@@ -152,13 +154,12 @@ class _Planner:
         start = self._start_candidate(max_seq_length)
         sweeps = self.policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
         config = self.config
-        remembered = latest_run(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
-                                self.method.kind)
-        if remembered and self._fits(candidate := _candidate_of(remembered), max_seq_length) and (
+        past = remembered(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
+                          self.method.kind)
+        if past and self._fits(candidate := _candidate_of(past.record), max_seq_length) and (
                 sweeps or candidate == start):
-            self.notes.append(f"throughput {remembered.tokens_per_second:.0f} tokens/s and knobs from the last run "
-                              f"of this model on {config.hardware.target} ({remembered.timestamp:%Y-%m-%d %H:%M})")
-            return self._from_history(remembered, candidate)
+            self.notes.append(_history_note(past, config.hardware.target))
+            return self._from_history(past, candidate)
         if self.present and config.hardware.calibration_steps > 0:
             return self._calibrated(start, max_seq_length, sweeps)
         flops = flops_per_token(self.facts, self.shape.full, start.gradient_checkpointing,
@@ -213,9 +214,10 @@ class _Planner:
         memory = self.memory.micro_batch(candidate.micro_batch_size, max_seq_length, candidate.gradient_checkpointing)
         return self.method.batch_size % candidate.micro_batch_size == 0 and memory.total_gib <= memory.available_gib
 
-    def _from_history(self, record: RunRecord, candidate: Candidate) -> _Throughput:
+    def _from_history(self, past: Remembered, candidate: Candidate) -> _Throughput:
+        record = past.record
         return _Throughput(
-            chosen=candidate, seconds_per_token=1.0 / record.tokens_per_second, warmup_seconds=0.0,
+            chosen=candidate, seconds_per_token=1.0 / past.tokens_per_second, warmup_seconds=0.0,
             startup_seconds=record.startup_seconds if record.startup_seconds is not None else self._assumed_startup(),
             checkpoint_seconds_each=(record.checkpoint_seconds_each if record.checkpoint_seconds_each is not None
                                      else self._assumed_checkpoint()),
@@ -377,6 +379,16 @@ class _Planner:
 def _candidate_of(record: RunRecord) -> Candidate:
     return Candidate(micro_batch_size=record.micro_batch_size, gradient_checkpointing=record.gradient_checkpointing,
                      compile=record.compile, dataloader_workers=record.dataloader_workers)
+
+
+def _history_note(past: Remembered, hardware: str) -> str:
+    where = f"this model on {hardware}"
+    if past.runs == 1:
+        return (f"throughput {past.tokens_per_second:.0f} tokens/s and knobs from the last run of {where} "
+                f"({past.record.timestamp:%Y-%m-%d %H:%M})")
+    return (f"throughput {past.tokens_per_second:.0f} tokens/s, the upper median of the last {past.runs} runs of "
+            f"{where} with the knobs of the latest ({past.record.timestamp:%Y-%m-%d %H:%M}); that run measured "
+            f"{past.record.tokens_per_second:.0f}")
 
 
 def _mean(lengths: np.ndarray, max_seq_length: int) -> float:

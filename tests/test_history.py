@@ -5,7 +5,15 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from phase1a.history import RunRecord, append_run, last_throughput, latest_run, read_runs, time_accuracy_summary
+from phase1a.history import (
+    RECENT_RUNS,
+    RunRecord,
+    append_run,
+    last_throughput,
+    read_runs,
+    remembered,
+    time_accuracy_summary,
+)
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
@@ -29,19 +37,37 @@ def test_round_trip_and_accuracy_filled_in(tmp_path):
     assert records[1].time_accuracy is None
 
 
-def test_latest_run_keeps_the_knobs_and_separates_lora_from_full(tmp_path):
+def test_the_latest_run_gives_the_knobs_and_lora_and_full_are_apart(tmp_path):
     path = tmp_path / "history.jsonl"
     # A line written before the method and knob fields existed still reads, as the LoRA run it was.
     old = record(timestamp=T0).model_dump(mode="json", exclude={"method_kind", "compile", "dataloader_workers"})
     path.write_text(json.dumps(old) + "\n")
     append_run(path, record(timestamp=T0 + timedelta(hours=1), method_kind="full", micro_batch_size=2,
                             compile=True, dataloader_workers=4, startup_seconds=31.5, checkpoint_seconds_each=4.2))
-    lora = latest_run(path, "m1", "h100", "lora")
-    assert lora is not None and (lora.micro_batch_size, lora.compile, lora.dataloader_workers) == (4, False, 0)
-    full = latest_run(path, "m1", "h100", "full")
+    lora = remembered(path, "m1", "h100", "lora").record
+    assert (lora.micro_batch_size, lora.compile, lora.dataloader_workers) == (4, False, 0)
+    full = remembered(path, "m1", "h100", "full").record
     assert (full.micro_batch_size, full.compile, full.dataloader_workers) == (2, True, 4)
     assert (full.startup_seconds, full.checkpoint_seconds_each) == (31.5, 4.2)
-    assert latest_run(path, "m1", "h200", "lora") is None
+    assert remembered(path, "m1", "h200", "lora") is None
+
+
+def test_one_slowed_run_does_not_set_the_remembered_throughput(tmp_path):
+    """A run that shared its host ran at 25 tokens/s after runs at ~215: the plan takes the upper median of the
+    recent runs with the same knobs, not the latest alone; runs with other knobs do not count."""
+    path = tmp_path / "history.jsonl"
+    speeds = [50.0, 210.0, 215.0, 220.0, 212.0, 25.0]  # the first falls out of the last RECENT_RUNS
+    for hour, speed in enumerate(speeds):
+        append_run(path, record(timestamp=T0 + timedelta(hours=hour), tokens_per_second=speed))
+    append_run(path, record(timestamp=T0 - timedelta(hours=1), tokens_per_second=9.0, micro_batch_size=8))
+    past = remembered(path, "m1", "h100", "lora")
+    assert past.runs == RECENT_RUNS == 5 and past.record.tokens_per_second == 25.0  # the knobs: the latest run's
+    assert past.tokens_per_second == 212.0  # sorted 25, 210, 212, 215, 220
+    append_run(path, record(timestamp=T0 + timedelta(hours=9), tokens_per_second=400.0, max_seq_length=512))
+    changed = remembered(path, "m1", "h100", "lora")  # shorter rows: a new series
+    assert (changed.runs, changed.tokens_per_second) == (1, 400.0)
+    append_run(path, record(timestamp=T0 + timedelta(hours=10), tokens_per_second=100.0, max_seq_length=512))
+    assert remembered(path, "m1", "h100", "lora").tokens_per_second == 400.0  # of two, the faster
 
 
 def test_most_recent_match_wins_and_filters(tmp_path):

@@ -35,13 +35,22 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     from phase1a.history import RunRecord, append_run, history_path
 
     config = Phase1aConfig.model_validate(config_tree)
-    append_run(history_path(config.cache_dir), RunRecord(
-        model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
-        precision="bfloat16", micro_batch_size=remote.micro_batch_size,
-        gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
-                                  tokens_per_second=12345.0, estimated_train_seconds=1.0, actual_train_seconds=1.1))
+
+    def ran(tokens_per_second: float) -> None:
+        append_run(history_path(config.cache_dir), RunRecord(
+            model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
+            precision="bfloat16", micro_batch_size=remote.micro_batch_size,
+            gradient_checkpointing=remote.gradient_checkpointing, max_seq_length=64,
+            tokens_per_second=tokens_per_second, estimated_train_seconds=1.0, actual_train_seconds=1.1))
+
+    ran(12345.0)
     learned = planned(config_tree, data)
     assert learned.throughput_source == "history" and learned.tokens_per_second == pytest.approx(12345.0)
+    ran(1234.0)  # a run slowed tenfold (a shared host): the next plan keeps the faster of the two
+    steady = planned(config_tree, data)
+    assert steady.tokens_per_second == pytest.approx(12345.0)
+    assert any("upper median of the last 2 runs" in note and "that run measured 1234" in note
+               for note in steady.notes), steady.notes
 
     config_tree["window"] = {"max_duration": "30m", "safety_margin": "30m"}
     with pytest.raises(WindowError, match="nothing fits the time window"):
