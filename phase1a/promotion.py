@@ -197,9 +197,10 @@ def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, 
     artifacts, version, record = promotion.artifacts, promotion.version, promotion.record
     root.mkdir(parents=True, exist_ok=True)
     current = _read_local_pointer(root)
-    _check_expected(current, promotion.expected_version, str(root))
+    # Before the expected-version check: another run that trained the same adapter may have promoted it.
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
+    _check_expected(current, promotion.expected_version, str(root))
     final = root / "versions" / version
     if final.exists():
         raise PromotionError(f"{final}: version {version} already exists; versions are never overwritten")
@@ -219,6 +220,9 @@ def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, 
         (partial / "version.json").write_text(pointer.model_dump_json(indent=2) + "\n")
     with exclusive(root / ".promoted.lock", f"the promoted pointer under {root}"):
         now = _read_local_pointer(root)
+        if now and now.adapter_sha256 == record.adapter_sha256:  # promoted meanwhile by a run of the same adapter
+            shutil.rmtree(final)  # one version of an adapter is enough
+            return PromotionOutcome(pointer=now, promoted=False)
         if (now.version if now else None) != (current.version if current else None):
             raise PromotionConflict(f"{root}: the promoted pointer moved to {now.version if now else 'nothing'} "
                                     f"while {version} was copied; {final} is stored but not promoted")
@@ -265,8 +269,7 @@ def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> P
     prefix = f"{url.key}versions/{version}/"
     _check_version_free(client, url, prefix, record, current)
     pointer, body = _upload_version(promotion, url, client, upload_file, prefix)
-    _put_pointer(client, url, body, etag, pointer)
-    return PromotionOutcome(pointer=pointer, promoted=True)
+    return _put_pointer(client, url, body, etag, pointer)
 
 
 def _check_version_free(client: Any, url: S3Url, prefix: str, record: PromotionRecord,
@@ -326,8 +329,10 @@ def _upload_version(promotion: Promotion, url: S3Url, client: Any, upload_file,
     return pointer, body
 
 
-def _put_pointer(client: Any, url: S3Url, body: bytes, etag: str | None, pointer: PromotedPointer) -> None:
-    """The pointer last, and only over the pointer this promotion started from."""
+def _put_pointer(client: Any, url: S3Url, body: bytes, etag: str | None,
+                 pointer: PromotedPointer) -> PromotionOutcome:
+    """The pointer last, and only over the pointer this promotion started from. A pointer that moved to this
+    same adapter (another run of the same training) is the outcome, and this upload is removed."""
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
     with s3_errors(client, f"s3://{url.bucket}/{url.key}{POINTER}", url.bucket, "PUT"):
         try:
@@ -337,8 +342,13 @@ def _put_pointer(client: Any, url: S3Url, body: bytes, etag: str | None, pointer
             status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status not in (409, 412):
                 raise
-            # botocore re-sends a PUT whose answer was lost: the first may have landed, and then it is ours.
             now = _read_s3_pointer(client, url)[0]
-            if now is None or (now.version, now.adapter_sha256) != (pointer.version, pointer.adapter_sha256):
+            if now is None or now.adapter_sha256 != pointer.adapter_sha256:
                 raise PromotionConflict(f"{url}: the promoted pointer moved while {pointer.version} was uploaded; "
                                         f"{pointer.path} is stored but not promoted") from None
+            if now.version != pointer.version:  # another run of the same training promoted it first
+                prefix = pointer.path.removeprefix(f"s3://{url.bucket}/")
+                _delete_quietly(client, url.bucket, [prefix + name for name in [*pointer.files, "version.json"]])
+                return PromotionOutcome(pointer=now, promoted=False)
+            # Else botocore re-sent a PUT whose answer was lost: the first landed, and the pointer is ours.
+    return PromotionOutcome(pointer=pointer, promoted=True)

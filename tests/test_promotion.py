@@ -140,6 +140,27 @@ def test_a_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters, 
     assert read_pointer(str(root)).version == "other"
 
 
+def test_the_same_adapter_promoted_meanwhile_by_another_run_is_the_outcome(adapters, tmp_path):
+    """Two runs of the same training (a manual run beside the nightly one) validate against v1 and promote the
+    same adapter: the later one finds it promoted, keeps no second copy, and does not fail."""
+    root = tmp_path / "promoted"
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), str(root))
+
+    def copy_racing(source, target):
+        if not (root / "versions" / "twin").exists():  # the other run lands while this one copies
+            promote(Promotion({"adapter": adapters[1]}, "twin", record(adapters[1], "twin"), expected_version="v1"),
+                    str(root))
+        shutil.copyfile(source, target)
+
+    outcome = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"),
+                      str(root), copy_file=copy_racing)
+    assert not outcome.promoted and outcome.pointer.version == "twin"
+    assert sorted(p.name for p in (root / "versions").iterdir()) == ["twin", "v1"]
+    # Validated against v1, promoting after the twin landed: already promoted, not a conflict.
+    again = promote(Promotion({"adapter": adapters[1]}, "v3", record(adapters[1]), expected_version="v1"), str(root))
+    assert not again.promoted and again.pointer.version == "twin"
+
+
 def s3_keys(endpoint: str, bucket: str) -> list[str]:
     return sorted(item["Key"] for item in s3_client(endpoint).list_objects_v2(Bucket=bucket).get("Contents", []))
 
@@ -193,6 +214,25 @@ def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters,
         promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1])), destination, endpoint_url=endpoint,
                 upload_file=upload_racing)
     assert read_pointer(destination, endpoint).version == "other"
+
+
+def test_s3_the_same_adapter_promoted_meanwhile_by_another_run_is_the_outcome(adapters, endpoint, bucket):
+    from phase1a.promotion import _upload
+
+    destination = f"s3://{bucket}/same/"
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
+
+    def upload_racing(client, path, bucket_name, key):
+        if read_pointer(destination, endpoint).version == "v1":  # the other run lands its pointer mid-upload
+            promote(Promotion({"adapter": adapters[1]}, "twin", record(adapters[1], "twin")), destination,
+                    endpoint_url=endpoint)
+        _upload(client, path, bucket_name, key)
+
+    outcome = promote(Promotion({"adapter": adapters[1]}, "v2", record(adapters[1]), expected_version="v1"),
+                      destination, endpoint_url=endpoint, upload_file=upload_racing)
+    assert not outcome.promoted and outcome.pointer.version == "twin"
+    assert read_pointer(destination, endpoint).version == "twin"
+    assert not [key for key in s3_keys(endpoint, bucket) if key.startswith("same/versions/v2/")]  # removed
 
 
 def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir, adapters, endpoint, bucket, tmp_path):
