@@ -16,11 +16,13 @@ from pydantic import BaseModel
 from flows.report_md import draw_plots, finish_report
 from phase1a.atomic import write_atomically
 from phase1a.config import Phase1aConfig
+from phase1a.preemption import Preempted
+from phase1a.results import RunOutcome
 
 
 @dataclass
 class Outcome:
-    status: str = "failed"  # until the flow says otherwise
+    status: RunOutcome = "failed"  # until the flow says otherwise
 
 
 class RunReport:
@@ -28,7 +30,7 @@ class RunReport:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "report.json"
         self._started = time.perf_counter()
-        self._closing: list[Callable[[str], None]] = []
+        self._closing: list[Callable[[RunOutcome], None]] = []
         self.data: dict[str, Any] = {
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "run_dir": str(self.run_dir),
@@ -90,6 +92,8 @@ class RunReport:
             yield outcome
         except BaseException as error:
             self.data["error"] = f"{type(error).__name__}: {error}"
+            if isinstance(error, Preempted):  # stopped at a checkpoint for the next run to resume: not a failure
+                outcome.status = "preempted"
             raise
         finally:
             plots = draw_plots(self.data, self.run_dir)  # first: the closing hooks (trackers) log them
@@ -100,12 +104,12 @@ class RunReport:
             if readable:
                 print(f"run report: {readable}")
 
-    def on_closing(self, hook: Callable[[str], None]) -> None:
+    def on_closing(self, hook: Callable[[RunOutcome], None]) -> None:
         """`hook(status)` runs as the run ends, after the plots are drawn and before report.json is written: what
         it sets in the report is written with it. It must not raise (the trackers turn failures into warnings)."""
         self._closing.append(hook)
 
-    def write(self, status: str) -> Path:
+    def write(self, status: RunOutcome) -> Path:
         self.data["status"] = status
         self.data["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)

@@ -135,13 +135,15 @@ def _ratio(estimated: float | None, actual: float | None) -> str:
 # ---- sections ----------------------------------------------------------------------------------------------
 
 def _failure(report: dict) -> list[str]:
-    """Which stage failed and its error, or the run's own error (a failed gate, a bad config)."""
+    """Which stage failed and its error, or the run's own error (a failed gate, a bad config); a preempted
+    run says where it stopped."""
     if report.get("status") in ("passed", "planned"):
         return []
     failed = [(name, section) for name, section in report.get("stages", {}).items() if section.get("error")]
     if failed:
         name, section = failed[0]
-        return [f"> **Failed at stage `{name}`** ({section['state']}): {section['error']}", ""]
+        ended = "Preempted in" if report.get("status") == "preempted" else "Failed at"
+        return [f"> **{ended} stage `{name}`** ({section['state']}): {section['error']}", ""]
     return [f"> **Failed**: {report.get('error') or 'the run ended before any stage reported an error'}", ""]
 
 

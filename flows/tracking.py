@@ -7,7 +7,8 @@ report: what they log beyond the per-step metrics is read from report.json's sec
               metrics.jsonl and eval.jsonl handed on every few seconds while it trains, then its totals
   the end     the plan's knobs if no training logged them (a plan-only run), the validation table, the gate's
               verdict and base/baseline/candidate metrics, every plot in the run directory, the adapter
-              (MLflow), and the status: finished, or failed, whatever failed the run
+              (an MLflow artifact, a W&B model artifact), and the outcome: finished, failed (whatever failed the run),
+              or killed when a signal preempted training (MLflow's KILLED; W&B's exit code 143)
 
 The flow's process owns the runs: training may be other processes (torchrun ranks), so it is followed
 through its files. A tracker that fails is a warning in the run's log and its report section, never the
@@ -22,7 +23,7 @@ from prefect.settings import PREFECT_UI_URL
 
 from flows.report import RunReport
 from phase1a.config import Phase1aConfig
-from phase1a.results import TrainResult, ValidationResult
+from phase1a.results import RunOutcome, TrainResult, ValidationResult
 from phase1a.tracking import Follower, RunContext, Trackers, redacted, require_packages, wanted
 from tasks.train import train_settings
 from tasks.validate import format_table
@@ -46,7 +47,7 @@ class RunTracking:
         trackers = Trackers.start(config.tracking, context) if wanted(config.tracking) else Trackers()
         tracking = cls(config, report, trackers)
         tracking._announce()
-        report.on_closing(lambda status: tracking._finish(succeeded=status != "failed"))
+        report.on_closing(tracking._finish)
         return tracking
 
     def followed(self, stage: str, task: Any, **inputs: Any) -> TrainResult:
@@ -96,7 +97,7 @@ class RunTracking:
                 create_link_artifact(link=section["url"], link_text=f"{name} run {section['run_id']}",
                                      key=f"{name}-run", description=f"This flow run in {name}")
 
-    def _finish(self, succeeded: bool) -> None:
+    def _finish(self, outcome: RunOutcome) -> None:
         if self.trackers.sections:
             stages = self.report.data["stages"]
             if "result" in stages.get("plan", {}):
@@ -106,15 +107,17 @@ class RunTracking:
                 self._log_validation(self.report.data["validation"], verdict)
             self.trackers.log_images(sorted(self.report.run_dir.glob("*.png")))
             self._log_adapter()
-            self.trackers.finish(succeeded)
+            self.trackers.finish(outcome)
         self.report.set("tracking", self.trackers.sections)
 
     def _log_adapter(self) -> None:
-        mlflow = self.config.tracking.mlflow
-        wanted_here = mlflow is not None and (self.config.method.kind == "lora" if mlflow.log_adapter is None
-                                              else mlflow.log_adapter)
-        if wanted_here and self.adapter_dir and Path(self.adapter_dir).is_dir():
-            self.trackers.log_directory(Path(self.adapter_dir), "adapter", only="mlflow")
+        if not (self.adapter_dir and Path(self.adapter_dir).is_dir()):
+            return
+        tracking, lora = self.config.tracking, self.config.method.kind == "lora"
+        settings = {"mlflow": tracking.mlflow, "wandb": tracking.wandb}
+        names = [name for name, each in settings.items()
+                 if each is not None and (lora if each.log_adapter is None else each.log_adapter)]
+        self.trackers.log_directory(Path(self.adapter_dir), "adapter", names)
 
 
 def run_context(config: Phase1aConfig, run_dir: Path) -> RunContext:

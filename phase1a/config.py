@@ -359,7 +359,14 @@ class ProgressConfig(_Section):
         "Log lines: at most one per stage this often (the first and the last always), e.g. '15s' or '1m'."))
 
 
-class MlflowSettings(_Section):
+class _RunTrackerSettings(_Section):
+    log_adapter: bool | None = Field(None, description=(
+        "Upload the trained adapter with the run: MLflow's `adapter/` artifact, a W&B `model` artifact named "
+        "`<name>-adapter` (W&B numbers its versions). None: when method.kind is lora (megabytes); a full "
+        "fine-tune's weights (gigabytes) only when true."))
+
+
+class MlflowSettings(_RunTrackerSettings):
     """An MLflow run per flow run. Credentials never go here: MLflow reads MLFLOW_TRACKING_TOKEN, or
     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, from the environment."""
 
@@ -370,12 +377,9 @@ class MlflowSettings(_Section):
                                                      "else the job's `name`.")
     run_name: str | None = Field(None, description="None: the Prefect flow run's name (the run directory's suffix).")
     tags: dict[str, str] = Field({}, description="Tags on the run, beside the links to the Prefect flow run.")
-    log_adapter: bool | None = Field(None, description=(
-        "Upload the trained adapter as the run's `adapter/` artifact. None: when method.kind is lora (megabytes); "
-        "a full fine-tune's weights (gigabytes) only when true."))
 
 
-class WandbSettings(_Section):
+class WandbSettings(_RunTrackerSettings):
     """A Weights & Biases run per flow run. The API key comes only from WANDB_API_KEY or `wandb login`."""
 
     project: str | None = Field(None, description="None: WANDB_PROJECT, else the job's `name`.")
@@ -395,8 +399,8 @@ class TrackingConfig(_Section):
         "Log to MLflow: params, per-step metrics, plots, the validation table and verdict, the adapter. Needs "
         "`pip install 'phase1a[tracking]'`."))
     wandb: WandbSettings | None = Field(None, description=(
-        "Log to Weights & Biases: config, per-step metrics, plots, the validation table and verdict. Needs "
-        "`pip install 'phase1a[tracking]'`."))
+        "Log to Weights & Biases: config, per-step metrics, plots, the validation table and verdict, the adapter. "
+        "Needs `pip install 'phase1a[tracking]'`."))
 
 
 class Phase1aConfig(_Section):

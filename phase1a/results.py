@@ -15,6 +15,11 @@ from phase1a.history import RunRecord
 from phase1a.options import OptionRow
 from phase1a.window import Adjustment
 
+# How a flow run ended (report.json `status`): passed the gate (and promoted when asked), stopped after the plan,
+# failed (an error or a failed gate), or preempted (a signal stopped training at a checkpoint the next run
+# resumes from).
+RunOutcome = Literal["passed", "planned", "failed", "preempted"]
+
 
 class Estimate(BaseModel):
     startup_seconds: float

@@ -323,7 +323,7 @@ def _tracked_texts(tmp_path: Path, source: str, endpoint_url: str, mlflow_server
     trackers = Trackers.start(config.tracking, run_context(config, tmp_path / "run"))
     trackers.log_records("train", [{"step": 1, "loss": 1.0}])
     trackers.log_text("gate.txt", f"source {source}")
-    trackers.finish(succeeded=True)
+    trackers.finish("passed")
     assert set(trackers.up) == {"mlflow", "wandb"}, trackers.sections
     client = MlflowClient(mlflow_server)
     run = client.get_run(trackers.sections["mlflow"]["run_id"])

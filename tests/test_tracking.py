@@ -95,7 +95,7 @@ def test_a_server_that_goes_away_mid_run_is_a_warning_and_counted(mlflow_server,
     relay.close()
     trackers.log_records("train", [{"step": 3, "loss": 1.0, "lr": 1e-3}])  # no exception: a warning
     trackers.log_records("train", [{"step": 4, "loss": 0.9, "lr": 1e-3}])  # skipped: the tracker is down
-    trackers.finish(succeeded=True)
+    trackers.finish("passed")
     section = trackers.sections["mlflow"]
     assert section["dropped_metrics"] == 4 and len(section["errors"]) == 1, section
     assert section["errors"][0].startswith("metrics: MlflowException: API request to"), section["errors"]
@@ -111,7 +111,7 @@ def test_a_server_that_goes_away_mid_run_is_a_warning_and_counted(mlflow_server,
     url = relay.url.replace("://", f"://user:{secret}@")
     down = Trackers.start(TrackingConfig(mlflow=MlflowSettings(tracking_uri=url)), context)
     down.log_records("train", [{"step": 1, "loss": 2.0}])
-    down.finish(succeeded=True)
+    down.finish("passed")
     [error] = down.sections["mlflow"]["errors"]
     assert down.up == {} and down.sections["mlflow"]["run_id"] is None
     assert down.sections["mlflow"]["dropped_metrics"] == 1
@@ -189,6 +189,10 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     assert summary["gate_text"].startswith("baseline: base model") and "gate: PASS" in summary["gate_text"]
     [exit_record] = [record.exit for record in records if record.WhichOneof("record_type") == "exit"]
     assert exit_record.exit_code == 0
+    [artifact] = [record.artifact for record in records if record.WhichOneof("record_type") == "artifact"
+                  and record.artifact.type == "model"]
+    assert artifact.name == "tiny-adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {item.path for item in artifact.manifest.contents}
 
     # No credential from the environment in MLflow's params, tags or artifacts, W&B's files or the report.
     texts = {"mlflow params and tags": json.dumps([params, tags])}
@@ -213,3 +217,38 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     assert run.info.status == "FAILED" and run.data.tags["gate"] == "fail"
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [(m.step, m.value) for m in history] == list(enumerate(losses, start=1))
+
+
+@pytest.mark.slow
+def test_a_preempted_flow_run_ends_killed_in_mlflow_and_preempted_in_its_report(mlflow_server, config_tree, tmp_path):
+    """SIGTERM to the CLI's process while it trains (a spot instance reclaimed): training writes a checkpoint
+    and stops, report.json's status is `preempted`, report.md says where, and the MLflow run ends KILLED, not
+    FAILED; the next run resumes (tests/test_train_interrupts.py)."""
+    import signal
+    import time
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    config_tree["method"]["epochs"] = 40  # long enough to be stopped in the middle
+    config_tree["tracking"] = {"mlflow": {"tracking_uri": mlflow_server}}
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(config_tree))
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--config", str(config_path)],
+                               stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + 300
+        while not any(path.read_text().count("\n") >= 2 for path in (tmp_path / "runs").rglob("metrics.jsonl")):
+            assert cli.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=300) == 1
+    reported = [line for line in (tmp_path / "out.txt").read_text().splitlines() if line.startswith("report: ")]
+    report_path = Path(reported[-1].removeprefix("report: "))
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "preempted" and "Preempted: stopped by SIGTERM after step" in report["error"]
+    assert "> **Preempted in stage `train`**" in (report_path.parent / "report.md").read_text()
+    run = MlflowClient(mlflow_server).get_run(report["tracking"]["mlflow"]["run_id"])
+    assert run.info.status == "KILLED"
+    assert 2 <= len(MlflowClient(mlflow_server).get_metric_history(run.info.run_id, "loss")) < report["stages"][
+        "plan"]["result"]["steps"]

@@ -7,7 +7,10 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phase1a.results import RunOutcome
 
 # `scheme://user:password@host`: whatever sits between `://` and `@` is a credential, never logged.
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
@@ -95,8 +98,9 @@ class Tracker(ABC):
         """A directory as an artifact (the adapter); a tracker that does not keep files ignores it."""
 
     @abstractmethod
-    def finish(self, succeeded: bool) -> None:
-        """End the run: finished, or failed."""
+    def finish(self, outcome: RunOutcome) -> None:
+        """End the run as the flow run ended: passed or planned (finished), failed, or preempted (stopped at a
+        checkpoint by a signal, for the next run to resume)."""
 
     @abstractmethod
     def reference(self) -> dict:

@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from phase1a.config import MlflowSettings
+from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker, flatten, redact
 
 
@@ -65,8 +66,8 @@ class MlflowTracker(Tracker):
     def log_directory(self, path: Path, name: str) -> None:
         self.client.log_artifacts(self.run_id, str(path), name)
 
-    def finish(self, succeeded: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if succeeded else "FAILED")
+    def finish(self, outcome: RunOutcome) -> None:
+        self.client.set_terminated(self.run_id, {"failed": "FAILED", "preempted": "KILLED"}.get(outcome, "FINISHED"))
 
     def reference(self) -> dict:
         uri = redact(self.client.tracking_uri)

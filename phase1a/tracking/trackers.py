@@ -12,6 +12,7 @@ from typing import Callable
 
 from phase1a.config import ConfigError, TrackingConfig
 from phase1a.logs import run_logger
+from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker, metric_values, redact
 
 INSTALL = "pip install 'phase1a[tracking]' (in this project: uv sync, which installs the dev group)"
@@ -73,11 +74,13 @@ class Trackers:
     def log_images(self, paths: list[Path]) -> None:
         self._each("images", lambda tracker: tracker.log_images(paths))
 
-    def log_directory(self, path: Path, name: str, only: str) -> None:
-        self._each(name, lambda tracker: tracker.log_directory(path, name), names=[only])
+    def log_directory(self, path: Path, name: str, names: list[str]) -> None:
+        """To the trackers in `names` only: a directory's upload is each tracker's own choice."""
+        if names:
+            self._each(name, lambda tracker: tracker.log_directory(path, name), names=names)
 
-    def finish(self, succeeded: bool) -> None:
-        self._each("finish", lambda tracker: tracker.finish(succeeded))
+    def finish(self, outcome: RunOutcome) -> None:
+        self._each("finish", lambda tracker: tracker.finish(outcome))
 
     def _each(self, what: str, call: Callable[[Tracker], None], metrics: int = 0,
               names: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import wandb
 
 from phase1a.config import WandbSettings
+from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker
 
 STEP = "train/global_step"
@@ -21,6 +22,7 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def __init__(self, settings: WandbSettings, context: RunContext) -> None:
+        self.job, self.links = context.job, context.tags
         directory = Path(settings.dir or os.environ.get("WANDB_DIR") or context.run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         # console "off": the flow's own output stays unwrapped; it reaches Prefect's logs.
@@ -55,8 +57,15 @@ class WandbTracker(Tracker):
         if paths:
             self.run.log({f"plots/{path.stem}": wandb.Image(str(path)) for path in paths})
 
-    def finish(self, succeeded: bool) -> None:
-        self.run.finish(exit_code=0 if succeeded else 1)
+    def log_directory(self, path: Path, name: str) -> None:
+        """A `model` artifact `<job>-<name>`: W&B versions it (v0, v1, ...) across the job's runs."""
+        artifact = wandb.Artifact(f"{self.job}-{name}", type="model", metadata={"prefect": self.links})
+        artifact.add_dir(str(path))
+        self.run.log_artifact(artifact)
+
+    def finish(self, outcome: RunOutcome) -> None:
+        # W&B has no "killed" for a finished call: a preempted run ends as a process ended by SIGTERM would.
+        self.run.finish(exit_code={"failed": 1, "preempted": 128 + 15}.get(outcome, 0))
 
     def reference(self) -> dict:
         if self.run.offline:  # no page until `wandb sync DIR` uploads it
