@@ -10,18 +10,30 @@ from pathlib import Path
 from typing import Any
 
 from phase1a.atomic import write_atomically
+from phase1a.meter import Meter, stage_meter
 from phase1a.units import MIB
 
 READ_CHUNK = 8 * MIB  # large enough that hashing runs at disk speed, small enough to stay out of RAM's way
+SHOWN_HASH_BYTES = 256 * MIB  # a first hash of a file this large shows progress: seconds at disk speed, minutes
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, meter: Meter | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(READ_CHUNK):
             digest.update(chunk)
+            if meter is not None:
+                meter.advance(len(chunk))
     return digest.hexdigest()
+
+
+def _sha256_shown(path: Path, size: int) -> str:
+    """A large file's first hash (the content key of a source staged for the first time) shows its progress."""
+    if size < SHOWN_HASH_BYTES:
+        return sha256_file(path)
+    with stage_meter("hash", size, "bytes", what=f"{Path(path).name}, read once for its content key") as meter:
+        return sha256_file(path, meter)
 
 
 class FileHashes:
@@ -52,7 +64,7 @@ class FileHashes:
         identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
         entry = self.entries.get(identity)
         if entry is None or entry[2] - stat.st_mtime_ns < self.RACY_NS:
-            entry = self.entries[identity] = [str(path), sha256_file(path), time.time_ns()]
+            entry = self.entries[identity] = [str(path), _sha256_shown(path, stat.st_size), time.time_ns()]
             self.changed = True
         return entry[1]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +139,26 @@ def test_staging_a_directory_counts_the_bytes_it_copies(tmp_path, info_lines):
     assert info_lines()[-1].startswith(f"stage: {size / 1024:.1f} KiB in ")
     stage_dataset(str(source), tmp_path / "staging")  # all staged: nothing to copy, no line
     assert len(info_lines()) == 2
+
+
+def test_a_large_source_hashed_the_first_time_shows_its_progress(tmp_path, info_lines):
+    """A big source's content key is a full read of it: past SHOWN_HASH_BYTES the first hash shows progress;
+    the next, remembered by (inode, size, mtime), reads nothing and shows nothing; a small file never does."""
+    from phase1a.fingerprint import SHOWN_HASH_BYTES, FileHashes, sha256_file
+
+    big, small = tmp_path / "big.parquet", write_jsonl(tmp_path / "small.jsonl", date_records(5))
+    with open(big, "wb") as handle:
+        handle.truncate(SHOWN_HASH_BYTES)  # sparse: reads back as zeros, at memory speed
+    for path in (big, small):
+        os.utime(path, ns=(time.time_ns() - 10**9, time.time_ns() - 10**9))  # older than a racy hash
+    hashes = FileHashes(tmp_path / "hashes.json")
+    assert hashes.sha256(small) == sha256_file(small) and info_lines() == []
+    assert hashes.sha256(big) == sha256_file(big)
+    lines = info_lines()
+    assert lines[0] == "hash: 256.0 MiB to do; big.parquet, read once for its content key", lines
+    assert lines[-1].startswith("hash: 256.0 MiB in "), lines
+    hashes.sha256(big)
+    assert info_lines() == lines
 
 
 def test_tokenize_counts_examples_and_tokens_against_an_estimate(tmp_path, info_lines):
