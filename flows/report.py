@@ -16,7 +16,9 @@ from pydantic import BaseModel
 from flows.report_md import draw_plots, finish_report
 from phase1a.atomic import write_atomically
 from phase1a.config import Phase1aConfig
+from phase1a.logs import run_logger
 from phase1a.preemption import Preempted
+from phase1a.redaction import redact, redacted
 from phase1a.results import RunOutcome
 
 
@@ -34,7 +36,7 @@ class RunReport:
         self.data: dict[str, Any] = {
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "run_dir": str(self.run_dir),
-            "config": config.model_dump(mode="json"),
+            "config": redacted(config.model_dump(mode="json")),  # a URL's user:password stays out
             "stages": {},
         }
 
@@ -66,7 +68,7 @@ class RunReport:
         try:
             result = state.result()
         except BaseException as error:
-            section["error"] = f"{type(error).__name__}: {error}"
+            section["error"] = redact(f"{type(error).__name__}: {error}")
             raise
         section["result"] = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
         return result
@@ -91,18 +93,28 @@ class RunReport:
         try:
             yield outcome
         except BaseException as error:
-            self.data["error"] = f"{type(error).__name__}: {error}"
+            self.data["error"] = redact(f"{type(error).__name__}: {error}")
             if isinstance(error, Preempted):  # stopped at a checkpoint for the next run to resume: not a failure
                 outcome.status = "preempted"
             raise
         finally:
-            plots = draw_plots(self.data, self.run_dir)  # first: the closing hooks (trackers) log them
-            for hook in self._closing:
-                hook(outcome.status)
+            self.write(outcome.status)  # first: a process killed during what follows still leaves its report
+            plots = self._closing_step("plots", lambda: draw_plots(self.data, self.run_dir)) or []
+            for hook in self._closing:  # after the plots: the trackers log them
+                self._closing_step("a closing hook", lambda: hook(outcome.status))
             print(f"report: {self.write(outcome.status)}")
             readable = finish_report(self.data, self.run_dir, plots)
             if readable:
                 print(f"run report: {readable}")
+
+    def _closing_step(self, what: str, step: Callable[[], Any]) -> Any:
+        """Plots and trackers come after the run's outcome: a failure there is a warning, and report.json is
+        still written (with the run's own error, not this one)."""
+        try:
+            return step()
+        except Exception as error:  # noqa: BLE001 - the report must still be written
+            run_logger().warning(f"report: {what} failed: {redact(f'{type(error).__name__}: {error}')}")
+            return None
 
     def on_closing(self, hook: Callable[[RunOutcome], None]) -> None:
         """`hook(status)` runs as the run ends, after the plots are drawn and before report.json is written: what

@@ -22,6 +22,7 @@ from phase1a.atomic import write_atomically
 from phase1a.history import history_path
 from phase1a.logs import run_logger
 from phase1a.plots import BAND, read_lines
+from phase1a.promotion import POINTER
 from phase1a.tokenized import TokenizedData
 
 ARTIFACT_KEY = "run-report"
@@ -243,6 +244,10 @@ def _training(report: dict) -> list[str]:
     steps = f"{train['steps']:,}" + (f" of {plan['steps']:,} planned" if plan and plan["steps"] != train["steps"]
                                      else "")
     steps += f", resumed from step {train['resumed_from_step']}" if train["resumed_from_step"] else ""
+    if train.get("stopped_early"):  # `steps` is the plan's count: where the patience ran out says how far it went
+        steps += (f"; stopped early at step {train['stopped_at_step']:,} (no better eval loss in "
+                  f"{(report.get('config') or {}).get('validation', {}).get('early_stopping')} evaluations), "
+                  f"the adapter from step {train['best_step']:,}")
     steps += " (a finished run, reused)" if train["reused_completed_run"] else ""
     rows = [("steps", steps),
             ("tokens", f"{train['train_tokens']:,}"), ("tokens/s", f"{train['tokens_per_second']:,.0f}"),
@@ -294,7 +299,7 @@ def _promotion(report: dict) -> list[str]:
     if promotion:
         rows += [("version", f"`{promotion['version']}`" + ("" if promotion["promoted"]
                                                               else " (already the promoted model: nothing copied)")),
-                 ("path", f"`{promotion['path']}`"), ("pointer", f"`{Path(promote_to) / 'promoted.json'}`")]
+                 ("path", f"`{promotion['path']}`"), ("pointer", f"`{promote_to.rstrip('/')}/{POINTER}`")]
     elif promote_to:
         rows.append(("promoted", "no: " + ("the gate failed" if (report.get("validation") or {}).get("verdict")
                                            == "fail" else "the run did not get that far")))

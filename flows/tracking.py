@@ -64,7 +64,8 @@ class RunTracking:
         with Follower(output_dir, self.trackers.log_records, on_error=unreadable):
             trained = self.report.run(stage, task, **inputs)
         totals = {"train_wall_seconds": trained.wall_seconds, "train_tokens_per_second": trained.tokens_per_second,
-                  "train_final_loss": trained.final_loss, "train_mean_mfu": trained.mean_mfu}
+                  "train_final_loss": trained.final_loss, "train_mean_mfu": trained.mean_mfu,
+                  "train_best_step": trained.best_step, "train_stopped_at_step": trained.stopped_at_step}
         self.trackers.log_summary({key: value for key, value in totals.items() if value is not None})
         self.adapter_dir = trained.adapter_dir
         return trained

@@ -109,7 +109,9 @@ class Meter:
             self._add(n, extras)
             if self.bar is not None:
                 self.bar.update(n)
-            self._maybe_report()
+            artifact_due = self._maybe_report()
+        if artifact_due is not None:  # an HTTP call to Prefect's API: outside the lock the download threads share
+            self.artifact.update(*artifact_due)
 
     def carry(self, n: float) -> None:
         """`n` done before this meter started (bytes an earlier attempt downloaded): counted, not in the rate."""
@@ -134,7 +136,8 @@ class Meter:
         for key, value in extras.items():
             self.count.extras[key] = self.count.extras.get(key, 0.0) + value
 
-    def _maybe_report(self) -> None:
+    def _maybe_report(self) -> tuple[float, str] | None:
+        """Lines and the bar's rates when due; the artifact's update when due, for the caller to send."""
         now = self.clock()
         unfinished = self.count.total is None or self.count.done < self.count.total  # else the last line says it
         if self.lines and unfinished and now - self.line_at >= self.settings.interval_seconds:
@@ -144,8 +147,9 @@ class Meter:
             self.bar.set_postfix_str(", ".join(_rates(self.count, now - self.began)[1:]), refresh=False)
             self.postfix_at = now
         if self.artifact is not None and now - self.artifact_at >= ARTIFACT_EVERY_SECONDS:
-            self.artifact.update(self.percent(), self.describe(now))
             self.artifact_at = now
+            return self.percent(), self.describe(now)
+        return None
 
     def percent(self) -> float:
         total = self.count.total

@@ -42,12 +42,12 @@ from phase1a.checkpoints import (
     save_checkpoint,
     trainable_state_dict,
 )
-from phase1a.config import MethodConfig, Phase1aConfig
+from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, record_run
 from phase1a.locks import exclusive
-from phase1a.meter import current_settings
+from phase1a.meter import MeterSettings, current_settings
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
@@ -76,6 +76,9 @@ class TrainSettings(BaseModel):
     keep_last: int = 2
     trust_remote_code: bool = False
     show_progress: bool = True
+    # The config's `progress` section: torchrun ranks are other processes, where the flow's `configure` never
+    # ran. None: this process's settings.
+    progress: ProgressConfig | None = None
     num_processes: int = 1  # >1: torchrun, one process a GPU
     strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes
     model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
@@ -83,6 +86,12 @@ class TrainSettings(BaseModel):
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
     init_adapter: str | None = None  # a warm start: the adapter the trainable one starts from (local)
     evaluation: EvalSettings | None = None  # evaluation during training and early stopping; None: neither
+
+
+def _display(settings: TrainSettings) -> MeterSettings | None:
+    if not settings.show_progress:
+        return None
+    return MeterSettings.of(settings.progress) if settings.progress is not None else current_settings()
 
 
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int,
@@ -117,8 +126,8 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
-        trust_remote_code=config.model.trust_remote_code, num_processes=config.hardware.num_gpus,
-        strategy=config.hardware.strategy,
+        trust_remote_code=config.model.trust_remote_code, progress=config.progress,
+        num_processes=config.hardware.num_gpus, strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
         planned_seconds=plan.estimated_train_seconds, evaluation=evaluation,
     )
@@ -213,7 +222,7 @@ class TrainRecipe:
                 _trim_metrics(self.output_dir / curve, self.progress.step)
         yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
         self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,
-                                         display=current_settings() if settings.show_progress else None,
+                                         display=_display(settings),
                                          enabled=self.world.main)
         if resumed_from is not None:
             self.reporter.event("resumed", from_step=self.progress.step, checkpoint=resumed_from.name)

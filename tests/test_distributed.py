@@ -130,3 +130,19 @@ def test_a_rank_exits_with_its_outcome_and_without_the_interpreter_shutdown(tmp_
         assert "ValueError: bad row" in done.stderr
     else:
         assert done.stdout == "trained\n"
+
+
+@pytest.mark.slow
+def test_the_ranks_show_progress_as_the_config_says(one_process, capfd):
+    """The ranks are other processes, where the flow's `progress` settings were never applied: they come in the
+    train settings. Lines an hour apart: the first and the last step only, from rank 0 alone; off: none."""
+    from phase1a.config import ProgressConfig
+
+    settings, _ = one_process
+    shown = {"show_progress": True, "progress": ProgressConfig(display="lines", interval="1h")}
+    run(settings("two-lines", 2).model_copy(update=shown))
+    steps = [line for line in capfd.readouterr().err.splitlines() if line.startswith("train: step")]
+    assert [line.split(" (")[0] for line in steps] == ["train: step 1 of 6", "train: step 6 of 6"], steps
+    off = {"show_progress": True, "progress": ProgressConfig(display="off")}
+    run(settings("two-off", 2).model_copy(update=off))
+    assert not [line for line in capfd.readouterr().err.splitlines() if line.startswith("train:")]

@@ -129,6 +129,16 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path):
     assert "[plan.json](plan.json)" in text and "candidate_metrics.json" not in text  # only the files there
 
 
+def test_an_early_stop_and_an_s3_pointer_read_as_they_are(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    report["config"]["validation"] = {"promote_to": "s3://models/dates/", "early_stopping": 1}
+    report["stages"]["train"]["result"] |= {"stopped_early": True, "stopped_at_step": 30, "best_step": 20}
+    text = write_report(report, run_dir).read_text()
+    assert ("| steps | 30; stopped early at step 30 (no better eval loss in 1 evaluations), the adapter from "
+            "step 20 |") in text
+    assert "`s3://models/dates/promoted.json`" in text
+
+
 def test_a_failed_run_names_the_stage_and_its_error_and_draws_what_it_can(tmp_path):
     report, run_dir = report_json(tmp_path)
     error = "DataError: dates.jsonl:65: malformed JSON"

@@ -1,33 +1,15 @@
 """What every tracker does (`Tracker`), what a run starts from (`RunContext`), and the shared naming: flattened
-params, per-step metric names, and URLs with their credentials cut out."""
+params and per-step metric names."""
 from __future__ import annotations
 
 import json
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from phase1a.results import RunOutcome
-
-# `scheme://user:password@host`: whatever sits between `://` and `@` is a credential, never logged.
-_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-
-
-def redact(text: str) -> str:
-    """The text with the user-info of every URL in it replaced by `***`."""
-    return _USERINFO.sub("***@", text)
-
-
-def redacted(tree: Any) -> Any:
-    """A JSON tree (dicts, lists, scalars) with `redact` applied to every string in it."""
-    if isinstance(tree, dict):
-        return {key: redacted(value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [redacted(value) for value in tree]
-    return redact(tree) if isinstance(tree, str) else tree
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:

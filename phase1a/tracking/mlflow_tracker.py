@@ -18,8 +18,9 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from phase1a.config import MlflowSettings
+from phase1a.redaction import redact
 from phase1a.results import RunOutcome
-from phase1a.tracking.base import RunContext, Tracker, flatten, redact
+from phase1a.tracking.base import RunContext, Tracker, flatten
 
 
 class MlflowTracker(Tracker):

@@ -12,8 +12,9 @@ from typing import Callable
 
 from phase1a.config import ConfigError, TrackingConfig
 from phase1a.logs import run_logger
+from phase1a.redaction import redact
 from phase1a.results import RunOutcome
-from phase1a.tracking.base import RunContext, Tracker, metric_values, redact
+from phase1a.tracking.base import RunContext, Tracker, metric_values
 
 INSTALL = "pip install 'phase1a[tracking]' (in this project: uv sync, which installs the dev group)"
 
