@@ -51,6 +51,7 @@ from phase1a.meter import MeterSettings, current_settings
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+from phase1a.plots import read_lines
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
 from phase1a.replay import write_trained_on
@@ -406,12 +407,12 @@ class TrainRecipe:
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
-    """Keep the records up to the checkpoint a run resumes from: the curve stays continuous, without repeats."""
+    """Keep the records up to the checkpoint a run resumes from: the curve stays continuous, without repeats. A
+    torn line (the crash that made this a resume) is dropped, not a reason to fail every resume after it."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    write_atomically(path, "".join(line + "\n" for line in kept))  # a crash here must not lose the curve
+    kept = [record for record in read_lines(path) if record.get("step", 0) <= last_step]
+    write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))  # a crash here keeps the curve
 
 
 def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, weights: dict | None = None) -> None:
