@@ -6,7 +6,7 @@ publishes it as the markdown artifact `run-report` with the images inline as dat
 `data:image/...` sources in markdown artifacts: the V2 UI allows them past its sanitiser, the V1 UI renders
 image tokens as they are). The markdown itself is `render_report(report, run_dir, plots)`, a pure function of
 report.json's dict and the files in the run directory. A plot that cannot be drawn is logged and reported as
-missing; nothing here fails a run.
+missing; nothing here fails a run (the lengths' histogram and artifact included).
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from typing import Callable
 
 import numpy as np
 
+from phase1a import run_files
 from phase1a.atomic import write_atomically
-from phase1a.history import history_path
+from phase1a.history import ESTIMATE_BAND, history_path
 from phase1a.logs import run_logger
-from phase1a.plots import BAND, read_lines
+from phase1a.plots import read_lines
 from phase1a.promotion import POINTER
 from phase1a.tokenized import TokenizedData
 
@@ -42,14 +43,19 @@ def publish_length_report(data: TokenizedData, run_dir: Path) -> None:
     """Draw the lengths' histogram into the run directory and summarise lengths and waste as a Prefect artifact.
     Drawn here, not by the stage: matplotlib's import (1-2 s) would be most of a night's tokenize when one new
     shard is all it encodes, and a plot's code is no part of the stage's cache key."""
+    try:
+        _publish_lengths(data, run_dir)
+    except Exception as error:  # noqa: BLE001 - a picture of the data never fails the run that trains on it
+        run_logger().warning(f"run report: lengths.png and the lengths artifact: {type(error).__name__}: {error}")
+
+
+def _publish_lengths(data: TokenizedData, run_dir: Path) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
     from phase1a.plots import save_histogram
 
     lengths = np.load(data.lengths_path, allow_pickle=False)
     save_histogram(lengths, data.lengths, data.max_seq_length, Path(run_dir) / "lengths.png")
-    try:
-        from prefect.artifacts import create_markdown_artifact
-    except ImportError:
-        return
     s = data.lengths
     rows = "\n".join(f"| {w.batching} | {w.sequence_length or '-'} | {w.computed_tokens} | {w.waste_fraction:.1%} |"
                      for w in data.waste)
@@ -71,7 +77,7 @@ def _train_files(report: dict) -> tuple[Path | None, Path | None]:
     output_dir = _result(report, "train").get("output_dir")
     if not output_dir:
         return None, None
-    return Path(output_dir) / "metrics.jsonl", Path(output_dir) / "eval.jsonl"
+    return Path(output_dir) / run_files.METRICS, Path(output_dir) / run_files.EVALUATIONS
 
 
 def draw_plots(report: dict, run_dir: Path) -> list[Plot]:
@@ -129,8 +135,8 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
 def _ratio(estimated: float | None, actual: float | None) -> str:
     if not estimated or not actual:
         return "-"
-    within = "within" if abs(estimated / actual - 1) <= BAND else "outside"
-    return f"{estimated / actual:.2f}x ({estimated / actual - 1:+.0%}, {within} ±{BAND:.0%})"
+    within = "within" if abs(estimated / actual - 1) <= ESTIMATE_BAND else "outside"
+    return f"{estimated / actual:.2f}x ({estimated / actual - 1:+.0%}, {within} ±{ESTIMATE_BAND:.0%})"
 
 
 # ---- sections ----------------------------------------------------------------------------------------------

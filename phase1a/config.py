@@ -288,8 +288,8 @@ class ValidationConfig(_Section):
         "an interval in checkpoint.interval's units ('500steps', '30m', '0.25ep'), or 'never'/null; and once "
         "more on the final weights. Its cost is in the plan's estimate."))
     during_training_examples: int = Field(64, ge=1, description=(
-        "The sample evaluated during training: the first N examples of the validation split (a subset of the "
-        "validate stage's sample)."))
+        "The sample evaluated during training: the first N examples of the validation split, at most "
+        "`max_examples` (a part of the validate stage's sample)."))
     early_stopping: int | None = Field(None, ge=1, description=(
         "Patience: stop training after this many evaluations during training without an improvement of the eval "
         "loss; the best weights are kept as `best/` and become the final adapter that validation scores. None: "
@@ -349,8 +349,8 @@ class RetryConfig(_Section):
 
 
 class ProgressConfig(_Section):
-    """How long stages other than training show their progress (phase1a/meter.py): staging, tokenize,
-    calibration, validation, promotion."""
+    """How the long stages show their progress (phase1a/meter.py): staging, hashing a large source, tokenize,
+    calibration, training (phase1a/progress.py, on every torchrun rank's settings too), validation, promotion."""
 
     display: Literal["auto", "bar", "lines", "off"] = Field("auto", description=(
         "auto: a terminal bar where stderr is a terminal, else log lines (a worker); bar; lines; off: neither. "
@@ -425,7 +425,8 @@ class Phase1aConfig(_Section):
     retries: RetryConfig = Field(RetryConfig(), description=(
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
     progress: ProgressConfig = Field(ProgressConfig(), description=(
-        "Progress of staging, tokenize, calibration, validation and promotion: a bar, log lines, an artifact."))
+        "Progress of staging, tokenize, calibration, training, validation and promotion: a bar, log lines, an "
+        "artifact."))
     tracking: TrackingConfig = Field(TrackingConfig(), description=(
         "Experiment tracking in MLflow and Weights & Biases; off unless a tracker's section is given."))
 

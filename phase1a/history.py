@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the results embed a RunRecord: typing only, to keep the imp
 
 
 RECENT_RUNS = 5
+ESTIMATE_BAND = 0.10  # an estimate within ±10 % of the measured time is on track (progress, plots, report.md)
 
 
 def history_path(cache_dir: Path) -> Path:

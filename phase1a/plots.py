@@ -16,15 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from phase1a.history import read_runs
+from phase1a.history import ESTIMATE_BAND, read_runs
 from phase1a.lengths import LengthStats
 
 DPI = 90  # small files: the run report embeds them in a Prefect artifact
 SIZE = (8, 4)  # inches
 SMOOTHING = 0.9  # the exponential moving average's weight on the past, as TensorBoard's slider
-# The plan's accuracy target: estimated within ±10 % of the actual seconds. The same fact as phase1a/progress.py's
-# ON_TRACK_TOLERANCE (tests/test_report_md.py holds them equal), restated so that drawing never imports torch.
-BAND = 0.10
 _BLUE, _RED, _GREY, _GREEN = "#4C72B0", "#C44E52", "#8C8C8C", "#55A868"
 
 
@@ -166,13 +163,14 @@ def save_estimate_vs_actual(history_path: Path, path: Path, last: int = 20) -> P
         return None
     actual = np.array([r.actual_train_seconds for r in runs])
     estimated = np.array([r.estimated_train_seconds for r in runs])
-    inside = np.abs(estimated / actual - 1) <= BAND
+    inside = np.abs(estimated / actual - 1) <= ESTIMATE_BAND
     figure, axis = _pyplot().subplots(figsize=SIZE)
     low, high = min(actual.min(), estimated.min()) / 1.5, max(actual.max(), estimated.max()) * 1.5
     span = np.geomspace(low, high, 50)
-    axis.fill_between(span, span * (1 - BAND), span * (1 + BAND), color=_GREEN, alpha=0.2, label=f"±{BAND:.0%}")
+    axis.fill_between(span, span * (1 - ESTIMATE_BAND), span * (1 + ESTIMATE_BAND), color=_GREEN, alpha=0.2,
+                      label=f"±{ESTIMATE_BAND:.0%}")
     axis.plot(span, span, color=_GREY, linewidth=1, label="estimate = actual")
-    axis.scatter(actual[inside], estimated[inside], color=_GREEN, label=f"within ±{BAND:.0%}", zorder=3)
+    axis.scatter(actual[inside], estimated[inside], color=_GREEN, label=f"within ±{ESTIMATE_BAND:.0%}", zorder=3)
     axis.scatter(actual[~inside], estimated[~inside], color=_RED, label="outside", zorder=3)
     axis.scatter(actual[-1:], estimated[-1:], s=160, facecolors="none", edgecolors="black", linewidths=1.5,
                  zorder=4, label=f"newest: {estimated[-1] / actual[-1] - 1:+.0%}")
@@ -188,7 +186,7 @@ def save_estimate_vs_actual(history_path: Path, path: Path, last: int = 20) -> P
     axis.set_xlabel("actual training seconds")
     axis.set_ylabel("estimated training seconds")
     runs_text = f"the last {len(runs)} runs" if len(runs) > 1 else "one run"
-    axis.set_title(f"plan estimate vs actual, {runs_text}: {int(inside.sum())} within ±{BAND:.0%}")
+    axis.set_title(f"plan estimate vs actual, {runs_text}: {int(inside.sum())} within ±{ESTIMATE_BAND:.0%}")
     axis.grid(alpha=0.3, which="both")
     axis.legend(loc="best", fontsize="small")
     return _save(figure, path)

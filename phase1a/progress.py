@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
+from phase1a import run_files
+from phase1a.history import ESTIMATE_BAND
 from phase1a.logs import run_logger
-from phase1a.meter import MeterSettings, ProgressArtifact, duration, emit, resolved_display
+from phase1a.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, duration, emit, resolved_display
 from phase1a.units import GIB, KIB
-
-ON_TRACK_TOLERANCE = 0.10
-_ARTIFACT_EVERY_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,9 @@ class ProgressReporter:
         `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.output_dir, self.enabled = Path(output_dir), enabled
-        self.metrics = open(Path(output_dir) / "metrics.jsonl", "a") if enabled else None
+        self.metrics = open(Path(output_dir) / run_files.METRICS, "a") if enabled else None
         self.evaluations = None  # eval.jsonl, opened at the first evaluation: a run without any has no file
-        self.events = open(Path(output_dir) / "events.jsonl", "a") if enabled else None
+        self.events = open(Path(output_dir) / run_files.EVENTS, "a") if enabled else None
         self.watch = _Watch(display if enabled else None, total_steps, start_step)
         self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
         self.artifact = ProgressArtifact.create("train", "phase1a training: optimizer steps done") if enabled else None
@@ -85,13 +84,13 @@ class ProgressReporter:
         if yardstick.planned_seconds:
             projected = prior_seconds + elapsed + remaining
             record["projected_s"] = round(projected, 1)
-            record["on_track"] = projected <= yardstick.planned_seconds * (1 + ON_TRACK_TOLERANCE)
+            record["on_track"] = projected <= yardstick.planned_seconds * (1 + ESTIMATE_BAND)
         self._write(self.metrics, record)
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
             if self.tensorboard is not None and record.get(key) is not None:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
         line = self.watch.step(step, self.total_steps, loss, tokens_per_second, remaining)
-        due = time.monotonic() - self.artifact_at > _ARTIFACT_EVERY_SECONDS or step == self.total_steps
+        due = time.monotonic() - self.artifact_at > ARTIFACT_EVERY_SECONDS or step == self.total_steps
         if self.artifact is not None and due:
             self.artifact.update(100.0 * step / self.total_steps, line)
             self.artifact_at = time.monotonic()
@@ -103,7 +102,7 @@ class ProgressReporter:
         if not self.enabled:
             return
         if self.evaluations is None:
-            self.evaluations = open(self.output_dir / "eval.jsonl", "a")
+            self.evaluations = open(self.output_dir / run_files.EVALUATIONS, "a")
         self._write(self.evaluations, record)
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("eval/loss", record["eval_loss"], record["step"])
@@ -133,7 +132,7 @@ class ProgressReporter:
 
 def append_event(output_dir: Path, kind: str, **fields) -> None:
     """An event from outside a training process (the launcher of its ranks), in the same file and format."""
-    with open(Path(output_dir) / "events.jsonl", "a") as events:
+    with open(Path(output_dir) / run_files.EVENTS, "a") as events:
         events.write(json.dumps(_event(kind, **fields)) + "\n")
 
 

@@ -66,7 +66,9 @@ class EvalSettings(BaseModel):
         if validation.during_training == "never" or not validation_path or validation_examples == 0:
             return None
         return cls(validation_path=validation_path, cadence=validation.during_training,
-                   examples=validation.during_training_examples, patience=validation.early_stopping,
+                   # The validate stage scores the first max_examples: this sample stays a part of that one.
+                   examples=min(validation.during_training_examples, validation.max_examples),
+                   patience=validation.early_stopping,
                    min_delta=validation.early_stopping_min_delta)
 
     @property

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
-from phase1a import distributed
+from phase1a import distributed, run_files
 from phase1a.atomic import atomic_path, write_atomically
 from phase1a.checkpoints import (
     TrainingState,
@@ -219,7 +219,7 @@ class TrainRecipe:
         resumed_from = self._resume()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.world.main:  # later steps and their evaluations are redone
-            for curve in ("metrics.jsonl", "eval.jsonl"):
+            for curve in (run_files.METRICS, run_files.EVALUATIONS):
                 _trim_metrics(self.output_dir / curve, self.progress.step)
         yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
         self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,

@@ -14,7 +14,7 @@ from flows.cli import main as cli_main
 from flows.report_md import finish_report, inline_images, write_report
 from helpers import write_jsonl
 from phase1a.history import RunRecord, append_run, history_path
-from phase1a.plots import BAND, by_step, smoothed, step_rates
+from phase1a.plots import by_step, smoothed, step_rates
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")
@@ -187,12 +187,6 @@ def test_each_steps_rate_from_its_tokens_and_time_and_a_resumed_process_counts_f
              {"step": 3, "tokens": 100, "elapsed_s": 0.5}, {"step": 4, "tokens": 300, "elapsed_s": 1.5}]
     steps, rates = step_rates(lines)
     assert steps.tolist() == [1, 2, 3, 4] and rates.tolist() == [100.0, 50.0, 200.0, 300.0]
-
-
-def test_the_band_is_the_progress_on_track_tolerance():
-    from phase1a.progress import ON_TRACK_TOLERANCE
-
-    assert BAND == ON_TRACK_TOLERANCE
 
 
 def test_show_prints_the_report_md(tmp_path, capsys):

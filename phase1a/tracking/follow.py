@@ -10,8 +10,10 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from phase1a import run_files
+
 FOLLOW_SECONDS = 5.0
-SOURCES = {"train": "metrics.jsonl", "eval": "eval.jsonl"}  # the source names metric_values knows
+SOURCES = {"train": run_files.METRICS, "eval": run_files.EVALUATIONS}  # the source names metric_values knows
 
 
 class JsonlTail:
