@@ -9,8 +9,11 @@ plan counts them with the same `Interval.count` (`EvalSettings.evaluations`) and
 speed it measured for the validate stage.
 
 What: the first `validation.during_training_examples` examples of the validation split, the same at every
-evaluation (a subset of the validate stage's sample), scored by phase1a/evaluation.py's teacher-forced pass in
-rows of training's own token budget (what is known to fit on the device beside the optimizer state).
+evaluation (a subset of the validate stage's sample), cut to training's max length as training's examples are
+(`TokenRows.load`), scored by phase1a/evaluation.py's teacher-forced pass in rows of training's own token budget
+(what is known to fit on the device beside the optimizer state). Uncut, an example longer than a plan that
+shortened max_seq_length would sit alone in a row bigger than that budget, and could run out of memory at the
+same step on every resume.
 
 Without changing training: eval mode (no dropout), no autograd, uncompiled (a compiled model would recompile
 for the other mode), the RNG states put back afterwards and train mode restored: a run's losses and weights are
@@ -156,9 +159,10 @@ def evaluating(model: torch.nn.Module):
 class Evaluator:
     """The train stage's evaluations: the fixed sample, early stopping, and `best/` in the run's directory."""
 
-    def __init__(self, settings: EvalSettings, output_dir: Path, world: distributed.World) -> None:
+    def __init__(self, settings: EvalSettings, output_dir: Path, world: distributed.World, max_length: int) -> None:
+        """`max_length`: training's, which its token budget is made of."""
         self.settings, self.world = settings, world
-        self.rows = TokenRows.load(settings.validation_path)
+        self.rows = TokenRows.load(settings.validation_path, max_length)
         self.indices = settings.sample(self.rows)
         self.stopping = EarlyStopping(settings.patience, settings.min_delta)
         self.best_dir = Path(output_dir) / "best"

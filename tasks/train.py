@@ -189,7 +189,7 @@ class TrainRecipe:
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy == "fsdp" and self.world.size > 1
         evaluation = settings.evaluation
-        self.evaluator = Evaluator(evaluation, self.output_dir, self.world) if evaluation else None
+        self.evaluator = Evaluator(evaluation, self.output_dir, self.world, self.max_length) if evaluation else None
         self.eval_interval = evaluation.interval(settings.checkpoint_interval) if evaluation else None
 
     # ---- 1. setup ----------------------------------------------------------------------------------------

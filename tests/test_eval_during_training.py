@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, validate_config
+from phase1a.labels import IGNORE_INDEX
+from phase1a.packing import TokenRows
 from phase1a.training_eval import EvalSettings
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -69,6 +71,34 @@ def test_evaluations_at_the_interval_leave_training_unchanged(tiny_model_dir, da
     assert evaluated.evaluations == 3 and evaluated.eval_seconds > 0 and not evaluated.stopped_early
     assert evaluated.best_eval_loss == pytest.approx(min(p["eval_loss"] for p in points), abs=1e-6)
     assert evaluated.best_step == 6 and not (tmp_path / "evaluated" / "best").exists()  # no early stopping: no copy
+
+
+def test_validation_examples_are_cut_to_the_training_max_length(tiny_model_dir, data, tmp_path):
+    """A plan that shortened max_seq_length to 52 (the examples have 56 or 58 tokens, their answers from token 47
+    or 48 on) with rows of one example: each validation example is evaluated cut to 52 tokens, as training cuts
+    its own, so no row is bigger than training's token budget (52)."""
+    cap, full = 52, TokenRows.load(data.validation_path)
+    assert len(full) == 6 and full.lengths().min() > cap
+    eval_rows = []
+
+    def watch(model) -> None:
+        def record(module, args, kwargs):
+            if not module.training:
+                eval_rows.append(kwargs["input_ids"].numel())
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+
+    result = train(settings(tiny_model_dir, data, tmp_path / "run", evaluation={"examples": 6},
+                            max_seq_length=cap, micro_batch_size=1), on_model=watch)
+    (point,) = lines(tmp_path / "run" / "eval.jsonl")  # the final weights' evaluation only
+
+    def supervised(end: int | None) -> int:  # each example's labels after its first token, up to `end`
+        return sum(int((full.labels[start + 1 : start + (end or full.lengths()[i])] != IGNORE_INDEX).sum())
+                   for i, start in enumerate(full.offsets[:-1]))
+
+    assert point["examples"] == 6 and point["tokens"] == supervised(cap) < supervised(None)
+    assert eval_rows == [cap] * 6  # one example a row, each cut to the budget
+    assert result.evaluations == 1 and 0 < result.best_eval_loss < 10
 
 
 @pytest.fixture(scope="module")
