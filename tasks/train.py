@@ -272,13 +272,17 @@ class TrainRecipe:
                     raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path))
                 due = progress.step < self.total_steps and distributed.any_rank(
                     interval.due(progress.since(progress.last_save)), world)
-                if self._evaluation_due(due) and self._evaluate():
-                    break  # early stopping: the patience is spent
+                if self._evaluation_due(due):
+                    self._evaluate()
+                    if self._patience_spent():
+                        break
                 if due:  # after the evaluation: the checkpoint holds early stopping's state as of this step
                     self._checkpoint()
                     progress.last_save = progress.mark()
         if self.evaluator is not None and progress.stopped_at is None:
-            self._evaluate()  # the final weights: the curve ends where training ended
+            # The final weights: the curve ends where training ended. It may be the best, but it stops nothing:
+            # every step was trained, whatever the patience left.
+            self._evaluate()
         self.reporter.close()
 
     def _evaluation_due(self, checkpoint_due: bool) -> bool:
@@ -291,12 +295,16 @@ class TrainRecipe:
             return checkpoint_due
         return distributed.any_rank(self.eval_interval.due(progress.since(progress.last_eval)), self.world)
 
-    def _evaluate(self) -> bool:
-        """The held-out sample on the weights as they are now; True when early stopping's patience is spent."""
-        progress, evaluator = self.progress, self.evaluator
-        point = evaluator(self.model, progress.step, token_budget(self.micro, self.max_length))
+    def _evaluate(self) -> None:
+        """The held-out sample on the weights as they are now (with early stopping, `best/` when they are best)."""
+        progress = self.progress
+        point = self.evaluator(self.model, progress.step, token_budget(self.micro, self.max_length))
         self.reporter.evaluation(point.model_dump())
         progress.last_eval = progress.mark()
+
+    def _patience_spent(self) -> bool:
+        """After an evaluation in the loop: early stopping stops training here when its patience is spent."""
+        progress, evaluator = self.progress, self.evaluator
         if not evaluator.stopping.exhausted:
             return False
         progress.stopped_at = progress.step

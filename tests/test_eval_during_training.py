@@ -144,6 +144,23 @@ def test_a_resume_keeps_the_best_so_far_and_the_patience_spent(stopped, tmp_path
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
 
 
+def test_the_final_evaluation_can_be_the_best_but_stops_nothing(tiny_model_dir, data, tmp_path):
+    """Patience 1, and a min_delta that no evaluation after the first can beat: the one at step 4's checkpoint is
+    the best, the final weights' at step 6 is not. The run trained every step, so it did not stop early (nor
+    says so), and its final adapter is still the best weights."""
+    output = tmp_path / "run"
+    result = train(settings(tiny_model_dir, data, output, checkpoint_interval="4steps", keep_last=9,
+                            evaluation={"examples": 6, "patience": 1, "min_delta": 100.0}))
+    assert result.steps == 6 and len(lines(output / "metrics.jsonl")) == 6
+    assert [(p["step"], p["best"]) for p in lines(output / "eval.jsonl")] == [(4, True), (6, False)]
+    assert not result.stopped_early and result.stopped_at_step is None and result.best_step == 4
+    assert lines(output / "events.jsonl") == []  # no early_stopping event
+    assert json.loads((output / "best" / "evaluation.json").read_text())["step"] == 4
+    final = adapter(result)
+    at_best = as_adapter(load_file(output / "checkpoints" / "step-00000004" / "trainable.safetensors"))
+    assert final.keys() == at_best.keys() and all(torch.equal(final[name], at_best[name]) for name in final)
+
+
 def test_config_errors_name_the_field(config_tree):
     config = validate_config(config_tree)
     assert config.validation.during_training == "checkpoint" and config.validation.early_stopping is None
