@@ -32,7 +32,8 @@ class TrainingState:
     torch_rng: torch.Tensor
     cuda_rng: list[torch.Tensor]
     elapsed_seconds: float = 0.0  # training time spent before this checkpoint, for honest ETAs after a resume
-    evaluation: dict | None = None  # evaluation during training: the best so far, evaluations since (plain values)
+    # Evaluation during training (plain values): the best so far, evaluations since, the last one's step
+    evaluation: dict | None = None
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -178,7 +178,12 @@ def step_loader(batches: StepBatches, steps, workers: int, pin_memory: bool) -> 
 
     Workers start from a fork server, not a fork of this process: a process that ran a Prefect flow carries
     Prefect's exit hooks into a forked child, where they fail (exit code 1) and take the loader down when it
-    shuts its workers. `StepBatches` pickles without its rows, so starting a worker this way copies nothing."""
+    shuts its workers. `StepBatches` pickles without its rows, so starting a worker this way copies nothing.
+
+    Each iterator draws its workers' base seed from the loader's generator: without one it draws from the global
+    RNG, which dropout draws from, and a loader made anew on resuming (or after an out-of-memory back-off) would
+    move dropout's stream away from the uninterrupted run's. Packing a step draws no random number."""
     return torch.utils.data.DataLoader(batches, batch_size=None, sampler=steps, num_workers=workers,
                                        pin_memory=pin_memory, prefetch_factor=2 if workers else None,
-                                       multiprocessing_context="forkserver" if workers else None)
+                                       multiprocessing_context="forkserver" if workers else None,
+                                       generator=torch.Generator())

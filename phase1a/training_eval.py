@@ -9,8 +9,11 @@ plan counts them with the same `Interval.count` (`EvalSettings.evaluations`) and
 speed it measured for the validate stage.
 
 What: the first `validation.during_training_examples` examples of the validation split, the same at every
-evaluation (a subset of the validate stage's sample), scored by phase1a/evaluation.py's teacher-forced pass in
-rows of training's own token budget (what is known to fit on the device beside the optimizer state).
+evaluation (a subset of the validate stage's sample), cut to training's max length as training's examples are
+(`TokenRows.load`), scored by phase1a/evaluation.py's teacher-forced pass in rows of training's own token budget
+(what is known to fit on the device beside the optimizer state). Uncut, an example longer than a plan that
+shortened max_seq_length would sit alone in a row bigger than that budget, and could run out of memory at the
+same step on every resume.
 
 Without changing training: eval mode (no dropout), no autograd, uncompiled (a compiled model would recompile
 for the other mode), the RNG states put back afterwards and train mode restored: a run's losses and weights are
@@ -20,15 +23,19 @@ DDP's wrapper is bypassed (its forward may broadcast buffers). Rank 0's numbers 
 
 Early stopping (`validation.early_stopping`, a patience in evaluations): an evaluation improves when its eval
 loss is below the best so far by more than `early_stopping_min_delta` (a NaN never improves). Each improvement
-writes the trainable weights to `best/` (safetensors, to disk: a full fine-tune's do not fit beside it in
-memory) with `best/evaluation.json` ({step, eval_loss}); when the patience is spent training stops, and the
-final adapter is made from `best/`, so validation scores the best weights. The bookkeeping (best step and loss,
-evaluations since) is saved in every checkpoint and restored on resume.
+writes the trainable weights to `best/step-N.safetensors` (to disk: a full fine-tune's do not fit beside it in
+memory) and names them in `best/evaluation.json` ({step, eval_loss}); when the patience is spent training
+stops, and the final adapter is made from the best weights, so validation scores them. The bookkeeping (best
+step and loss, evaluations since) is saved in every checkpoint and restored on resume, with `best/` as it was
+then: the weights of the best the checkpoint names are kept until a later checkpoint names another, and a
+resume drops those of bests written after its checkpoint. A run that trains every step does not stop early,
+whatever its final evaluation: that one can only become the best (tasks/train.py).
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +47,7 @@ from pydantic import BaseModel
 from safetensors.torch import save_file
 
 from phase1a import distributed
-from phase1a.atomic import atomic_path
+from phase1a.atomic import atomic_path, write_atomically
 from phase1a.checkpoints import load_trainable, trainable_state_dict
 from phase1a.config import ValidationConfig
 from phase1a.evaluation import teacher_forced
@@ -158,12 +165,14 @@ def evaluating(model: torch.nn.Module):
 class Evaluator:
     """The train stage's evaluations: the fixed sample, early stopping, and `best/` in the run's directory."""
 
-    def __init__(self, settings: EvalSettings, output_dir: Path, world: distributed.World) -> None:
+    def __init__(self, settings: EvalSettings, output_dir: Path, world: distributed.World, max_length: int) -> None:
+        """`max_length`: training's, which its token budget is made of."""
         self.settings, self.world = settings, world
-        self.rows = TokenRows.load(settings.validation_path)
+        self.rows = TokenRows.load(settings.validation_path, max_length)
         self.indices = settings.sample(self.rows)
         self.stopping = EarlyStopping(settings.patience, settings.min_delta)
         self.best_dir = Path(output_dir) / "best"
+        self.saved_best: int | None = None  # the best step the latest checkpoint (or final adapter) names
         self.count, self.seconds = 0, 0.0
 
     def __call__(self, model: torch.nn.Module, step: int, token_budget: int) -> EvalPoint:
@@ -182,18 +191,57 @@ class Evaluator:
         return EvalPoint(step=step, eval_loss=round(loss, 6), eval_token_accuracy=round(accuracy, 6),
                          examples=len(self.indices), tokens=tokens, seconds=round(seconds, 3), best=best)
 
+    def _weights(self, step: int) -> Path:
+        return self.best_dir / f"step-{step:08d}.safetensors"
+
     def _keep_best(self, model: torch.nn.Module, step: int, loss: float) -> None:
         weights = trainable_state_dict(model)  # every rank: FSDP gathers the shards
         if self.world.main:
-            with atomic_path(self.best_dir) as partial:
-                partial.mkdir()
-                save_file(weights, partial / "trainable.safetensors")
-                (partial / "evaluation.json").write_text(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+            with atomic_path(self._weights(step)) as partial:
+                save_file(weights, partial)
+            self._name_best()
         distributed.barrier(self.world)
+
+    def _name_best(self) -> None:
+        """`best/evaluation.json` names the best so far, whose weights are there; the other weights go but for
+        the ones the latest checkpoint names, to which a resume from it goes back."""
+        step, loss = self.stopping.best_step, self.stopping.best_loss
+        write_atomically(self.best_dir / "evaluation.json", json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        keep = {self._weights(s).name for s in (step, self.saved_best) if s is not None} | {"evaluation.json"}
+        for path in self.best_dir.iterdir():
+            if path.name not in keep:  # older bests, and scratch files of a write a crash interrupted
+                path.unlink()
+
+    def saved(self) -> None:
+        """A checkpoint, or the final adapter, was written: it names the best so far, so nothing needs an older
+        best's weights any more."""
+        self.saved_best = self.stopping.best_step
+        if self.world.main and self.settings.patience is not None and self.saved_best is not None:
+            self._name_best()
+
+    def restore(self, state: dict | None) -> None:
+        """Early stopping's state from the checkpoint a run resumes from (None: none, the run starts afresh), and
+        `best/` as it was then: the weights the state names (kept by `_name_best`), none written after it. A
+        later best was evaluated on steps being redone: it is earned again or not at all, as eval.jsonl's
+        lines after the checkpoint are written again or not."""
+        self.stopping.restore(state)
+        self.saved_best = step = self.stopping.best_step
+        if not self.world.main or self.settings.patience is None:
+            return
+        if step is None:
+            shutil.rmtree(self.best_dir, ignore_errors=True)
+            return
+        before = self.best_dir / "trainable.safetensors"  # best/ as runs before per-step weights left it
+        if before.is_file() and json.loads((self.best_dir / "evaluation.json").read_text())["step"] == step:
+            before.rename(self._weights(step))
+        self._name_best()
 
     def restore_best(self, model: torch.nn.Module) -> dict | None:
         """Early stopping: the best weights back into `model` for the final save; returns their record."""
         if self.settings.patience is None or not (self.best_dir / "evaluation.json").is_file():
             return None
-        load_trainable(self.best_dir / "trainable.safetensors", distributed.unwrap(model))
-        return json.loads((self.best_dir / "evaluation.json").read_text())
+        record = json.loads((self.best_dir / "evaluation.json").read_text())
+        if not self._weights(record["step"]).is_file():  # a run from before per-step weights, resumed
+            return None
+        load_trainable(self._weights(record["step"]), distributed.unwrap(model))
+        return record

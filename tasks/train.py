@@ -164,16 +164,25 @@ class _Mark:
 class _Progress:
     """Where the loop is, in every unit that checkpoint and evaluation intervals and the result count."""
 
-    def __init__(self, start_step: int, prior_seconds: float, epochs_per_step: float) -> None:
+    def __init__(self, start_step: int, prior_seconds: float, epochs_per_step: float,
+                 evaluated_at: int | None = None) -> None:
+        """`evaluated_at`: the step of the last evaluation before a resume, when the checkpoint says."""
         self.epochs_per_step = epochs_per_step  # the global batch over the training examples
         self.step, self.prior_seconds, self.tokens, self.loss, self.backoffs = start_step, prior_seconds, 0, None, 0
         self.checkpoints, self.checkpoint_seconds, self.mfus = 0, 0.0, []
         self.stopped_at: int | None = None  # early stopping's step
+        # A resume counts the steps to the next evaluation from the last one before it, not from itself: a step
+        # cadence then evaluates at the steps an uninterrupted run does (resumed at 730, '500steps' still
+        # evaluates at 1000). Time and tokens count from the resume.
+        self.last_save = _Mark(0.0, start_step, 0)
+        self.last_eval = _Mark(0.0, start_step if evaluated_at is None else evaluated_at, 0)
         self.begin()
 
     def begin(self) -> None:
+        """The clocks start now (setup is not training); the marks keep their steps."""
         self.started = time.perf_counter()
-        self.last_save = self.last_eval = self.mark()
+        self.last_save, self.last_eval = (_Mark(self.started, mark.step, self.tokens)
+                                          for mark in (self.last_save, self.last_eval))
 
     def mark(self) -> _Mark:
         return _Mark(time.perf_counter(), self.step, self.tokens)
@@ -199,7 +208,7 @@ class TrainRecipe:
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy == "fsdp" and self.world.size > 1
         evaluation = settings.evaluation
-        self.evaluator = Evaluator(evaluation, self.output_dir, self.world) if evaluation else None
+        self.evaluator = Evaluator(evaluation, self.output_dir, self.world, self.max_length) if evaluation else None
         self.eval_interval = evaluation.interval(settings.checkpoint_interval) if evaluation else None
 
     # ---- 1. setup ----------------------------------------------------------------------------------------
@@ -234,20 +243,21 @@ class TrainRecipe:
         """Load the latest complete checkpoint of this run, if any; the progress starts where it left off."""
         existing = list_checkpoints(self.output_dir / "checkpoints")
         self.resumed_from_step = None
-        if not existing:
+        model = distributed.unwrap(self.model)
+        state = load_checkpoint(existing[-1], model) if existing else None
+        if self.evaluator is not None:  # the best so far and the patience spent survive a preemption
+            self.evaluator.restore(state.evaluation if state else None)
+        if state is None:
             self.progress = _Progress(0, 0.0, self.epochs_per_step)
             return None
-        model = distributed.unwrap(self.model)
-        state = load_checkpoint(existing[-1], model)
         load_optimizer_state(model, self.optimizer, state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         torch.set_rng_state(state.torch_rng)
         if state.cuda_rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state.cuda_rng)
-        self.progress = _Progress(state.step, state.elapsed_seconds, self.epochs_per_step)
+        self.progress = _Progress(state.step, state.elapsed_seconds, self.epochs_per_step,
+                                  (state.evaluation or {}).get("evaluated_at"))  # None: an older checkpoint
         self.resumed_from_step = state.step
-        if self.evaluator is not None:  # the best so far and the patience spent survive a preemption
-            self.evaluator.stopping.restore(state.evaluation)
         return existing[-1]
 
     def _batches(self, micro_batch_size: int) -> StepBatches:
@@ -267,7 +277,9 @@ class TrainRecipe:
         progress.begin()
         loader = self._loader(progress.step)
         with StopSignals() as stop:
-            while progress.step < self.total_steps:
+            # A preemption checkpoints before its step's evaluation: one due there is made first on resuming.
+            stopped = self._evaluation_due(False) and self._evaluate_and_stop()
+            while not stopped and progress.step < self.total_steps:
                 step_batch, rng = next(loader), torch.get_rng_state()
                 outcome = self._step(step_batch, rng)
                 if outcome is None:  # out of memory: the same step again, in smaller rows
@@ -282,13 +294,15 @@ class TrainRecipe:
                     raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path))
                 due = progress.step < self.total_steps and distributed.any_rank(
                     interval.due(progress.since(progress.last_save)), world)
-                if self._evaluation_due(due) and self._evaluate():
-                    break  # early stopping: the patience is spent
+                if self._evaluation_due(due) and self._evaluate_and_stop():
+                    break
                 if due:  # after the evaluation: the checkpoint holds early stopping's state as of this step
                     self._checkpoint()
                     progress.last_save = progress.mark()
         if self.evaluator is not None and progress.stopped_at is None:
-            self._evaluate()  # the final weights: the curve ends where training ended
+            # The final weights: the curve ends where training ended. It may be the best, but it stops nothing:
+            # every step was trained, whatever the patience left.
+            self._evaluate()
         self.reporter.close()
 
     def _evaluation_due(self, checkpoint_due: bool) -> bool:
@@ -301,12 +315,17 @@ class TrainRecipe:
             return checkpoint_due
         return distributed.any_rank(self.eval_interval.due(progress.since(progress.last_eval)), self.world)
 
-    def _evaluate(self) -> bool:
-        """The held-out sample on the weights as they are now; True when early stopping's patience is spent."""
-        progress, evaluator = self.progress, self.evaluator
-        point = evaluator(self.model, progress.step, token_budget(self.micro, self.max_length))
+    def _evaluate(self) -> None:
+        """The held-out sample on the weights as they are now (with early stopping, `best/` when they are best)."""
+        progress = self.progress
+        point = self.evaluator(self.model, progress.step, token_budget(self.micro, self.max_length))
         self.reporter.evaluation(point.model_dump())
         progress.last_eval = progress.mark()
+
+    def _evaluate_and_stop(self) -> bool:
+        """An evaluation before the last step; True when it spends early stopping's patience: training stops."""
+        self._evaluate()
+        progress, evaluator = self.progress, self.evaluator
         if not evaluator.stopping.exhausted:
             return False
         progress.stopped_at = progress.step
@@ -361,12 +380,20 @@ class TrainRecipe:
             cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
             state = TrainingState(progress.step, optimizer_state, self.scheduler.state_dict(), torch.get_rng_state(),
                                   cuda_rng, progress.prior_seconds + began - progress.started,
-                                  self.evaluator.stopping.state() if self.evaluator else None)
+                                  self._evaluation_state())
             path = save_checkpoint(root, weights, state, self.settings.keep_last)
         distributed.barrier(world)
+        if self.evaluator is not None:
+            self.evaluator.saved()
         progress.checkpoints += 1
         progress.checkpoint_seconds += time.perf_counter() - began
         return path
+
+    def _evaluation_state(self) -> dict | None:
+        """A checkpoint's share of evaluation: early stopping's state, and the step a cadence counts from."""
+        if self.evaluator is None:
+            return None
+        return {**self.evaluator.stopping.state(), "evaluated_at": self.progress.last_eval.step}
 
     # ---- 3. save -----------------------------------------------------------------------------------------
 
@@ -390,6 +417,8 @@ class TrainRecipe:
         if world.main:
             _save_final(distributed.unwrap(self.model), final_dir, result, self.settings.train_path, weights)
         distributed.barrier(world)
+        if self.evaluator is not None:
+            self.evaluator.saved()
         return result
 
 

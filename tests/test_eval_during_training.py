@@ -1,8 +1,12 @@
 """Evaluation during training (phase1a/training_eval.py): eval.jsonl at the interval, the same training with it on
-or off, early stopping that keeps the best weights as the final adapter and survives a resume, the config's
-errors, the training key, and the plan's estimate of its cost. The tiny model on a few steps."""
+or off, on examples cut to training's max length, early stopping that keeps the best weights as the final adapter
+(a final evaluation that is not the best stops nothing) and survives a resume (at the same steps, back to the best
+its checkpoint names), the config's errors, the training key, and the plan's estimate of its cost. The tiny model
+on a few steps."""
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,9 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, validate_config
+from phase1a.labels import IGNORE_INDEX
+from phase1a.packing import TokenRows
+from phase1a.preemption import Preempted
 from phase1a.training_eval import EvalSettings
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -71,6 +78,34 @@ def test_evaluations_at_the_interval_leave_training_unchanged(tiny_model_dir, da
     assert evaluated.best_step == 6 and not (tmp_path / "evaluated" / "best").exists()  # no early stopping: no copy
 
 
+def test_validation_examples_are_cut_to_the_training_max_length(tiny_model_dir, data, tmp_path):
+    """A plan that shortened max_seq_length to 52 (the examples have 56 or 58 tokens, their answers from token 47
+    or 48 on) with rows of one example: each validation example is evaluated cut to 52 tokens, as training cuts
+    its own, so no row is bigger than training's token budget (52)."""
+    cap, full = 52, TokenRows.load(data.validation_path)
+    assert len(full) == 6 and full.lengths().min() > cap
+    eval_rows = []
+
+    def watch(model) -> None:
+        def record(module, args, kwargs):
+            if not module.training:
+                eval_rows.append(kwargs["input_ids"].numel())
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+
+    result = train(settings(tiny_model_dir, data, tmp_path / "run", evaluation={"examples": 6},
+                            max_seq_length=cap, micro_batch_size=1), on_model=watch)
+    (point,) = lines(tmp_path / "run" / "eval.jsonl")  # the final weights' evaluation only
+
+    def supervised(end: int | None) -> int:  # each example's labels after its first token, up to `end`
+        return sum(int((full.labels[start + 1 : start + (end or full.lengths()[i])] != IGNORE_INDEX).sum())
+                   for i, start in enumerate(full.offsets[:-1]))
+
+    assert point["examples"] == 6 and point["tokens"] == supervised(cap) < supervised(None)
+    assert eval_rows == [cap] * 6  # one example a row, each cut to the budget
+    assert result.evaluations == 1 and 0 < result.best_eval_loss < 10
+
+
 @pytest.fixture(scope="module")
 def stopped(tiny_model_dir, data, tmp_path_factory):
     """Early stopping that no evaluation after the first can satisfy (min_delta 100): at each checkpoint, every
@@ -112,6 +147,146 @@ def test_a_resume_keeps_the_best_so_far_and_the_patience_spent(stopped, tmp_path
     assert [p["step"] for p in lines(copy / "eval.jsonl")] == [2, 4, 6]  # step 6 redone, not repeated
     expected, actual = adapter(result), adapter(resumed)
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_the_final_evaluation_can_be_the_best_but_stops_nothing(tiny_model_dir, data, tmp_path):
+    """Patience 1, and a min_delta that no evaluation after the first can beat: the one at step 4's checkpoint is
+    the best, the final weights' at step 6 is not. The run trained every step, so it did not stop early (nor
+    says so), and its final adapter is still the best weights."""
+    output = tmp_path / "run"
+    result = train(settings(tiny_model_dir, data, output, checkpoint_interval="4steps", keep_last=9,
+                            evaluation={"examples": 6, "patience": 1, "min_delta": 100.0}))
+    assert result.steps == 6 and len(lines(output / "metrics.jsonl")) == 6
+    assert [(p["step"], p["best"]) for p in lines(output / "eval.jsonl")] == [(4, True), (6, False)]
+    assert not result.stopped_early and result.stopped_at_step is None and result.best_step == 4
+    assert lines(output / "events.jsonl") == []  # no early_stopping event
+    assert json.loads((output / "best" / "evaluation.json").read_text())["step"] == 4
+    final = adapter(result)
+    at_best = as_adapter(load_file(output / "checkpoints" / "step-00000004" / "trainable.safetensors"))
+    assert final.keys() == at_best.keys() and all(torch.equal(final[name], at_best[name]) for name in final)
+
+
+class Crash(Exception):
+    """A process killed mid-step, in-process."""
+
+
+def interrupt_in_step(step: int, how):
+    """An `on_model` hook: `how()` during the training forward of `step` (rows of 8 examples: one forward a step)."""
+    def on_model(model) -> None:
+        forwards = 0
+
+        def check(module, args, kwargs):
+            nonlocal forwards
+            forwards += module.training
+            if module.training and forwards == step:
+                how()
+
+        model.register_forward_pre_hook(check, with_kwargs=True)
+
+    return on_model
+
+
+def crash() -> None:
+    raise Crash
+
+
+def cadence_run(tiny_model_dir, data, output: Path, **stopping) -> TrainSettings:
+    """Evaluations every 3 steps (3, 6, 9, and the final weights at 11), checkpoints every 4 (4, 8): not aligned.
+    LoRA dropout on: a resumed run matches an uninterrupted one only if its RNG stream does."""
+    return settings(tiny_model_dir, data, output, method=MethodConfig(
+        learning_rate=5e-3, batch_size=8, epochs=2, lora={"r": 4, "alpha": 8, "dropout": 0.1}),
+        micro_batch_size=8, checkpoint_interval="4steps", keep_last=9,
+        evaluation={"cadence": "3steps", "examples": 6, "patience": 2, **stopping})
+
+
+def eval_steps(output: Path) -> list[tuple[int, bool]]:
+    return [(p["step"], p["best"]) for p in lines(output / "eval.jsonl")]
+
+
+def best_files(output: Path) -> list[str]:
+    return sorted(path.name for path in (output / "best").iterdir())
+
+
+def assert_same_adapter(result, expected) -> None:
+    actual, wanted = adapter(result), adapter(expected)
+    assert actual.keys() == wanted.keys() and all(torch.equal(actual[name], wanted[name]) for name in wanted)
+
+
+@pytest.fixture(scope="module")
+def cadence(tiny_model_dir, data, tmp_path_factory):
+    """The uninterrupted run (every evaluation improves, so `best/` changes after each checkpoint), and one that
+    crashed in step 7: after the evaluation at step 6, whose best weights came after the checkpoint at step 4."""
+    root = tmp_path_factory.mktemp("cadence")
+    uninterrupted = train(cadence_run(tiny_model_dir, data, root / "uninterrupted"))
+    assert eval_steps(root / "uninterrupted") == [(3, True), (6, True), (9, True), (11, True)]
+    crashed = root / "crashed"
+    with pytest.raises(Crash):
+        train(cadence_run(tiny_model_dir, data, crashed), on_model=interrupt_in_step(7, crash))
+    assert eval_steps(crashed) == [(3, True), (6, True)]
+    # Step 6's best, and step 3's, which the checkpoint at step 4 names and a resume from it goes back to.
+    assert best_files(crashed) == ["evaluation.json", "step-00000003.safetensors", "step-00000006.safetensors"]
+    return root, uninterrupted
+
+
+def test_a_resume_evaluates_at_the_steps_of_the_uninterrupted_run(cadence, tiny_model_dir, data, tmp_path):
+    """Resumed from step 4, '3steps' counts from the evaluation at step 3, not from the resume: 6, 9, 11, as the
+    uninterrupted run, not 7 and 10. The best at step 6, written after the checkpoint, is earned again."""
+    root, uninterrupted = cadence
+    shutil.copytree(root / "crashed", tmp_path / "run")
+    resumed = train(cadence_run(tiny_model_dir, data, tmp_path / "run"))
+    assert resumed.resumed_from_step == 4
+    assert eval_steps(tmp_path / "run") == eval_steps(root / "uninterrupted")
+    assert resumed.best_step == uninterrupted.best_step == 11 and resumed.best_eval_loss == uninterrupted.best_eval_loss
+    assert json.loads((tmp_path / "run" / "best" / "evaluation.json").read_text())["step"] == 11
+    assert best_files(tmp_path / "run") == ["evaluation.json", "step-00000011.safetensors"]
+    assert_same_adapter(resumed, uninterrupted)
+
+
+def test_a_checkpoint_without_the_last_evaluation_step_still_resumes(cadence, tiny_model_dir, data, tmp_path):
+    """A checkpoint written before it held the last evaluation's step: the cadence counts from the resume."""
+    root, uninterrupted = cadence
+    shutil.copytree(root / "crashed", tmp_path / "run")
+    state_path = tmp_path / "run" / "checkpoints" / "step-00000004" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    del state["evaluation"]["evaluated_at"]
+    torch.save(state, state_path)
+    resumed = train(cadence_run(tiny_model_dir, data, tmp_path / "run"))
+    assert resumed.resumed_from_step == 4 and [step for step, _ in eval_steps(tmp_path / "run")] == [3, 7, 10, 11]
+    assert resumed.best_step == 11 and not resumed.stopped_early
+
+
+def test_a_preemption_at_an_evaluation_step_evaluates_it_on_resuming(cadence, tiny_model_dir, data, tmp_path):
+    """SIGTERM in step 6: its checkpoint is written before step 6's evaluation, which the resume makes first."""
+    root, uninterrupted = cadence
+    run = cadence_run(tiny_model_dir, data, tmp_path / "run")
+    with pytest.raises(Preempted) as preempted:
+        train(run, on_model=interrupt_in_step(6, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    assert preempted.value.step == 6 and eval_steps(tmp_path / "run") == [(3, True)]
+    resumed = train(run)
+    assert resumed.resumed_from_step == 6
+    assert eval_steps(tmp_path / "run") == eval_steps(root / "uninterrupted")
+    assert resumed.best_step == uninterrupted.best_step
+    assert_same_adapter(resumed, uninterrupted)
+
+
+def test_a_resume_goes_back_to_the_best_its_checkpoint_names(cadence, tiny_model_dir, data, tmp_path):
+    """The crashed run resumed with patience 1 and a min_delta nothing beats: the evaluation at step 6 is not
+    earned again (as with a wall-time cadence, or float noise after a back-off), so training stops there with
+    step 3 the best, and ends as a run with those settings from the start: step 3's weights, not the step 6
+    weights `best/` held before the resume."""
+    root, _ = cadence
+    shutil.copytree(root / "crashed", tmp_path / "resumed")
+    strict = {"patience": 1, "min_delta": 100.0}
+    resumed = train(cadence_run(tiny_model_dir, data, tmp_path / "resumed", **strict))
+    fresh = train(cadence_run(tiny_model_dir, data, tmp_path / "fresh", **strict))
+    for result in (resumed, fresh):
+        output = Path(result.output_dir)
+        assert result.stopped_at_step == 6 and result.best_step == 3
+        assert eval_steps(output) == [(3, True), (6, False)]
+        assert json.loads((output / "best" / "evaluation.json").read_text())["step"] == 3
+        assert best_files(output) == ["evaluation.json", "step-00000003.safetensors"]
+    assert resumed.resumed_from_step == 4 and fresh.resumed_from_step is None
+    assert_same_adapter(resumed, fresh)
 
 
 def test_config_errors_name_the_field(config_tree):
