@@ -55,6 +55,9 @@ from phase1a.packing import TokenRows
 from phase1a.units import Clock, Interval, parse_interval
 
 EVERY_CHECKPOINT = "checkpoint"
+# The `validation` fields that only evaluation during training reads (`EvalSettings.of`): the validate stage's
+# cache key leaves them out, since they reach its verdict only through the trained weights.
+DURING_TRAINING_FIELDS = {"during_training", "during_training_examples", "early_stopping", "early_stopping_min_delta"}
 
 
 class EvalSettings(BaseModel):

@@ -39,10 +39,10 @@ from phase1a.packing import TokenRows
 from phase1a.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
 from phase1a.tokenized import TokenizedData
+from phase1a.training_eval import DURING_TRAINING_FIELDS
 from tasks.caching import StageCache, task
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
-DURING_TRAINING_FIELDS = {"during_training", "during_training_examples", "early_stopping", "early_stopping_min_delta"}
 
 
 @dataclass

@@ -338,3 +338,20 @@ def test_the_plan_estimates_the_evaluations(config_tree, data):
     every_step = estimate(during_training="1steps")
     assert every_step.evaluations_during_training == 6  # every step of six: five before the end, and the end
     assert every_step.eval_during_training_seconds == pytest.approx(at_checkpoints.eval_during_training_seconds * 3)
+
+
+def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_validate_sample():
+    """Changing only the fields `DURING_TRAINING_FIELDS` names changes EvalSettings and never the validate stage's
+    key; the sample is at most `max_examples`, the first examples the validate stage scores."""
+    from phase1a.config import ValidationConfig
+    from phase1a.training_eval import DURING_TRAINING_FIELDS
+
+    assert DURING_TRAINING_FIELDS <= set(ValidationConfig.model_fields)
+    base = ValidationConfig(max_examples=16)
+    assert EvalSettings.of(base, "v.json", 100).examples == 16  # 64 asked, 16 validated
+    changed = base.model_copy(update={"during_training": "5steps", "during_training_examples": 8,
+                                      "early_stopping": 2, "early_stopping_min_delta": 0.01})
+    settings = EvalSettings.of(changed, "v.json", 100)
+    assert (settings.cadence, settings.examples, settings.patience, settings.min_delta) == ("5steps", 8, 2, 0.01)
+    assert (base.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
+            == changed.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS))
