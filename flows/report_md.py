@@ -22,7 +22,6 @@ from phase1a import run_files
 from phase1a.atomic import write_atomically
 from phase1a.history import ESTIMATE_BAND, history_path
 from phase1a.logs import run_logger
-from phase1a.plots import read_lines
 from phase1a.promotion import POINTER
 from phase1a.tokenized import TokenizedData
 
@@ -230,7 +229,7 @@ def _plan(report: dict) -> list[str]:
 def _evaluations(report: dict) -> list[tuple[str, str]]:
     """Rows from eval.jsonl (evaluation during training), when training evaluated."""
     _, path = _train_files(report)
-    lines = [line for line in read_lines(path) if isinstance(line.get("eval_loss"), (int, float))]
+    lines = [line for line in run_files.read_lines(path) if isinstance(line.get("eval_loss"), (int, float))]
     if not lines:
         return []
     best = [line for line in lines if line.get("best")] or [min(lines, key=lambda line: line["eval_loss"])]
@@ -245,7 +244,7 @@ def _training(report: dict) -> list[str]:
     if not train:
         return []
     metrics, _ = _train_files(report)
-    peaks = [line["peak_memory_gib"] for line in read_lines(metrics)
+    peaks = [line["peak_memory_gib"] for line in run_files.read_lines(metrics)
              if isinstance(line.get("peak_memory_gib"), (int, float))]
     steps = f"{train['steps']:,}" + (f" of {plan['steps']:,} planned" if plan and plan["steps"] != train["steps"]
                                      else "")

@@ -115,9 +115,7 @@ class RunTracking:
         if not (self.adapter_dir and Path(self.adapter_dir).is_dir()):
             return
         tracking, lora = self.config.tracking, self.config.method.kind == "lora"
-        settings = {"mlflow": tracking.mlflow, "wandb": tracking.wandb}
-        names = [name for name, each in settings.items()
-                 if each is not None and (lora if each.log_adapter is None else each.log_adapter)]
+        names = [name for name in wanted(tracking) if getattr(tracking, name).logs_adapter(lora)]
         self.trackers.log_directory(Path(self.adapter_dir), "adapter", names)
 
 

@@ -365,6 +365,9 @@ class _RunTrackerSettings(_Section):
         "`<name>-adapter` (W&B numbers its versions). None: when method.kind is lora (megabytes); a full "
         "fine-tune's weights (gigabytes) only when true."))
 
+    def logs_adapter(self, lora: bool) -> bool:
+        return lora if self.log_adapter is None else self.log_adapter
+
 
 class MlflowSettings(_RunTrackerSettings):
     """An MLflow run per flow run. Credentials never go here: MLflow reads MLFLOW_TRACKING_TOKEN, or

@@ -11,13 +11,13 @@ returns the path it wrote, or None when there is nothing to draw (no training ye
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from phase1a.history import ESTIMATE_BAND, read_runs
 from phase1a.lengths import LengthStats
+from phase1a.run_files import read_lines
 
 DPI = 90  # small files: the run report embeds them in a Prefect artifact
 SIZE = (8, 4)  # inches
@@ -39,22 +39,6 @@ def _save(figure, path: Path) -> Path:
     figure.savefig(path, dpi=DPI)
     _pyplot().close(figure)
     return Path(path)
-
-
-def read_lines(path: Path | None) -> list[dict]:
-    """The JSON objects of a JSONL file; a missing file is empty, and a line that does not parse (the torn last
-    line of a file being written) is skipped."""
-    if path is None or not Path(path).is_file():
-        return []
-    lines = []
-    for raw in Path(path).read_text(errors="replace").splitlines():
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(line, dict):
-            lines.append(line)
-    return lines
 
 
 def by_step(lines: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

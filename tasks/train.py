@@ -51,7 +51,6 @@ from phase1a.meter import MeterSettings, current_settings
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.models import ResolvedModel
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
-from phase1a.plots import read_lines
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
 from phase1a.replay import write_trained_on
@@ -440,7 +439,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     torn line (the crash that made this a resume) is dropped, not a reason to fail every resume after it."""
     if not path.exists():
         return
-    kept = [record for record in read_lines(path) if record.get("step", 0) <= last_step]
+    kept = [record for record in run_files.read_lines(path) if record.get("step", 0) <= last_step]
     write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))  # a crash here keeps the curve
 
 
