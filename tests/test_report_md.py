@@ -15,6 +15,7 @@ from flows.report_md import finish_report, inline_images, write_report
 from helpers import write_jsonl
 from phase1a.history import RunRecord, append_run, history_path
 from phase1a.plots import by_step, smoothed, step_rates
+from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")
@@ -196,3 +197,46 @@ def test_show_prints_the_report_md(tmp_path, capsys):
     assert cli_main(["show", str(run_dir)]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith("# Run report: demo: passed") and shown.rstrip().endswith(f"report: {run_dir}/report.md")
+
+
+def test_a_failing_closing_hook_is_a_warning_and_report_json_is_still_written_without_credentials(tmp_path, caplog):
+    """Plots and trackers come after the outcome: a tracker that raises while the run closes is a warning, the
+    hooks after it still run, and report.json keeps the run's status, with a URL's user:password cut out of the
+    config and of the warning."""
+    from pydantic import BaseModel
+
+    from flows.report import RunReport
+
+    class Config(BaseModel):
+        tracking_uri: str = "http://alice:s3cret-pw@mlflow.internal:5000"
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    report, seen = RunReport(run_dir, Config()), []
+
+    def tracker_down(status: str) -> None:
+        raise ConnectionError(f"cannot reach http://bob:hunter2@mlflow.internal:5000 to end the run ({status})")
+
+    report.on_closing(tracker_down)
+    report.on_closing(seen.append)
+    with caplog.at_level("WARNING", logger="phase1a"), report.finishing() as outcome:
+        outcome.status = "passed"
+    written = report.path.read_text()
+    assert json.loads(written)["status"] == "passed" and seen == ["passed"]
+    assert json.loads(written)["config"]["tracking_uri"] == "http://***@mlflow.internal:5000"
+    assert "s3cret-pw" not in written and "hunter2" not in caplog.text
+    assert "a closing hook failed: ConnectionError: cannot reach http://***@mlflow.internal:5000" in caplog.text
+    assert (run_dir / "report.md").is_file()
+
+
+def test_a_lengths_plot_that_cannot_be_drawn_is_a_warning_not_a_failed_run(tmp_path, caplog):
+    from flows.report_md import publish_length_report
+    from helpers import date_records, make_tokenizer
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(20)), make_tokenizer(), 256,
+                            TokenizeOptions(), tmp_path / "cache" / "fp")
+    Path(data.lengths_path).unlink()  # a cache emptied under the run
+    with caplog.at_level("WARNING", logger="phase1a"):
+        publish_length_report(data, tmp_path)
+    assert "run report: lengths.png and the lengths artifact: FileNotFoundError" in caplog.text
+    assert not (tmp_path / "lengths.png").exists()
