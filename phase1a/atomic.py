@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 
-def _scratch_name(final: Path) -> Path:
+def scratch_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
@@ -36,19 +36,30 @@ def atomic_path(final: Path, existing: Literal["replace", "keep", "fail"] = "rep
     what is there must never be overwritten)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    scratch = _scratch_name(final)
+    scratch = scratch_name(final)
     try:
         yield scratch
         if final.exists() and existing != "replace":
             if existing == "fail":
                 raise FileExistsError(f"{final} already exists")
             return
-        if final.is_dir() and not final.is_symlink() and scratch.is_dir():
-            shutil.rmtree(final)
-        os.replace(scratch, final)
+        install(scratch, final)
     finally:
         if scratch.exists() or scratch.is_symlink():
             _remove(scratch)
+
+
+def install(scratch: Path, final: Path) -> None:
+    """`scratch` takes `final`'s name in one rename; a directory there is removed first (see atomic_path)."""
+    if final.is_dir() and not final.is_symlink() and scratch.is_dir():
+        shutil.rmtree(final)
+    os.replace(scratch, final)
+
+
+def remove(path: Path) -> None:
+    """A file, link or directory, if it is there."""
+    if path.exists() or path.is_symlink():
+        _remove(path)
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

@@ -8,6 +8,7 @@ rank 0 writes.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from phase1a.atomic import atomic_path
 
 MARKER = "COMPLETE"
+RUN_FILES = "run"  # in a checkpoint that travels to another host: the run's curves and best weights as they were
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -49,10 +51,15 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: TrainingState, keep_last: int) -> Path:
+def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: TrainingState, keep_last: int,
+                    carry: dict[str, Path] | None = None) -> Path:
+    """`carry`: files of the run's directory (relative name -> path) that go along under `run/`, for a resume on
+    another host (phase1a/train_store.py): copied, since curves grow in place; `.safetensors` files are linked,
+    since the best weights are never rewritten."""
     final = Path(root) / f"step-{state.step:08d}"
     with atomic_path(final) as partial:
         partial.mkdir()
+        _carry(partial / RUN_FILES, carry or {})
         save_file(weights, partial / "trainable.safetensors")
         torch.save(
             {
@@ -66,6 +73,22 @@ def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: Trainin
     for stale in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _carry(directory: Path, files: dict[str, Path]) -> None:
+    for name, source in files.items():
+        if not source.is_file():
+            continue
+        target = directory / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.suffix == ".safetensors":
+            os.link(source, target)
+        else:
+            shutil.copyfile(source, target)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name.removeprefix("step-"))
 
 
 def list_checkpoints(root: Path) -> list[Path]:

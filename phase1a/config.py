@@ -239,13 +239,37 @@ class CheckpointConfig(_Section):
     interval: str = Field("30m", description=(
         "Between checkpoints, whichever limit comes first: wall time, steps, tokens or epochs, e.g. '30m', "
         "'500steps', '2000000tok', '0.5ep', '30m,500steps'; 'never' turns the interval off."))
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept, locally and in the store; older ones "
+                                                "are deleted.")
+    grace_period: Duration = Field("30s", description=(
+        "After SIGTERM (a spot notice, `kubectl delete`): the step in progress ends, a checkpoint is written and, "
+        "with a `store`, uploaded within this time; Kubernetes' terminationGracePeriodSeconds, 30 s by default, "
+        "or a cloud's spot notice (AWS 2 min, GCP 30 s) is the limit to give here."))
 
     @field_validator("interval")
     @classmethod
     def _interval(cls, value: str) -> str:
         parse_interval(value)
         return value
+
+
+class StoreConfig(_Section):
+    """A store that outlives the host (phase1a/store.py): an S3 prefix, or a directory on a network mount that
+    every host mounts. Checkpoints and finished adapters, tokenized shards, the throughput history, run reports
+    and Prefect's task cache records go there, so a fresh host (a new pod, a spot replacement, the other worker
+    of a pool) picks up where the last one stopped. Without it everything stays on local disk."""
+
+    url: str | None = Field(None, description=(
+        "s3://bucket/prefix/ or a local directory (a network mount); None: no store, local disk only."))
+    endpoint_url: str | None = Field(None, description=(
+        "S3-compatible endpoint of the store (MinIO, moto); None: AWS, or AWS_ENDPOINT_URL if set. Credentials "
+        "come only from the standard AWS chain."))
+    lease_ttl: Duration = Field("60s", description=(
+        "A training run holds a lease on its directory in the store, renewed every third of this; a lease not "
+        "renewed for this long (its host is gone) may be taken over by another host, which resumes the run."))
+    lease_wait: Duration | None = Field(None, description=(
+        "How long a host waits for another host's live lease on the same training run before it fails, naming "
+        "the holder; None: as long as the holder renews it (then it reuses the finished model or takes over)."))
 
 
 class GateTolerances(_Section):
@@ -423,6 +447,9 @@ class Phase1aConfig(_Section):
     plan: PlanConfig = Field(PlanConfig(), description="How the plan picks its knobs and calibrates them.")
     window: WindowConfig = Field(WindowConfig(), description="The time window the run must fit.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="When checkpoints are written, how many kept.")
+    store: StoreConfig = Field(StoreConfig(), description=(
+        "Where what outlives the host goes: `store: s3://bucket/prefix/` (or `store: {url: ..., endpoint_url: "
+        "...}`) or a directory on a network mount. None: local disk only."))
     validation: ValidationConfig = Field(ValidationConfig(), description=(
         "The held-out evaluation, the gate against a baseline, and promotion."))
     retries: RetryConfig = Field(RetryConfig(), description=(
@@ -432,6 +459,12 @@ class Phase1aConfig(_Section):
         "artifact."))
     tracking: TrackingConfig = Field(TrackingConfig(), description=(
         "Experiment tracking in MLflow and Weights & Biases; off unless a tracker's section is given."))
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_url(cls, value: Any) -> Any:
+        """`store: s3://bucket/prefix/` is short for `store: {url: s3://bucket/prefix/}`."""
+        return {"url": value} if isinstance(value, str) or value is None else value
 
     @model_validator(mode="after")
     def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
@@ -569,6 +602,9 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
     if validation.promote_to and "://" not in validation.promote_to:
         validation = validation.model_copy(update={"promote_to": str(absolute(Path(validation.promote_to)))})
+    store = config.store
+    if store.url is not None and "://" not in store.url:
+        store = store.model_copy(update={"url": str(absolute(Path(store.url)))})
     tracking = config.tracking
     if tracking.wandb is not None and tracking.wandb.dir is not None:
         tracking = tracking.model_copy(update={"wandb": tracking.wandb.model_copy(
@@ -583,6 +619,7 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),
             "validation": validation,
+            "store": store,
             "tracking": tracking,
         }
     )

@@ -23,16 +23,20 @@ import fcntl
 import json
 import os
 import statistics
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from phase1a.logs import run_logger
+
 if TYPE_CHECKING:  # the results embed a RunRecord: typing only, to keep the import one-way
     from phase1a.config import Phase1aConfig
     from phase1a.models import ResolvedModel
     from phase1a.results import Plan, TrainResult
+    from phase1a.store import Store
 
 
 
@@ -46,6 +50,7 @@ def history_path(cache_dir: Path) -> Path:
 
 
 class RunRecord(BaseModel):
+    run_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # one record's identity: the store's copy is its
     timestamp: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     model_fingerprint: str
     model_name: str
@@ -61,6 +66,7 @@ class RunRecord(BaseModel):
     tokens_per_second: float  # measured over the training run, checkpoint writes and evaluations excluded
     startup_seconds: float | None = None  # model load to the first step
     checkpoint_seconds_each: float | None = None
+    checkpoint_upload_seconds_each: float | None = None  # with a store: one checkpoint's upload, in the background
     estimated_train_seconds: float | None
     actual_train_seconds: float
     time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
@@ -170,6 +176,44 @@ def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> 
                            mean_accuracy=sum(ratios) / len(ratios))
 
 
+# ---- the store ------------------------------------------------------------------------------------------------
+# A host's history.jsonl is lost with the host. With a store every record is also an object of its own under
+# `history/<model>/<hardware>/`, and a plan first copies the records of its model and hardware that its local
+# file lacks: a fresh host plans from the throughput the last host measured.
+
+def _store_prefix(model_fingerprint: str, hardware: str) -> str:
+    return f"history/{model_fingerprint[:16]}/{hardware}/"
+
+
+def share_record(store: Store, record: RunRecord) -> None:
+    """The record into the store; a store that fails here costs the next fresh host a calibration, not the run."""
+    name = f"{record.timestamp:%Y%m%dT%H%M%S}-{record.run_id}.json"
+    key = _store_prefix(record.model_fingerprint, record.hardware) + name
+    try:
+        store.put(key, record.model_dump_json().encode())
+    except Exception as error:  # noqa: BLE001 - the run itself is done and recorded locally
+        run_logger().warning(f"{store.where(key)}: the run's throughput record was not stored ({type(error).__name__})")
+
+
+def pull_records(store: Store, path: Path, model_fingerprint: str, hardware: str) -> int:
+    """Append to the local history the store's records of this model and hardware that it lacks; their count."""
+    known = {record.run_id for record in read_runs(path)[0]}
+    pulled = 0
+    for item in store.list(_store_prefix(model_fingerprint, hardware)):
+        if item.key.rsplit("-", 1)[-1].removesuffix(".json") in known:
+            continue
+        fetched = store.get(item.key)
+        try:
+            record = RunRecord.model_validate_json(fetched.data) if fetched else None
+        except ValidationError:
+            record = None
+        if record is not None and record.run_id not in known:
+            append_run(path, record)
+            known.add(record.run_id)
+            pulled += 1
+    return pulled
+
+
 def _utc(moment: datetime) -> datetime:
     # Naive timestamps (hand-edited files) are taken as UTC so they compare with aware ones.
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
@@ -188,6 +232,8 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         startup_seconds=result.startup_seconds,
         checkpoint_seconds_each=(result.checkpoint_seconds / result.checkpoints_written
                                  if result.checkpoints_written else None),
+        checkpoint_upload_seconds_each=(result.store.checkpoint_upload_seconds / result.store.checkpoint_uploads
+                                        if result.store and result.store.checkpoint_uploads else None),
         # A run that stopped early did not run what the plan estimated: it says nothing of the estimate.
         estimated_train_seconds=None if result.stopped_early else plan.estimated_train_seconds,
         actual_train_seconds=result.wall_seconds,

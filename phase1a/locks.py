@@ -21,7 +21,8 @@ from typing import Iterator
 from phase1a.logs import run_logger
 
 
-def _holder() -> dict:
+def holder() -> dict:
+    """Who this process is: pid, host, Prefect flow run (when in one), since when; lock files and leases record it."""
     flow_run = None
     try:
         from prefect.runtime import flow_run as runtime
@@ -33,14 +34,18 @@ def _holder() -> dict:
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def describe(record: dict) -> str:
+    """A holder as a message says it: flow run, pid, host and since when."""
+    run = record.get("flow_run") or {}
+    who = f"flow run {run.get('name')} ({run.get('id')})" if run else "a process"
+    return f"{who}, pid {record.get('pid')} on {record.get('host')} since {record.get('since')}"
+
+
 def _describe(raw: bytes) -> str:
     try:
-        holder = json.loads(raw)
-    except ValueError:
+        return describe(json.loads(raw))
+    except (ValueError, AttributeError):
         return "another process"
-    run = holder.get("flow_run") or {}
-    who = f"flow run {run.get('name')} ({run.get('id')})" if run else "a process"
-    return f"{who}, pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
 
 
 @contextmanager
@@ -60,7 +65,7 @@ def exclusive(lock_path: Path, what: str) -> Iterator[float]:
             fcntl.flock(fd, fcntl.LOCK_EX)
             waited = time.monotonic() - started
             log.warning("%s: the other run finished after %.0f s of waiting; going on", what, waited)
-        record = json.dumps(_holder()).encode()
+        record = json.dumps(holder()).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
         yield waited

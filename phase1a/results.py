@@ -92,6 +92,32 @@ class StartPoint(BaseModel):
         return f"{named} at {self.path} (sha256 {(self.fingerprint or '')[:12]})"
 
 
+class Pulled(BaseModel):
+    """What a training run took from the store before it trained (phase1a/train_store.py)."""
+
+    what: Literal["final", "checkpoint", "nothing"]
+    step: int | None = None  # the checkpoint's
+    corrupt: list[str] = []  # what was found unusable and passed over
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class StoreTraining(BaseModel):
+    """The train stage's dealings with the store, for the report."""
+
+    location: str
+    pulled: Pulled
+    lease_waited_seconds: float = 0.0
+    taken_over_from: dict | None = None  # the holder whose lease had expired, and the step it had reached
+    lost_steps: int | None = None  # steps that holder trained past the checkpoint this run resumed from
+    checkpoint_uploads: int = 0
+    checkpoint_upload_seconds: float = 0.0  # all uploads together, in the background
+    uploaded_step: int | None = None  # the newest checkpoint in the store when training ended
+    upload_failures: list[str] = []
+    final_uploaded: bool = False
+    preempted_upload_seconds: float | None = None  # signal to the final checkpoint in the store
+
+
 class TrainResult(BaseModel):
     adapter_dir: str
     output_dir: str
@@ -118,6 +144,7 @@ class TrainResult(BaseModel):
     stopped_at_step: int | None = None
     recorded: RunRecord | None = None  # the history line this run appended (None when a finished run was reused)
     start: StartPoint | None = None  # where its weights started (set by the train task)
+    store: StoreTraining | None = None  # with a store: what came from it, what went to it (set by the train task)
 
 
 class ValidationResult(BaseModel):

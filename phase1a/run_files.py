@@ -24,3 +24,20 @@ def read_lines(path: Path | None) -> list[dict]:
         if isinstance(line, dict):
             lines.append(line)
     return lines
+
+
+def last_step(path: Path) -> int | None:
+    """The step of the last whole line of a curve file, read from its end (a file of a long run is large)."""
+    try:
+        with open(path, "rb") as handle:
+            start = max(0, handle.seek(0, 2) - 4096)
+            handle.seek(start)
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines[1:] if start else lines):  # from the middle of the file, the first line is a part
+        try:
+            return int(json.loads(raw)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None

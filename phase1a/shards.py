@@ -19,6 +19,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,7 @@ from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSett
 from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.labels import IGNORE_INDEX
 from phase1a.meter import Meter, stage_meter
+from phase1a.shared_shards import SharedShards
 from phase1a.tokenized import read_mapped
 
 TOKENS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
@@ -51,6 +53,9 @@ def shard_key(content: str, shard: Shard, tokenizer_id: str, settings: EncodeSet
                       "tokenizer": tokenizer_id, "settings": asdict(settings), "code": code_fingerprint(__name__)})
 
 
+Origin = Literal["encoded", "local", "store"]  # encoded now, from this host's cache, downloaded from the store
+
+
 @dataclass
 class EncodedShard:
     """One shard's cached encoding: its token file, its examples' scalars and its skipped records."""
@@ -59,7 +64,7 @@ class EncodedShard:
     examples: dict[str, np.ndarray]  # EXAMPLES_SCHEMA's columns
     skipped: Counter[str]
     shown: list[str]
-    reused: bool
+    origin: Origin
 
     @property
     def tokens_path(self) -> Path:
@@ -70,11 +75,11 @@ class EncodedShard:
         return int(self.examples["length"].size)
 
     @classmethod
-    def read(cls, directory: Path, reused: bool) -> "EncodedShard":
+    def read(cls, directory: Path, origin: Origin) -> "EncodedShard":
         table = read_mapped(directory / "examples.arrow")
         summary = json.loads((directory / "summary.json").read_text())
         return cls(directory, {name: table.column(name).to_numpy() for name in EXAMPLES_SCHEMA.names},
-                   Counter(summary["skipped"]), summary["shown"], reused)
+                   Counter(summary["skipped"]), summary["shown"], origin)
 
 
 def label_scalars(labels: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,17 +112,25 @@ class ShardStore:
     settings: EncodeSettings
     requested_workers: int | None  # None: phase1a.encoding.auto_workers, from the size of the shards to encode
     content: dict[str, str] = field(default_factory=dict)  # resolved shard path -> content hash, where known
+    shared: SharedShards | None = None  # the store's shards: downloaded where missing here, uploaded once encoded
     workers: int = 1  # processes the last encode used
 
     def encode(self, shards: list[Shard]) -> list[EncodedShard]:
         tokenizer_id = tokenizer_identity(self.tokenizer)
         dirs = [self.root / shard_key(content_id(shard, self.content), shard, tokenizer_id, self.settings)
                 for shard in shards]
-        pending = [number for number, directory in enumerate(dirs) if not (directory / "summary.json").is_file()]
+        origins: list[Origin] = ["local" if (d / "summary.json").is_file() else "encoded" for d in dirs]
+        pending = [number for number, origin in enumerate(origins) if origin == "encoded"]
+        if pending and self.shared is not None:
+            for position in self.shared.fetch([dirs[number] for number in pending]):
+                origins[pending[position]] = "store"
+            pending = [number for number in pending if origins[number] == "encoded"]
         self.workers = auto_workers([shards[number] for number in pending], self.requested_workers)
         if pending:
             self._encode_pending(shards, pending, dirs)
-        return [EncodedShard.read(directory, reused=number not in pending) for number, directory in enumerate(dirs)]
+        if self.shared is not None:
+            self.shared.finish()
+        return [EncodedShard.read(directory, origin) for directory, origin in zip(dirs, origins)]
 
     def _encode_pending(self, shards: list[Shard], pending: list[int], dirs: list[Path]) -> None:
         encoder = ChunkEncoder(self.tokenizer, shards, self.settings)
@@ -133,7 +146,7 @@ class ShardStore:
                 for chunk in encode_chunks(records, encoder, self.workers):
                     if writer is None or writer.number != chunk.shard:
                         if writer is not None:
-                            _finish(writer, meter, estimates)
+                            self._finish(writer, meter, estimates)
                         writer = _ShardWriter(chunk.shard, dirs[chunk.shard])
                     writer.add(chunk)
                     meter.advance(chunk.records, tokens=chunk.token_count)
@@ -142,18 +155,20 @@ class ShardStore:
                     writer.abort()
                 raise
             if writer is not None:
-                _finish(writer, meter, estimates)
+                self._finish(writer, meter, estimates)
         for number in pending:  # a shard with no records at all produced no chunk: it is cached empty
             if not (dirs[number] / "summary.json").is_file():
-                _ShardWriter(number, dirs[number]).finish()
+                self._finish(_ShardWriter(number, dirs[number]), None, {})
 
-
-def _finish(writer: "_ShardWriter", meter: Meter, estimates: dict[int, int | None]) -> None:
-    """Close a shard's output; its records are now counted, so the meter's total loses that shard's guess."""
-    writer.finish()
-    estimate = estimates.get(writer.number)
-    if meter.total is not None and estimate is not None:
-        meter.total += writer.records - estimate
+    def _finish(self, writer: "_ShardWriter", meter: Meter | None, estimates: dict[int, int | None]) -> None:
+        """Close a shard's output (and share it); its records are now counted, so the meter's total loses that
+        shard's guess."""
+        writer.finish()
+        if self.shared is not None:
+            self.shared.share(writer.final)
+        estimate = estimates.get(writer.number)
+        if meter is not None and meter.total is not None and estimate is not None:
+            meter.total += writer.records - estimate
 
 
 def _records_of(shards: list[Shard], numbers: list[int]):

@@ -27,6 +27,9 @@ class TokenizedData(BaseModel):
     shards: int  # data files read, the validation source's included
     shards_encoded: int = 0  # of those, tokenized by this run
     shards_reused: int = 0  # taken from the per-shard cache (phase1a/shards.py): unchanged since an earlier run
+    shards_downloaded: int = 0  # taken from the store's shards (phase1a/shared_shards.py), verified
+    shards_corrupt: list[str] = []  # store shards that were not what their manifest says: encoded again instead
+    shards_uploaded: int = 0  # encoded here and put in the store for other hosts
     workers: int = 1  # processes that encoded the records
     template: Literal["chat_template", "fallback"]
     lengths: LengthStats

@@ -194,13 +194,13 @@ class Evaluator:
         return EvalPoint(step=step, eval_loss=round(loss, 6), eval_token_accuracy=round(accuracy, 6),
                          examples=len(self.indices), tokens=tokens, seconds=round(seconds, 3), best=best)
 
-    def _weights(self, step: int) -> Path:
+    def weights_path(self, step: int) -> Path:
         return self.best_dir / f"step-{step:08d}.safetensors"
 
     def _keep_best(self, model: torch.nn.Module, step: int, loss: float) -> None:
         weights = trainable_state_dict(model)  # every rank: FSDP gathers the shards
         if self.world.main:
-            with atomic_path(self._weights(step)) as partial:
+            with atomic_path(self.weights_path(step)) as partial:
                 save_file(weights, partial)
             self._name_best()
         distributed.barrier(self.world)
@@ -210,7 +210,7 @@ class Evaluator:
         the ones the latest checkpoint names, to which a resume from it goes back."""
         step, loss = self.stopping.best_step, self.stopping.best_loss
         write_atomically(self.best_dir / "evaluation.json", json.dumps({"step": step, "eval_loss": loss}) + "\n")
-        keep = {self._weights(s).name for s in (step, self.saved_best) if s is not None} | {"evaluation.json"}
+        keep = {self.weights_path(s).name for s in (step, self.saved_best) if s is not None} | {"evaluation.json"}
         for path in self.best_dir.iterdir():
             if path.name not in keep:  # older bests, and scratch files of a write a crash interrupted
                 path.unlink()
@@ -236,7 +236,7 @@ class Evaluator:
             return
         before = self.best_dir / "trainable.safetensors"  # best/ as runs before per-step weights left it
         if before.is_file() and json.loads((self.best_dir / "evaluation.json").read_text())["step"] == step:
-            before.rename(self._weights(step))
+            before.rename(self.weights_path(step))
         self._name_best()
 
     def restore_best(self, model: torch.nn.Module) -> dict | None:
@@ -244,7 +244,7 @@ class Evaluator:
         if self.settings.patience is None or not (self.best_dir / "evaluation.json").is_file():
             return None
         record = json.loads((self.best_dir / "evaluation.json").read_text())
-        if not self._weights(record["step"]).is_file():  # a run from before per-step weights, resumed
+        if not self.weights_path(record["step"]).is_file():  # a run from before per-step weights, resumed
             return None
-        load_trainable(self._weights(record["step"]), distributed.unwrap(model))
+        load_trainable(self.weights_path(record["step"]), distributed.unwrap(model))
         return record

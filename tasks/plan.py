@@ -57,13 +57,14 @@ from phase1a.cost_model import (
 from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
-from phase1a.history import Remembered, RunRecord, history_path, remembered
+from phase1a.history import Remembered, RunRecord, history_path, pull_records, remembered
 from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
 from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
+from phase1a.store import open_store
 from phase1a.tokenized import TokenizedData
 from phase1a.training_eval import EvalSettings
 from phase1a.units import GIB, Clock, parse_duration_seconds, parse_interval
@@ -479,4 +480,7 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
 @task(name="plan", cache_policy=StageCache(fingerprint=plan_fingerprint), persist_result=True,
       result_serializer="json")
 def plan_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> Plan:
+    store = open_store(config.store)
+    if store is not None:  # a fresh host plans from the throughput the hosts before it measured
+        pull_records(store, history_path(config.cache_dir), model.fingerprint, config.hardware.target)
     return make_plan(config, model, data)

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from phase1a.atomic import atomic_path
-from phase1a.config import Phase1aConfig
+from phase1a.config import Phase1aConfig, StoreConfig
 from phase1a.datasource import DataLocation, Shard, describe, resolve_shards
 from phase1a.encoding import SHOWN_SKIPS, EncodeSettings
 from phase1a.errors import DataError
@@ -45,6 +45,8 @@ from phase1a.locks import exclusive
 from phase1a.logs import run_logger
 from phase1a.models import ResolvedModel, load_tokenizer
 from phase1a.shards import EncodedShard, ShardStore
+from phase1a.shared_shards import SharedShards
+from phase1a.store import open_store
 from phase1a.templates import apply_chat_template_setting, template_fingerprint
 from phase1a.tokenized import SplitView, TokenizedData, read_mapped
 from tasks.caching import StageCache, task
@@ -72,19 +74,22 @@ class TokenizeOptions(BaseModel):
     split: str = "train"
     validation_split: str | None = None
     tokenize_workers: int | None = None  # processes for pass 1; None: phase1a.encoding.auto_workers
+    store: StoreConfig = StoreConfig()  # shards shared with other hosts (phase1a/shared_shards.py); none by default
 
     @classmethod
     def from_config(cls, config: Phase1aConfig) -> "TokenizeOptions":
-        return cls(**config.data.model_dump(include=set(cls.model_fields)), max_seq_length=config.model.max_seq_length)
+        return cls(**config.data.model_dump(include=set(cls.model_fields)), max_seq_length=config.model.max_seq_length,
+                   store=config.store)
 
 
 def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int,
                          options: TokenizeOptions) -> str:
     """The tokenized dataset's identity (its directory's name): `data` is the content fingerprint of the source
     (and of the validation source, when there is one); the code is this module's and all it imports."""
-    # The worker count is left out: any count writes the same bytes (tests/test_encoding.py checks).
+    # The worker count and the store are left out: any count, and a shard from the store, give the same bytes
+    # (tests/test_encoding.py, tests/test_resume_anywhere.py check).
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-                      "options": options.model_dump(exclude={"tokenize_workers"}),
+                      "options": options.model_dump(exclude={"tokenize_workers", "store"}),
                       "chat_template": template_fingerprint(options.chat_template), "code": code_fingerprint(__name__)})
 
 
@@ -96,7 +101,8 @@ def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int
                      out_dir: Path, validation: DataLocation | None = None) -> TokenizedData:
     """Tokenize `data` (a staged location, or a plain path) into `out_dir` (named by its fingerprint), reusing
     a complete earlier result, and every shard an earlier dataset already tokenized (`out_dir`'s sibling
-    `shards/`). With `validation`, that source is the held-out set and `data` is all training."""
+    `shards/`) or, with a store in `options`, that the store has. With `validation`, that source is the held-out
+    set and `data` is all training."""
     sources = _Sources.resolve(data, validation, options)
     out_dir = Path(out_dir)
     # Two runs on one fingerprint: the first computes, the second waits here and then reuses its output.
@@ -105,9 +111,12 @@ def tokenize_dataset(data: DataLocation | Path, tokenizer, model_max_length: int
             return TokenizedData.model_validate_json((out_dir / "manifest.json").read_text())
         with atomic_path(out_dir) as work:
             work.mkdir()
-            encoded = _encode(sources, tokenizer, options, out_dir.parent / "shards")
-            run_logger().info("%d shards: %d tokenized now, %d from the shard cache", len(encoded.shards),
-                              len(encoded.shards) - encoded.reused, encoded.reused)
+            store = open_store(options.store)
+            encoded = _encode(sources, tokenizer, options, out_dir.parent / "shards",
+                              SharedShards(store) if store else None)
+            run_logger().info("%d shards: %d tokenized now, %d from the shard cache, %d from the store",
+                              len(encoded.shards), encoded.count("encoded"), encoded.count("local"),
+                              encoded.count("store"))
             decided = _decide(encoded, sources, model_max_length, options)
             split = _split(work, encoded, decided)
             result = _describe(work, out_dir, _Described(sources, tokenizer, model_max_length, options, encoded,
@@ -170,15 +179,17 @@ class _Encoded:
     skipped: Counter[str]
     shown: list[str]  # the first few skipped records' messages
     workers: int
+    shared: dict  # with a store: TokenizedData's shards_corrupt and shards_uploaded
 
-    @property
-    def reused(self) -> int:
-        return sum(shard.reused for shard in self.shards)
+    def count(self, origin: str) -> int:
+        """Shards encoded now, from the local cache or from the store."""
+        return sum(shard.origin == origin for shard in self.shards)
 
 
-def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path) -> _Encoded:
+def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path,
+            shared: SharedShards | None) -> _Encoded:
     settings = EncodeSettings(**{f.name: getattr(options, f.name) for f in fields(EncodeSettings)})
-    store = ShardStore(root, tokenizer, settings, options.tokenize_workers, sources.content)
+    store = ShardStore(root, tokenizer, settings, options.tokenize_workers, sources.content, shared)
     shards = store.encode(sources.shards)
     skipped: Counter[str] = Counter()
     shown: list[str] = []
@@ -191,7 +202,8 @@ def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path) 
     column = lambda name: np.concatenate([shard.examples[name] for shard in shards])  # noqa: E731
     places = np.column_stack([np.repeat(np.arange(len(shards)), [shard.count for shard in shards]), column("line")])
     return _Encoded(shards, places, column("key"), column("length"), column("first_label"), column("supervised"),
-                    skipped, shown, store.workers)
+                    skipped, shown, store.workers,
+                    {"shards_corrupt": shared.corrupt, "shards_uploaded": shared.uploaded} if shared else {})
 
 
 # ---- 2. decide ---------------------------------------------------------------------------------------------
@@ -318,7 +330,8 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
         fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.json"),
         validation_path=str(out_dir / "validation.json"), lengths_path=str(out_dir / "lengths.npy"),
         train_examples=counts["train"], validation_examples=counts["validation"], shards=len(run.sources.shards),
-        shards_encoded=len(run.encoded.shards) - run.encoded.reused, shards_reused=run.encoded.reused,
+        shards_encoded=run.encoded.count("encoded"), shards_reused=run.encoded.count("local"),
+        shards_downloaded=run.encoded.count("store"), **run.encoded.shared,
         workers=run.encoded.workers,
         template="chat_template" if getattr(run.tokenizer, "chat_template", None) else "fallback",
         lengths=stats, outliers=decided.outliers, max_seq_length=decided.max_seq_length,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,10 @@ from phase1a.checkpoints import (
 from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
-from phase1a.history import history_path, record_run
+from phase1a.history import history_path, record_run, share_record
+from phase1a.lease import LeaseLost
 from phase1a.locks import exclusive
+from phase1a.logs import run_logger
 from phase1a.meter import MeterSettings, current_settings
 from phase1a.modeling import build_model, make_optimizer, make_scheduler
 from phase1a.models import ResolvedModel
@@ -54,11 +57,13 @@ from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader,
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
 from phase1a.replay import write_trained_on
-from phase1a.results import Plan, StartPoint, TrainResult
+from phase1a.results import Plan, StartPoint, StoreTraining, TrainResult
 from phase1a.steps import optimizer_step
+from phase1a.store import Store, open_store
 from phase1a.tokenized import TokenizedData
+from phase1a.train_store import CheckpointMirror, RemoteRun, job_prefix
 from phase1a.training_eval import EvalSettings, Evaluator
-from phase1a.units import Clock, parse_interval
+from phase1a.units import Clock, parse_duration_seconds, parse_interval
 from tasks.caching import task
 
 
@@ -85,6 +90,7 @@ class TrainSettings(BaseModel):
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
     init_adapter: str | None = None  # a warm start: the adapter the trainable one starts from (local)
+    carry_run_files: bool = False  # checkpoints carry the curves and best weights: a store resumes them elsewhere
     evaluation: EvalSettings | None = None  # evaluation during training and early stopping; None: neither
 
 
@@ -133,13 +139,14 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
     )
 
 
-def train(settings: TrainSettings, on_model=None) -> TrainResult:
-    """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection."""
+def train(settings: TrainSettings, on_model=None, stop: threading.Event | None = None) -> TrainResult:
+    """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection. `stop`,
+    when set by another thread, stops training at a checkpoint as a signal does (the store's lease was lost)."""
     if (finished := finished_run(Path(settings.output_dir))) is not None:  # 0. reuse
         return finished
     recipe = TrainRecipe(settings)
     recipe.setup(on_model)  # 1. setup
-    recipe.train()  # 2. train
+    recipe.train(stop)  # 2. train
     return recipe.save()  # 3. save
 
 
@@ -270,12 +277,12 @@ class TrainRecipe:
 
     # ---- 2. train ----------------------------------------------------------------------------------------
 
-    def train(self) -> None:
+    def train(self, stop_event: threading.Event | None = None) -> None:
         progress, world = self.progress, self.world
         interval = parse_interval(self.settings.checkpoint_interval)
         progress.begin()
         loader = self._loader(progress.step)
-        with StopSignals() as stop:
+        with StopSignals(stop_event, "the store's lease lost") as stop:
             # A preemption checkpoints before its step's evaluation: one due there is made first on resuming.
             stopped = self._evaluation_due(False) and self._evaluate_and_stop()
             while not stopped and progress.step < self.total_steps:
@@ -290,7 +297,7 @@ class TrainRecipe:
                     self.reporter.event("preempted", signal=stop.requested or "peer", step=progress.step,
                                         checkpoint=path.name)
                     self.reporter.close()
-                    raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path))
+                    raise Preempted(stop.requested or "a signal to another rank", progress.step, str(path), stop.at)
                 due = progress.step < self.total_steps and distributed.any_rank(
                     interval.due(progress.since(progress.last_save)), world)
                 if self._evaluation_due(due) and self._evaluate_and_stop():
@@ -380,13 +387,24 @@ class TrainRecipe:
             state = TrainingState(progress.step, optimizer_state, self.scheduler.state_dict(), torch.get_rng_state(),
                                   cuda_rng, progress.prior_seconds + began - progress.started,
                                   self._evaluation_state())
-            path = save_checkpoint(root, weights, state, self.settings.keep_last)
+            carry = self._carried() if self.settings.carry_run_files else None
+            path = save_checkpoint(root, weights, state, self.settings.keep_last, carry)
         distributed.barrier(world)
         if self.evaluator is not None:
             self.evaluator.saved()
         progress.checkpoints += 1
         progress.checkpoint_seconds += time.perf_counter() - began
         return path
+
+    def _carried(self) -> dict[str, Path]:
+        """What a checkpoint takes along to another host: the curves so far and the best weights it names."""
+        curves = (run_files.METRICS, run_files.EVALUATIONS, run_files.EVENTS)
+        carried = {name: self.output_dir / name for name in curves}
+        best = self.evaluator.stopping.best_step if self.evaluator is not None else None
+        if best is not None:
+            for path in (self.evaluator.best_dir / "evaluation.json", self.evaluator.weights_path(best)):
+                carried[f"best/{path.name}"] = path
+        return carried
 
     def _evaluation_state(self) -> dict | None:
         """A checkpoint's share of evaluation: early stopping's state, and the step a cadence counts from."""
@@ -456,10 +474,11 @@ def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, we
 
 # ---- several processes ---------------------------------------------------------------------------------------
 
-def run(settings: TrainSettings) -> TrainResult:
-    """One process, or `num_processes` ranks under torchrun; the result is rank 0's, read from the run."""
+def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainResult:
+    """One process, or `num_processes` ranks under torchrun; the result is rank 0's, read from the run. `stop`
+    reaches one process only (train's)."""
     if settings.num_processes <= 1:
-        return train(settings)
+        return train(settings, stop=stop)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings_path = output_dir / "settings.json"
@@ -495,6 +514,55 @@ def _out_of_memory_notes(output_dir: Path) -> list[int]:
     return steps
 
 
+# ---- the store -----------------------------------------------------------------------------------------------
+
+def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig) -> TrainResult:
+    """The same run, kept in the store (phase1a/train_store.py) so that any host can go on with it: the lease
+    first (one host trains it at a time), then what the store has (the finished adapter, or the latest
+    checkpoint), then training with each checkpoint uploaded in the background; on a signal, the last checkpoint
+    uploaded within the grace period; the finished adapter last."""
+    output_dir, settings = Path(settings.output_dir), settings.model_copy(update={"carry_run_files": True})
+    remote = RemoteRun(store, job_prefix(config.name) + output_dir.name)
+    wait = config.store.lease_wait
+    lease = remote.lease(parse_duration_seconds(config.store.lease_ttl),
+                         None if wait is None else parse_duration_seconds(wait), output_dir)
+    with lease:
+        report = StoreTraining(location=remote.location, pulled=remote.pull(output_dir),
+                               lease_waited_seconds=round(lease.waited_seconds, 3),
+                               taken_over_from=lease.taken_over.model_dump(mode="json") if lease.taken_over else None)
+        with CheckpointMirror(remote, output_dir, settings.keep_last, lease) as mirror:
+            try:
+                result = run(settings, stop=lease.lost)
+            except Preempted as stopped:
+                _upload_within_grace(mirror, stopped, parse_duration_seconds(config.checkpoint.grace_period))
+                if lease.lost.is_set():
+                    raise LeaseLost(f"{remote.location}: another host took the lease over; this run stopped at "
+                                    f"step {stopped.step} and left the store to it") from stopped
+                raise
+            finally:
+                report.checkpoint_uploads, report.uploaded_step = mirror.uploads, mirror.uploaded_step
+                report.checkpoint_upload_seconds = round(mirror.upload_seconds, 3)
+                report.upload_failures = mirror.failures
+        if report.pulled.what != "final":
+            remote.push_final(output_dir / "final")
+            report.final_uploaded = True
+    if lease.taken_over is not None and lease.taken_over.step is not None:
+        report.lost_steps = max(0, lease.taken_over.step - (result.resumed_from_step or 0))
+    return result.model_copy(update={"store": report})
+
+
+def _upload_within_grace(mirror: CheckpointMirror, stopped: Preempted, grace: float) -> None:
+    """After a signal: the checkpoint training just wrote, into the store before the grace period is over."""
+    began = stopped.signalled_at if stopped.signalled_at is not None else time.monotonic()
+    uploaded = mirror.flush(max(0.0, grace - (time.monotonic() - began)))
+    append_event(mirror.output_dir, "preempted_upload", uploaded=uploaded, step=mirror.uploaded_step,
+                 seconds_since_signal=round(time.monotonic() - began, 3), grace_period=grace)
+    if not uploaded:
+        run_logger().warning(f"{mirror.remote.location}: the checkpoint of step {stopped.step} did not reach the "
+                             f"store within the grace period ({grace:.0f} s); the store's latest is step "
+                             f"{mirror.uploaded_step}")
+
+
 # ---- the task ------------------------------------------------------------------------------------------------
 
 @task(name="train")
@@ -507,11 +575,16 @@ def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
     # run): training side by side would interleave metrics, race on checkpoint renames and write one
     # final.partial. The second waits, then reuses the finished run, or resumes if the first one died. The
     # launching process holds the lock for all its torchrun ranks.
+    # With a store, a lease in it does the same between hosts.
+    store = open_store(config.store)
     with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
-        result = run(settings).model_copy(update={"start": start})
+        result = (run(settings) if store is None else run_with_store(settings, store, config))
+    result = result.model_copy(update={"start": start})
     if result.reused_completed_run:
         return result
     record = record_run(history_path(config.cache_dir), config, model, plan, result)
+    if store is not None:
+        share_record(store, record)
     return result.model_copy(update={"recorded": record})
 
 
