@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
+from flows.processes import Terminated, own_processes
 from phase1a.config import ConfigError, config_from
 from phase1a.errors import DataError
+from phase1a.preemption import Preempted
 from phase1a.results import Plan, ValidationResult
 
 
@@ -78,16 +82,50 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's 20 s default; and there is no network to send telemetry to.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.phase1a import phase1a  # after those: Prefect reads its settings when it is first imported
+    own_processes()  # the embedded server and every other process the run starts end with it
+    return _run(config, plan_only=args.command == "plan")
 
-    state = phase1a(config, plan_only=args.command == "plan", return_state=True)
-    report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else _latest_report(config)
+
+def _run(config, plan_only: bool) -> int:
+    """The flow, in this process; its report's summary whatever the end. Exit status: 0 when the flow run
+    completed, 128 + the signal's number when SIGTERM (143) or SIGINT (130) stopped it, in training (at a
+    checkpoint) or not, else 1."""
+    started = time.time()
+    try:
+        from flows.phase1a import phase1a  # after the settings above: Prefect reads them when it is first imported
+
+        state = phase1a(config, plan_only=plan_only, return_state=True)
+    except BaseException as error:
+        signum = _stop_signal(error)  # a signal outside training, after report.json was written
+        if signum is None:
+            raise
+        _print_summary(_latest_report(config, since=started))
+        print(f"phase1a: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else None
+    _print_summary(report_path or _latest_report(config, since=started))
+    if state.is_completed():
+        return 0
+    print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
+    error = state.result(raise_on_failure=False)
+    stopped_by = error.signal_name if isinstance(error, Preempted) else None  # training stopped at a checkpoint
+    return (128 + signal.Signals[stopped_by]) if stopped_by in signal.Signals.__members__ else 1
+
+
+def _stop_signal(error: BaseException) -> int | None:
+    """The signal behind an exception: SIGINT's KeyboardInterrupt, SIGTERM's Terminated (flows/processes.py) or
+    Prefect's TerminationSignal, which its flow engine raises for SIGTERM while a flow runs."""
+    if isinstance(error, KeyboardInterrupt):
+        return signal.SIGINT
+    prefect_exceptions = sys.modules.get("prefect.exceptions")  # imported, where Prefect raised one
+    if prefect_exceptions is not None and isinstance(error, prefect_exceptions.TerminationSignal):
+        return error.signal
+    return error.signal if isinstance(error, Terminated) else None
+
+
+def _print_summary(report_path: Path | None) -> None:
     if report_path and report_path.is_file():
         print(_summary(report_path))
-    if not state.is_completed():
-        print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _read_back(args: argparse.Namespace, config) -> int:
@@ -109,8 +147,10 @@ def _read_back(args: argparse.Namespace, config) -> int:
     return 0
 
 
-def _latest_report(config) -> Path | None:
-    reports = sorted((config.work_dir / config.name).glob("*/report.json"))
+def _latest_report(config, since: float = 0.0) -> Path | None:
+    """The newest report.json of the job written after `since` (this run's, not an earlier run's)."""
+    reports = sorted(path for path in (config.work_dir / config.name).glob("*/report.json")
+                     if path.stat().st_mtime >= since)
     return reports[-1] if reports else None
 
 

@@ -4,6 +4,7 @@ the `run-report` artifact drawn from it (flows/report_md.py)."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel
 
 from flows.report_md import draw_plots, finish_report
@@ -61,7 +63,12 @@ class RunReport:
 
         counted = task.with_options(on_completion=[*task.on_completion_hooks, count_runs],
                                     on_failure=[*task.on_failure_hooks, count_runs])
-        state = counted(**inputs, return_state=True)
+        try:
+            state = counted(**inputs, return_state=True)
+        except BaseException as error:  # no state comes back: a signal crashed the task run
+            self.data["stages"][stage] = {"state": "Crashed", "seconds": round(time.perf_counter() - started, 3),
+                                          "retries": 0, "error": _described(error, stage)}
+            raise
         section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3),
                                    "retries": max(runs[-1] - 1, 0) if runs else 0}
         self.data["stages"][stage] = section
@@ -93,8 +100,11 @@ class RunReport:
         try:
             yield outcome
         except BaseException as error:
-            self.data["error"] = redact(f"{type(error).__name__}: {error}")
-            if isinstance(error, Preempted):  # stopped at a checkpoint for the next run to resume: not a failure
+            stopped_in = [name for name, section in self.data["stages"].items() if "error" in section]
+            self.data["error"] = _described(error, stopped_in[-1] if stopped_in else None)
+            # Stopped at a checkpoint for the next run to resume, or by a signal outside training (the next run
+            # reuses the stages that finished): not a failure.
+            if isinstance(error, Preempted) or _stop_signal(error):
                 outcome.status = "preempted"
             raise
         finally:
@@ -127,6 +137,23 @@ class RunReport:
         self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)
         write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
         return self.path
+
+
+def _stop_signal(error: BaseException) -> str | None:
+    """The signal behind an exception outside training: SIGINT's KeyboardInterrupt, or SIGTERM's TerminationSignal
+    (Prefect's flow engine raises it while a flow runs; a deployment's cancellation too)."""
+    if isinstance(error, KeyboardInterrupt):
+        return "SIGINT"
+    return signal.Signals(error.signal).name if isinstance(error, TerminationSignal) else None
+
+
+def _described(error: BaseException, stage: str | None = None) -> str:
+    stop_signal = _stop_signal(error)
+    if stop_signal:  # these exceptions carry no message
+        where = f"in stage {stage}" if stage else "between stages"
+        return f"{type(error).__name__}: stopped by {stop_signal} {where}; the next run of this job reuses the " \
+               "stages that finished"
+    return redact(f"{type(error).__name__}: {error}")
 
 
 def _flow_run() -> dict[str, str | None]:
