@@ -223,7 +223,37 @@ def _plan(report: dict) -> list[str]:
     if compared:
         lines += ["Estimate against actual (a stage that was cached is not compared):", "",
                   *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
-    return lines
+    return lines + _interruptions(plan, report.get("interruptions_vs_actual"))
+
+
+def _interruptions(plan: dict, outcome: dict | None) -> list[str]:
+    """The checkpoint interval, the interruptions the plan expected over the whole run, and what this attempt saw:
+    a run knows its own start and the host it took over from, not the attempts before that."""
+    section = plan.get("interruptions")
+    if not section and not outcome:
+        return []
+    rows = []
+    if section:
+        cost, expected = section["checkpoint"], section["expected"]
+        rows += [("checkpoint interval", f"{section['interval']} ({section['interval_rule']}); a checkpoint "
+                                         f"{_seconds(cost['write_seconds'] + cost['upload_seconds'])} (write "
+                                         f"{cost['write_source']}, upload {cost['upload_source']})"),
+                 ("expected (plan)", f"{expected['interruptions']:.2f} interruptions at "
+                                     f"{section['rate_per_hour']:.4g}/h ({section['rate_source']}): lost work "
+                                     f"{_seconds(expected['lost_seconds'])}, restarts "
+                                     f"{_seconds(expected['restart_seconds'])}")]
+    if outcome:
+        resumed = (f"resumed from step {outcome['resumed_from_step']} in the store, after an interruption"
+                   if outcome["resumed_after_interruption"] else
+                   f"resumed from its own step {outcome['resumed_from_step']}" if outcome["resumed_from_step"]
+                   else "started from step 0")
+        rows.append(("this attempt", resumed))
+        if outcome.get("taken_over_from_step") is not None:
+            lost = _n(outcome.get("lost_steps"))
+            rows.append(("host taken over", f"had reached step {outcome['taken_over_from_step']}: {lost} steps "
+                                            f"lost (~{_seconds(outcome.get('lost_seconds'))} at this attempt's "
+                                            f"speed)"))
+    return ["Interruptions, the plan against this attempt:", "", *_table(("", ""), rows)]
 
 
 def _evaluations(report: dict) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -35,14 +36,17 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
+from phase1a.bundles import delete_bundle, upload_bundle
 from phase1a.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
 from phase1a.config import Phase1aConfig
 from phase1a.cost_model import MemoryModel
 from phase1a.evaluation import ValidationSpeed, time_validation
 from phase1a.hardware import usable_cores
+from phase1a.logs import run_logger
 from phase1a.meter import Meter, stage_meter
 from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
 from phase1a.steps import optimizer_step
+from phase1a.store import Store
 from phase1a.training_eval import evaluating
 from phase1a.units import GIB, parse_duration_seconds
 
@@ -77,6 +81,8 @@ class Calibration(BaseModel):
     warmup_excess_seconds: float
     startup_seconds: float  # load the model, wrap it, build the optimizer
     checkpoint_seconds: float  # one checkpoint written, measured
+    checkpoint_bytes: int = 0  # its size on disk
+    checkpoint_upload_seconds: float | None = None  # its upload to the store, when the job asked for one
     peak_memory_gib: float | None
     trials: list[Trial]
     budget_seconds: float
@@ -125,6 +131,7 @@ class CalibrationJob:
     work_dir: Path  # where training will write its checkpoints: one is timed there
     alternatives: Alternatives = no_alternatives
     validation_path: str | None = None  # the held-out set, to time the validate stage on this model
+    upload_to: Store | None = None  # a store to time the checkpoint's upload to (checkpoint.interval auto, spot)
 
 
 def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Calibration:
@@ -230,15 +237,17 @@ class _Session:
         from phase1a.modeling import set_gradient_checkpointing
 
         set_gradient_checkpointing(self.model, best.candidate.gradient_checkpointing)
-        self.meter.note("timing a checkpoint write" + (" and validation" if self.job.validation_path else ""))
-        checkpoint_seconds = _time_checkpoint(self.model, self.optimizer, self.job.work_dir)
+        self.meter.note("timing a checkpoint write" + (" and upload" if self.job.upload_to else "")
+                        + (" and validation" if self.job.validation_path else ""))
+        checkpoint = _time_checkpoint(self.model, self.optimizer, self.job.work_dir, self.job.upload_to)
         validation = (_time_validation(self.model, self.job.validation_path, self.config)
                       if self.job.validation_path else None)
         return Calibration(
             chosen=best.candidate, seconds_per_token=1.0 / speed,
             warmup_excess_seconds=best.warmup_excess_seconds or 0.0, startup_seconds=self.startup,
-            checkpoint_seconds=checkpoint_seconds, peak_memory_gib=best.peak_memory_gib, trials=self.trials,
-            budget_seconds=budget, seconds=self.elapsed(), validation=validation,
+            checkpoint_seconds=checkpoint.write_seconds, checkpoint_bytes=checkpoint.bytes,
+            checkpoint_upload_seconds=checkpoint.upload_seconds, peak_memory_gib=best.peak_memory_gib,
+            trials=self.trials, budget_seconds=budget, seconds=self.elapsed(), validation=validation,
         )
 
 
@@ -305,14 +314,37 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
                  peak_memory_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
 
 
-def _time_checkpoint(model, optimizer, work_dir: Path) -> float:
-    """Write one real checkpoint (trainable weights, optimizer state) where training will write them."""
+@dataclass(frozen=True)
+class _CheckpointTiming:
+    write_seconds: float
+    bytes: int
+    upload_seconds: float | None = None
+
+
+def _time_checkpoint(model, optimizer, work_dir: Path, store: Store | None = None) -> _CheckpointTiming:
+    """Write one real checkpoint (trainable weights, optimizer state) where training will write them; with a
+    store, upload it as training's mirror does (a bundle: hashed, then its manifest) under a scratch key, and
+    delete it there."""
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".calibration-") as scratch:
         began = time.perf_counter()
         state = TrainingState(0, optimizer_state_dict(model, optimizer), {}, torch.get_rng_state(), [])
-        save_checkpoint(Path(scratch), trainable_state_dict(model), state, keep_last=1)
-        return time.perf_counter() - began
+        written = save_checkpoint(Path(scratch), trainable_state_dict(model), state, keep_last=1)
+        write_seconds = time.perf_counter() - began
+        size = sum(path.stat().st_size for path in written.rglob("*") if path.is_file())
+        if store is None:
+            return _CheckpointTiming(write_seconds, size)
+        prefix = f"scratch/calibration-{uuid.uuid4().hex}/"
+        began = time.perf_counter()
+        try:
+            upload_bundle(store, written, prefix)
+            uploaded = time.perf_counter() - began
+            delete_bundle(store, prefix)
+        except Exception as error:  # noqa: BLE001 - the plan assumes an upload speed instead; training will tell
+            run_logger().warning(f"calibration: the checkpoint upload to {store.where(prefix)} was not timed "
+                                 f"({type(error).__name__}: {error})")
+            return _CheckpointTiming(write_seconds, size)
+        return _CheckpointTiming(write_seconds, size, uploaded)
 
 
 def default_workers() -> int:

@@ -9,8 +9,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from phase1a.hardware import HARDWARE_KINDS
+from phase1a.hardware import CATALOGUE, HARDWARE_KINDS
 from phase1a.hub import looks_like_hub_id
+from phase1a.interruptions import AUTO
 from phase1a.templates import CHAT_TEMPLATES
 from phase1a.units import parse_duration_seconds, parse_interval
 
@@ -195,9 +196,27 @@ class HardwareConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With several GPUs. ddp: every GPU holds the whole model (fastest when it fits); fsdp: "
                            "weights, gradients and optimizer state are sharded across the GPUs (bigger models).")
-    price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue price.")
+    price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue's on-demand price.")
+    spot: bool = Field(False, description=(
+        "The run uses spot / preemptible / interruptible instances: the plan prices it at the spot price, expects "
+        "interruptions at `interruptions_per_hour`, adds their expected lost work and restarts to the estimate and "
+        "to the window fit, and with `checkpoint.interval: auto` checkpoints at the Young/Daly interval. Without a "
+        "`store` a fresh host starts over from step 0: the plan warns."))
+    spot_price_per_gpu_hour: float | None = Field(None, ge=0.0, description=(
+        "With `spot`: overrides the catalogue's typical spot price per GPU-hour."))
+    interruptions_per_hour: float | None = Field(None, ge=0.0, description=(
+        "Expected interruptions per hour of a host. None: the catalogue's typical spot rate with `spot` "
+        "(phase1a/hardware.py: the AWS Spot Instance Advisor's bands), 0 on demand (no interruption cost, and "
+        "`checkpoint.interval: auto` takes its bounded default)."))
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
     calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")
+
+    @model_validator(mode="after")
+    def _spot_rate_known(self) -> "HardwareConfig":
+        if self.spot and self.interruptions_per_hour is None and self.target not in CATALOGUE:
+            raise ValueError(f"spot on target {self.target!r}: the catalogue has no spot interruption rate for it; "
+                             "set hardware.interruptions_per_hour")
+        return self
 
 
 class PlanConfig(_Section):
@@ -238,7 +257,10 @@ class WindowConfig(_Section):
 class CheckpointConfig(_Section):
     interval: str = Field("30m", description=(
         "Between checkpoints, whichever limit comes first: wall time, steps, tokens or epochs, e.g. '30m', "
-        "'500steps', '2000000tok', '0.5ep', '30m,500steps'; 'never' turns the interval off."))
+        "'500steps', '2000000tok', '0.5ep', '30m,500steps'; 'never' turns the interval off. 'auto': the plan "
+        "chooses a wall-time interval from the measured checkpoint write and upload and the interruption rate "
+        "(Young/Daly with an interruption rate and a store; else the train time in four parts, at most 30m; "
+        "docs/stages.md), records it in plan.json's `checkpoint_interval`, and training uses it."))
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept, locally and in the store; older ones "
                                                 "are deleted.")
     grace_period: Duration = Field("30s", description=(
@@ -249,6 +271,8 @@ class CheckpointConfig(_Section):
     @field_validator("interval")
     @classmethod
     def _interval(cls, value: str) -> str:
+        if value.strip().lower() == AUTO:
+            return AUTO
         parse_interval(value)
         return value
 
@@ -470,7 +494,7 @@ class Phase1aConfig(_Section):
     def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
         validation = self.validation
         if validation.early_stopping is not None and validation.during_training == "checkpoint" \
-                and str(parse_interval(self.checkpoint.interval)) == "never":
+                and self.checkpoint.interval != AUTO and str(parse_interval(self.checkpoint.interval)) == "never":
             raise ValueError(f"validation.early_stopping {validation.early_stopping} counts evaluations at "
                              "checkpoints (validation.during_training: checkpoint), and checkpoint.interval is "
                              "never: give during_training an interval of its own, e.g. '500steps'")

@@ -16,6 +16,10 @@ is shardable weights, gradients and optimizer state. For n GPUs of kind k under 
                          global_batch with accumulation n times shorter when keep_global_batch
     learning rate      sqrt: lr * sqrt(n) (Adam: gradient noise falls with sqrt of the batch), linear: lr * n
                          (SGD-style rule), none: lr; always lr unchanged when keep_global_batch
+    spot hours         hours + the expected lost work and restarts at this option's speed and its kind's
+                         interruption rate (`interruption_rates[k]`, else the catalogue's spot rate; a rate is
+                         per host, whatever its GPU count), phase1a/interruptions.py: hours / (1 - r c)
+    spot dollars       n * spot_price(k) * spot hours         spot_price: `spot_prices[k]`, else the catalogue's
 
 Assumptions: throughput scales with dense peak FLOP/s between GPU kinds, which holds for compute-bound
 training and overstates GPUs with little memory bandwidth per FLOP (memory-bound small models); FSDP and
@@ -32,6 +36,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from phase1a.hardware import CATALOGUE
+from phase1a.interruptions import Exposure, NotExpectedToFinish, auto_interval, expected
 from phase1a.units import GIB
 
 Strategy = Literal["single", "ddp", "fsdp", "zero3"]
@@ -62,6 +67,9 @@ class OptionRow(BaseModel):
     learning_rate: float
     global_batch: int
     note: str
+    spot_hours: float | None = None  # with the expected interruptions; None: not expected to finish, or no spot job
+    spot_dollars: float | None = None
+    spot_interruptions: float | None = None  # expected over the run
 
 
 DEFAULT_OPTIONS: list[OptionSpec] = [
@@ -96,6 +104,16 @@ def memory_per_gpu(memory_needed_bytes_per_gpu: float, weights_and_state_bytes: 
     return memory_needed_bytes_per_gpu
 
 
+class SpotJob(BaseModel):
+    """What one interruption costs, the same on any option (the same checkpoint, store and start-up)."""
+
+    checkpoint_seconds: float  # delta: one checkpoint written and uploaded
+    restart_seconds: float  # a fresh host to its first step
+    outside_train_seconds: float  # start-up and evaluation: the part of the hours outside the train loop
+    interval_seconds: float | None = None  # a configured interval's wall time; None: auto, chosen per option
+    store: bool = True  # without one a fresh host starts over
+
+
 class OptionsJob(BaseModel):
     """The single-GPU plan's numbers that every option is scaled from."""
 
@@ -108,6 +126,7 @@ class OptionsJob(BaseModel):
     global_batch: int
     learning_rate: float
     fixed_overhead_seconds: float = 0.0  # start-up, warm-up, checkpoints, evaluation: the same on any option
+    spot: SpotJob | None = None  # what an interruption costs; None: no spot column
 
 
 class OptionsPolicy(BaseModel):
@@ -116,6 +135,8 @@ class OptionsPolicy(BaseModel):
     options: list[OptionSpec] = DEFAULT_OPTIONS
     scaling_efficiency: float = 0.9
     prices: dict[str, float] | None = None  # per GPU-hour by catalogue key, over the catalogue's
+    spot_prices: dict[str, float] | None = None  # the same for spot
+    interruption_rates: dict[str, float] | None = None  # per hour by catalogue key, over the catalogue's spot rate
     lr_rule: LrRule = "sqrt"
     keep_global_batch: bool = False
     memory_headroom: float = 0.0
@@ -155,13 +176,32 @@ def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
         notes.append(f"batch x{n}, {n}x fewer steps, lr {policy.lr_rule}")
     if mfu > IMPLAUSIBLE_MFU:
         notes.append(f"implied MFU {mfu:.0%} is implausible")
-    return OptionRow(
+    row = OptionRow(
         label=spec.label, gpus=n, kind=spec.kind, strategy=spec.strategy, fits=needed <= available,
         memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
         tokens_per_second=tokens_per_second, mfu=mfu, hours=hours,
         dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
         note="; ".join(notes),
     )
+    return _with_spot(row, job.spot, policy) if job.spot else row
+
+
+def _with_spot(row: OptionRow, spot: SpotJob, policy: OptionsPolicy) -> OptionRow:
+    """The row's spot columns: its hours with the interruptions expected at its speed, at the spot price."""
+    accelerator = CATALOGUE[row.kind]
+    rate = (policy.interruption_rates or {}).get(row.kind, accelerator.spot_interruptions_per_hour) or 0.0
+    price = (policy.spot_prices or {}).get(row.kind, accelerator.spot_price_per_hour)
+    run = row.hours * 3600
+    train = max(0.0, run - spot.outside_train_seconds)
+    interval = spot.interval_seconds or auto_interval(rate, spot.checkpoint_seconds, train, spot.store)[0]
+    try:
+        cost = expected(rate, Exposure(run, train, interval, spot.checkpoint_seconds, spot.restart_seconds,
+                                       spot.store))
+    except NotExpectedToFinish:
+        return row.model_copy(update={"note": "; ".join(filter(None, [row.note, "spot: not expected to finish"]))})
+    hours = (run + cost.extra_seconds) / 3600
+    return row.model_copy(update={"spot_hours": hours, "spot_interruptions": cost.interruptions,
+                                  "spot_dollars": None if price is None else row.gpus * price * hours})
 
 
 def _peak(kind: str) -> float:
@@ -176,13 +216,19 @@ def _peak(kind: str) -> float:
 
 def format_options(rows: list[OptionRow]) -> str:
     """A plain-text table, one line per option, columns padded to their widest cell."""
-    header = ["option", "fits", "GiB/GPU", "tok/s", "MFU", "hours", "USD", "lr", "batch", "note"]
+    header = ["option", "fits", "GiB/GPU", "tok/s", "MFU", "hours", "USD", "spot h", "spot USD", "lr", "batch",
+              "note"]
     cells = [header] + [[
         row.label, "yes" if row.fits else "NO", f"{row.memory_per_gpu_gib:.1f}/{row.memory_available_gib:.0f}",
-        f"{row.tokens_per_second:,.0f}", f"{row.mfu:.0%}", f"{row.hours:.2f}",
-        "?" if row.dollars is None else f"{row.dollars:,.2f}", f"{row.learning_rate:.3g}", str(row.global_batch),
-        row.note,
+        f"{row.tokens_per_second:,.0f}", f"{row.mfu:.0%}", f"{row.hours:.2f}", _dollars(row.dollars),
+        "-" if row.spot_hours is None else f"{row.spot_hours:.2f}",
+        "-" if row.spot_hours is None else _dollars(row.spot_dollars),
+        f"{row.learning_rate:.3g}", str(row.global_batch), row.note,
     ] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _dollars(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.2f}"

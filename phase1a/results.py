@@ -12,6 +12,7 @@ from phase1a.cost_model import MemoryEstimate, ModelFacts
 from phase1a.evaluation import Metrics
 from phase1a.gate import Baseline, GateCheck
 from phase1a.history import RunRecord
+from phase1a.interruptions import InterruptionEstimate
 from phase1a.options import OptionRow
 from phase1a.window import Adjustment
 
@@ -31,7 +32,10 @@ class Estimate(BaseModel):
     evaluations_during_training: int = 0  # validation.during_training's, the final weights' included
     eval_during_training_seconds: float = 0.0  # all of them, with early stopping's writes of best/
     train_seconds: float  # steady + warm-up + checkpoints + evaluations during training: the train stage's loop
-    total_seconds: float
+    # Expected lost work and restarts of interruptions (Plan.interruptions); 0 on demand. Kept out of
+    # train_seconds, which is one uninterrupted attempt's loop (what the history compares against).
+    interruption_seconds: float = 0.0
+    total_seconds: float  # startup + train + evaluation + interruption_seconds
 
 
 class Plan(BaseModel):
@@ -70,6 +74,10 @@ class Plan(BaseModel):
     calibration: Calibration | None
     options: list[OptionRow]
     notes: list[str]
+    # The interval training checkpoints at: checkpoint.interval, or auto's choice (e.g. '754s'). None: a plan
+    # written before the field, whose training used checkpoint.interval.
+    checkpoint_interval: str | None = None
+    interruptions: InterruptionEstimate | None = None  # with spot, an interruption rate, or checkpoint.interval auto
 
 
 class StartPoint(BaseModel):

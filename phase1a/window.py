@@ -1,7 +1,10 @@
 """Fitting a run into a time window: the estimate as a function of epochs and truncation, and the documented
 order of adjustments when it does not fit.
 
-    seconds(epochs, L) = epochs * sum(min(length_i, L)) * seconds_per_token + fixed_seconds
+    seconds(epochs, L) = (epochs * sum(min(length_i, L)) * seconds_per_token + fixed_seconds) * (1 + overhead)
+
+`overhead` is the expected cost of interruptions as a share of the run (phase1a/interruptions.py: spot hosts),
+so a window fits the run with the lost work and restarts it should expect, not only an uninterrupted attempt.
 
 Order, each step tried only if the previous ones did not fit the budget (window minus safety margin):
   1. profile: `balanced` becomes `fast`, which truncates at the p99.9 length (a `quality` run never truncates;
@@ -44,14 +47,16 @@ class Workload:
     model_max_length: int
     seconds_per_token: float
     fixed_seconds: float  # evaluation and start-up: independent of epochs and truncation
+    overhead: float = 0.0  # expected interruptions' lost work and restarts, a share of the run
 
     def seconds(self, epochs: float, max_seq_length: int) -> float:
         tokens = float(np.minimum(self.lengths, max_seq_length).sum())
-        return epochs * tokens * self.seconds_per_token + self.fixed_seconds
+        return (epochs * tokens * self.seconds_per_token + self.fixed_seconds) * (1 + self.overhead)
 
     def epochs_that_fit(self, budget: float, max_seq_length: int) -> float:
-        per_epoch = self.seconds(1.0, max_seq_length) - self.fixed_seconds
-        return math.floor(100 * (budget - self.fixed_seconds) / per_epoch) / 100 if per_epoch > 0 else math.inf
+        per_epoch = self.seconds(1.0, max_seq_length) - self.seconds(0.0, max_seq_length)
+        fixed = self.seconds(0.0, max_seq_length)
+        return math.floor(100 * (budget - fixed) / per_epoch) / 100 if per_epoch > 0 else math.inf
 
 
 def fit_window(work: Workload, budget: float, profile: str,
@@ -93,8 +98,12 @@ def fit_window(work: Workload, budget: float, profile: str,
                 return epochs, length, profile, adjustments
 
     need = work.seconds(epochs, length)
+    interruptions = need * work.overhead / (1 + work.overhead)
     raise WindowError(
         f"nothing fits the time window: even {epochs:g} epochs at max_seq_length {length} need an estimated "
-        f"{need / 3600:.2f} h, the window leaves {budget / 3600:.2f} h after the safety margin "
+        f"{need / 3600:.2f} h"
+        + (f" ({interruptions / 3600:.2f} h of it the lost work and restarts expected from interruptions: "
+           f"hardware.spot, hardware.interruptions_per_hour)" if interruptions else "")
+        + f", the window leaves {budget / 3600:.2f} h after the safety margin "
         f"(tried: {'; '.join(a.step + ' -> ' + a.after for a in adjustments) or 'nothing to adjust'})"
     )

@@ -12,16 +12,21 @@ The recipe, `make_plan`, in named phases:
                   those knobs, so one run slowed by a neighbour does not set the plan); a calibration sweep
                   when the target hardware is the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged
                   as assumed
-  4. window       epochs and truncation that fit `window.max_duration` (`phase1a/window.py`)
-  5. estimate     seconds and dollars (below)
-  6. plan         the knobs, the estimate and the options table
+  4. checkpoints  what one costs (written, and uploaded to the store) and the interval: `checkpoint.interval`, or
+                  with `auto` Young/Daly's against the interruption rate (`phase1a/interruptions.py`)
+  5. window       epochs and truncation that fit `window.max_duration` (`phase1a/window.py`), the expected
+                  interruptions' lost work and restarts included
+  6. estimate     seconds and dollars (below)
+  7. plan         the knobs, the estimate and the options table
 
 Estimate (seconds):
     startup      load the model, wrap it, build the optimizer (measured; else the weights at 1 GiB/s + 10 s)
     train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
                  + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
                  + evaluations during training x seconds per evaluation
-    checkpoints  how often `checkpoint.interval` fires within the train time (`phase1a/units.py`: Interval)
+    checkpoints  how often the interval fires within the train time (`phase1a/units.py`: Interval): the
+                 configured one, or `auto`'s choice (Plan.checkpoint_interval); the upload to a store runs in the
+                 background and is not in the train time
     evaluations during training   how often `validation.during_training` fires (the checkpoints' count for
                  'checkpoint'), plus one on the final weights; each the forward pass over its sample at the
                  validate stage's forward speed, plus with early stopping a write of the trainable weights
@@ -30,7 +35,10 @@ Estimate (seconds):
                  pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
                  longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
                  forward pass at 2N of the step's FLOPs a token and a step at the weights' read from memory
-    total        startup + train + evaluation; cost = GPUs x price per GPU-hour x total
+    interruptions  with an interruption rate (hardware.spot, hardware.interruptions_per_hour): the expected
+                 lost work and restarts (phase1a/interruptions.py: Plan.interruptions)
+    total        startup + train + evaluation + interruptions; cost = GPUs x price per GPU-hour x total, the spot
+                 price with hardware.spot
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from pydantic import BaseModel
 
 from phase1a.atomic import write_atomically
 from phase1a.calibration import Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives, no_alternatives
-from phase1a.config import Phase1aConfig
+from phase1a.config import HardwareConfig, Phase1aConfig
 from phase1a.cost_model import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
@@ -58,10 +66,27 @@ from phase1a.evaluation import ValidationSpeed, validation_seconds
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import Remembered, RunRecord, history_path, pull_records, remembered
+from phase1a.interruptions import (
+    ASSUMED_STORE_BYTES_PER_SECOND,
+    AUTO,
+    BOUNDED_MAX_SECONDS,
+    BOUNDED_MIN_COST_MULTIPLE,
+    BOUNDED_PARTS,
+    CheckpointCost,
+    Expected,
+    Exposure,
+    InterruptionEstimate,
+    IntervalRule,
+    auto_interval,
+    expected,
+    interval_text,
+    overhead_share,
+)
 from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
+from phase1a.logs import run_logger
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
-from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, format_options, option_rows
+from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, SpotJob, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
 from phase1a.store import open_store
@@ -79,9 +104,10 @@ def make_plan(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) 
     planner = _Planner(config, model, data)  # 1. setup
     max_seq_length = planner.truncation()  # 2. truncation
     throughput = planner.throughput(max_seq_length)  # 3. throughput
-    fit = planner.window(throughput, max_seq_length)  # 4. window
-    estimate = planner.estimate(throughput, fit)  # 5. estimate
-    return planner.plan(throughput, fit, estimate)  # 6. plan
+    checkpoints = planner.checkpoints(throughput, max_seq_length)  # 4. checkpoints
+    fit = planner.window(throughput, checkpoints, max_seq_length)  # 5. window
+    estimate = planner.estimate(throughput, checkpoints, fit)  # 6. estimate
+    return planner.plan(throughput, checkpoints, fit, estimate)  # 7. plan
 
 
 class _Throughput(BaseModel):
@@ -89,9 +115,22 @@ class _Throughput(BaseModel):
     seconds_per_token: float
     warmup_seconds: float
     startup_seconds: float
-    checkpoint_seconds_each: float
+    checkpoint: CheckpointCost  # one checkpoint's write, and its upload as it would be with a store
     source: str
     calibration: Calibration | None = None
+
+
+@dataclass
+class _Checkpoints:
+    """What a checkpoint costs, how often one is written, and what an interruption costs (phase 4)."""
+
+    interval: str  # what training uses: checkpoint.interval, or auto's choice
+    rule: IntervalRule
+    cost: CheckpointCost  # delta: without a store, the write alone
+    rate_per_hour: float  # interruptions per hour of a host
+    rate_source: str
+    restart_seconds: float  # a fresh host to its first step
+    store: bool
 
 
 @dataclass
@@ -134,6 +173,7 @@ class _Planner:
                                   int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
         self.lengths = TokenRows.load(data.train_path).lengths()
         self.eval_settings = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
+        self.rate_per_hour, self.rate_source = _interruption_rate(config, self.target)
 
     # ---- 2. truncation -----------------------------------------------------------------------------------
 
@@ -169,7 +209,7 @@ class _Planner:
                           f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
         return _Throughput(chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
                            warmup_seconds=0.0, startup_seconds=self._assumed_startup(),
-                           checkpoint_seconds_each=self._assumed_checkpoint(), source="assumed")
+                           checkpoint=self._checkpoint_cost(None, None), source="assumed")
 
     def _calibrated(self, start: Candidate, max_seq_length: int, sweeps: bool) -> _Throughput:
         config = self.config
@@ -178,14 +218,18 @@ class _Planner:
             train_tokens=int(np.minimum(self.lengths, max_seq_length).sum() * self.method.epochs),
             work_dir=config.work_dir / config.name, validation_path=self.data.validation_path,
             alternatives=memory_alternatives(self.memory, self.method.batch_size, max_seq_length) if sweeps
-            else no_alternatives)
+            else no_alternatives,
+            # Timed only where the plan weighs it: the interval auto chooses, the cost of interruptions.
+            upload_to=open_store(config.store) if config.checkpoint.interval == AUTO or self.rate_per_hour else None)
         calibration = calibrate(config, Path(self.model.path), job)
         release_device_memory()  # the calibration's model: training builds its own
+        checkpoint = CheckpointCost(write_seconds=calibration.checkpoint_seconds, write_source="measured",
+                                    bytes=calibration.checkpoint_bytes)
         return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
                            warmup_seconds=calibration.warmup_excess_seconds,
                            startup_seconds=calibration.startup_seconds,
-                           checkpoint_seconds_each=calibration.checkpoint_seconds, source="measured",
-                           calibration=calibration)
+                           checkpoint=_with_upload(checkpoint, calibration.checkpoint_upload_seconds, "measured"),
+                           source="measured", calibration=calibration)
 
     def _start_candidate(self, max_seq_length: int) -> Candidate:
         """memory_efficient: one example with checkpointing; custom: the user's knobs, checked; else the memory
@@ -220,39 +264,73 @@ class _Planner:
         return _Throughput(
             chosen=candidate, seconds_per_token=1.0 / past.tokens_per_second, warmup_seconds=0.0,
             startup_seconds=record.startup_seconds if record.startup_seconds is not None else self._assumed_startup(),
-            checkpoint_seconds_each=(record.checkpoint_seconds_each if record.checkpoint_seconds_each is not None
-                                     else self._assumed_checkpoint()),
+            checkpoint=self._checkpoint_cost(record.checkpoint_seconds_each, record.checkpoint_upload_seconds_each),
             source="history")
 
     def _assumed_startup(self) -> float:
         return (_ASSUMED_STARTUP_SECONDS
                 + self.facts.parameters * self.shape.weight_bytes / _ASSUMED_DISK_BYTES_PER_SECOND)
 
-    def _assumed_checkpoint(self) -> float:
-        per_parameter = 4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer]
-        return self.memory.trainable * per_parameter / _ASSUMED_DISK_BYTES_PER_SECOND
+    def _checkpoint_cost(self, write: float | None, upload: float | None) -> CheckpointCost:
+        """From a run's measurements where it made them, else the trainable weights (fp32) and their optimizer
+        state, written at 1 GiB/s."""
+        size = self.memory.trainable * (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])
+        cost = CheckpointCost(write_seconds=size / _ASSUMED_DISK_BYTES_PER_SECOND if write is None else write,
+                              write_source="assumed" if write is None else "history", bytes=size)
+        return _with_upload(cost, upload, "history")
 
-    # ---- 4. window ---------------------------------------------------------------------------------------
+    # ---- 4. checkpoints ----------------------------------------------------------------------------------
 
-    def window(self, throughput: _Throughput, max_seq_length: int) -> _Fit:
+    def checkpoints(self, throughput: _Throughput, max_seq_length: int) -> _Checkpoints:
+        """delta (the write, and the upload to a store), the interval (auto: phase1a/interruptions.py) and a
+        fresh host's restart: the gone host's lease running out, start-up, warm-up, the checkpoint's download at
+        the upload's speed."""
+        config, rate = self.config, self.rate_per_hour
+        store = config.store.url is not None
+        cost = throughput.checkpoint if store else throughput.checkpoint.model_copy(
+            update={"upload_seconds": 0.0, "upload_source": "no store"})
+        restart = throughput.startup_seconds + throughput.warmup_seconds + (
+            parse_duration_seconds(config.store.lease_ttl) + cost.upload_seconds if store else 0.0)
+        interval, rule = config.checkpoint.interval, "configured"
+        if interval == AUTO:
+            train = self._train_tokens(self.method.epochs, max_seq_length) * throughput.seconds_per_token
+            seconds, rule = auto_interval(rate, cost.seconds, train, store)
+            interval = interval_text(seconds)
+            self.notes.append(_auto_note(interval, rule, cost, rate, self.rate_source))
+        if store and cost.upload_source == "assumed" and (rule != "configured" or rate):
+            self.notes.append(f"checkpoint upload assumed at {ASSUMED_STORE_BYTES_PER_SECOND / 1e6:.0f} MB/s "
+                              f"({cost.bytes / 1e6:.1f} MB: {cost.upload_seconds:.1f} s), not measured")
+        if config.hardware.spot and not store:
+            self.notes.append(_NO_STORE_WARNING)
+            run_logger().warning(_NO_STORE_WARNING)
+        return _Checkpoints(interval=interval, rule=rule, cost=cost, rate_per_hour=rate,
+                            rate_source=self.rate_source, restart_seconds=restart, store=store)
+
+    # ---- 5. window ---------------------------------------------------------------------------------------
+
+    def window(self, throughput: _Throughput, checkpoints: _Checkpoints, max_seq_length: int) -> _Fit:
         config, spt = self.config, throughput.seconds_per_token
         speed = self._validation_speed(throughput, max_seq_length)
         evaluation = self._validation_estimate(throughput, speed)
         eval_each = self._eval_during_training_each(throughput, speed)
-        tokens_per_epoch = float(np.minimum(self.lengths, max_seq_length).sum())
-        steps_per_epoch = max(1, math.ceil(len(self.lengths) / self.method.batch_size))
         # The window fit sees checkpoints and evaluations during training as a surcharge on every token, the rate
         # of whichever limit of their interval fires first; the final weights' evaluation is a fixed cost.
-        per_token = Clock(seconds=spt, steps=steps_per_epoch / tokens_per_epoch, tokens=1, epochs=1 / tokens_per_epoch)
-        checkpoints_per_token = parse_interval(config.checkpoint.interval).rate(per_token)
-        evals_per_token = self.eval_settings.interval(config.checkpoint.interval).rate(per_token) if eval_each else 0.0
+        per_token = self._per_token(spt, max_seq_length)
+        checkpoints_per_token = parse_interval(checkpoints.interval).rate(per_token)
+        evals_per_token = self.eval_settings.interval(checkpoints.interval).rate(per_token) if eval_each else 0.0
         work = Workload(lengths=self.lengths, epochs=self.method.epochs, max_seq_length=max_seq_length,
                         model_max_length=self.data.model_max_length,
-                        seconds_per_token=(spt + checkpoints_per_token * throughput.checkpoint_seconds_each
+                        seconds_per_token=(spt + checkpoints_per_token * checkpoints.cost.write_seconds
                                            + evals_per_token * eval_each),
                         fixed_seconds=throughput.startup_seconds + throughput.warmup_seconds + evaluation + eval_each)
         fit = _Fit(self.method.epochs, max_seq_length, self.policy.profile, [], None, evaluation, max_seq_length,
                    eval_each)
+        if checkpoints.rate_per_hour:
+            # The share at the run as configured: cutting epochs only shortens what an interruption can lose.
+            run = work.seconds(work.epochs, max_seq_length)
+            exposure = self._exposure(checkpoints, run, run - throughput.startup_seconds - evaluation, spt,
+                                      max_seq_length)
+            work.overhead = overhead_share(checkpoints.rate_per_hour, exposure.cost_each)
         if config.window.max_duration:
             fit.window = parse_duration_seconds(config.window.max_duration)
             budget = fit.window - parse_duration_seconds(config.window.safety_margin)
@@ -297,45 +375,71 @@ class _Planner:
         if settings.patience is None:
             return forward
         weights_share = 4 / (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])  # fp32 weights beside their state
-        return forward + weights_share * throughput.checkpoint_seconds_each
+        return forward + weights_share * throughput.checkpoint.write_seconds
 
-    # ---- 5. estimate -------------------------------------------------------------------------------------
+    def _per_token(self, seconds_per_token: float, max_seq_length: int) -> Clock:
+        """One token of the run in every dimension an interval is written in."""
+        tokens_per_epoch = float(np.minimum(self.lengths, max_seq_length).sum())
+        steps_per_epoch = max(1, math.ceil(len(self.lengths) / self.method.batch_size))
+        return Clock(seconds=seconds_per_token, steps=steps_per_epoch / tokens_per_epoch, tokens=1,
+                     epochs=1 / tokens_per_epoch)
 
-    def estimate(self, throughput: _Throughput, fit: _Fit) -> Estimate:
+    def _exposure(self, checkpoints: _Checkpoints, run_seconds: float, train_seconds: float,
+                  seconds_per_token: float, max_seq_length: int) -> Exposure:
+        """The run as interruptions see it; a steps, tokens or epochs interval in wall time at the planned speed."""
+        per_token = parse_interval(checkpoints.interval).rate(self._per_token(seconds_per_token, max_seq_length))
+        interval = seconds_per_token / per_token if per_token else train_seconds  # none fires: the whole run
+        return Exposure(run_seconds=run_seconds, train_seconds=train_seconds, interval_seconds=min(interval,
+                        train_seconds), checkpoint_seconds=checkpoints.cost.seconds,
+                        restart_seconds=checkpoints.restart_seconds, store=checkpoints.store)
+
+    # ---- 6. estimate -------------------------------------------------------------------------------------
+
+    def estimate(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit) -> Estimate:
         steps = self._steps(fit.epochs)
-        train_tokens = self._train_tokens(fit)
+        train_tokens = self._train_tokens(fit.epochs, fit.max_seq_length)
         steady = train_tokens * throughput.seconds_per_token
         run = Clock(seconds=steady, steps=steps, tokens=train_tokens, epochs=fit.epochs)
-        checkpoint_interval = self.config.checkpoint.interval
-        checkpoints = parse_interval(checkpoint_interval).count(run)
-        checkpoint_seconds = checkpoints * throughput.checkpoint_seconds_each
+        count = parse_interval(checkpoints.interval).count(run)
+        checkpoint_seconds = count * checkpoints.cost.write_seconds  # the upload runs beside training
         # Early stopping may end the run sooner: the estimate is the whole run's, the most it can take.
-        evaluations = self.eval_settings.evaluations(checkpoint_interval, run) if self.eval_settings else 0
+        evaluations = self.eval_settings.evaluations(checkpoints.interval, run) if self.eval_settings else 0
         eval_seconds = evaluations * fit.eval_each_seconds
         train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds + eval_seconds
+        uninterrupted = throughput.startup_seconds + train_seconds + fit.evaluation_seconds
+        interrupted = self._expected(throughput, checkpoints, fit, uninterrupted - fit.evaluation_seconds)
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
-            checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
+            checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
-            train_seconds=train_seconds,
-            total_seconds=throughput.startup_seconds + train_seconds + fit.evaluation_seconds)
+            train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
+            total_seconds=uninterrupted + interrupted.extra_seconds)
+
+    def _expected(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit,
+                  through_train_seconds: float) -> Expected:
+        """The interruptions expected over the run (start-up and train, `through_train_seconds`, and the
+        evaluation), and what they cost."""
+        exposure = self._exposure(checkpoints, through_train_seconds + fit.evaluation_seconds,
+                                  through_train_seconds - throughput.startup_seconds, throughput.seconds_per_token,
+                                  fit.max_seq_length)
+        return expected(checkpoints.rate_per_hour, exposure)
 
     def _steps(self, epochs: float) -> int:
         total_examples = max(1, round(len(self.lengths) * epochs))
         return -(-total_examples // self.method.batch_size)
 
-    def _train_tokens(self, fit: _Fit) -> int:
-        return int(round(np.minimum(self.lengths, fit.max_seq_length).sum() * fit.epochs))
+    def _train_tokens(self, epochs: float, max_seq_length: int) -> int:
+        return int(round(np.minimum(self.lengths, max_seq_length).sum() * epochs))
 
-    # ---- 6. plan -----------------------------------------------------------------------------------------
+    # ---- 7. plan -----------------------------------------------------------------------------------------
 
-    def plan(self, throughput: _Throughput, fit: _Fit, estimate: Estimate) -> Plan:
+    def plan(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit, estimate: Estimate) -> Plan:
         chosen, hardware = throughput.chosen, self.config.hardware
         # Memory and FLOPs as sized for the calibrated knobs, before the window fit; MFU counts the final length.
         memory = self.memory.micro_batch(chosen.micro_batch_size, fit.before_window, chosen.gradient_checkpointing)
         flops = flops_per_token(self.facts, self.shape.full, chosen.gradient_checkpointing,
                                 _mean(self.lengths, fit.before_window))
-        price = hardware.price_per_gpu_hour or self.target.price_per_hour
+        price = _price(hardware, self.target)
         return Plan(
             profile=fit.profile, epochs=fit.epochs, adjustments=fit.adjustments, target=hardware.target,
             detected=self.detected.name, calibrated=throughput.source == "measured",
@@ -349,32 +453,110 @@ class _Planner:
             flops_per_token=flops, tokens_per_second=1.0 / throughput.seconds_per_token,
             model_flops_per_token=flops_per_token(self.facts, self.shape.full, False,
                                                   _mean(self.lengths, fit.max_seq_length)),
-            steps=self._steps(fit.epochs), train_tokens=self._train_tokens(fit), estimate=estimate,
-            estimated_train_seconds=estimate.train_seconds, estimated_total_seconds=estimate.total_seconds,
+            steps=self._steps(fit.epochs), train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length),
+            estimate=estimate, estimated_train_seconds=estimate.train_seconds,
+            estimated_total_seconds=estimate.total_seconds,
             estimated_cost_usd=None if price is None else price * hardware.num_gpus * estimate.total_seconds / 3600,
             window_seconds=fit.window, fits_in_window=None if fit.window is None else True,
             throughput_source=throughput.source, calibration=throughput.calibration,
-            options=self._options(throughput, fit, estimate, flops, memory), notes=self.notes,
+            options=self._options(throughput, checkpoints, fit, estimate, (flops, memory)), notes=self.notes,
+            checkpoint_interval=checkpoints.interval,
+            interruptions=self._interruptions(throughput, checkpoints, fit, estimate),
         )
 
-    def _options(self, throughput: _Throughput, fit: _Fit, estimate: Estimate, flops: float,
-                 memory: MemoryEstimate) -> list[OptionRow]:
+    def _interruptions(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit,
+                       estimate: Estimate) -> InterruptionEstimate | None:
+        """The plan's section on interruptions, where there is something to say: a rate, or auto's choice."""
+        if not checkpoints.rate_per_hour and checkpoints.rule == "configured":
+            return None
+        through_train = estimate.startup_seconds + estimate.train_seconds
+        exposure = self._exposure(checkpoints, through_train + fit.evaluation_seconds, estimate.train_seconds,
+                                  throughput.seconds_per_token, fit.max_seq_length)
+        return InterruptionEstimate(
+            spot=self.config.hardware.spot, rate_per_hour=checkpoints.rate_per_hour,
+            rate_source=checkpoints.rate_source, store=checkpoints.store, checkpoint=checkpoints.cost,
+            interval=checkpoints.interval, interval_rule=checkpoints.rule, interval_seconds=exposure.interval_seconds,
+            expected=self._expected(throughput, checkpoints, fit, through_train))
+
+    def _options(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit, estimate: Estimate,
+                 sized: tuple[float, MemoryEstimate]) -> list[OptionRow]:
         """The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
-        else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU)."""
-        hardware, policy = self.config.hardware, self.policy
+        else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU). Its spot columns
+        weigh the same checkpoint, store and restart at each option's speed and its kind's interruption rate."""
+        hardware, policy, (flops, memory) = self.config.hardware, self.policy, sized
         reference = hardware.target if hardware.target in CATALOGUE else "h100"
         reference_tps = (1.0 / throughput.seconds_per_token if reference == hardware.target
                          else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops)
+        outside_train = estimate.startup_seconds + estimate.evaluation_seconds
+        configured = None if checkpoints.rule != "configured" else self._exposure(
+            checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
+            fit.max_seq_length).interval_seconds
         job = OptionsJob(
-            train_tokens=self._train_tokens(fit), flops_per_token=flops,
+            train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length), flops_per_token=flops,
             reference=reference, reference_tokens_per_second=reference_tps,
             memory_needed_bytes_per_gpu=memory.total_gib * GIB,
             weights_and_state_bytes=(memory.weights_gib + memory.trainable_gib) * GIB,
             global_batch=self.method.batch_size, learning_rate=self.method.learning_rate,
-            fixed_overhead_seconds=estimate.total_seconds - estimate.steady_seconds)
-        prices = {hardware.target: hardware.price_per_gpu_hour} if hardware.price_per_gpu_hour else None
-        return option_rows(job, OptionsPolicy(scaling_efficiency=policy.scaling_efficiency, prices=prices,
-                                              lr_rule=policy.lr_rule, memory_headroom=hardware.memory_headroom))
+            fixed_overhead_seconds=estimate.total_seconds - estimate.steady_seconds - estimate.interruption_seconds,
+            spot=SpotJob(checkpoint_seconds=checkpoints.cost.seconds, restart_seconds=checkpoints.restart_seconds,
+                         outside_train_seconds=outside_train, interval_seconds=configured, store=checkpoints.store))
+        return option_rows(job, OptionsPolicy(
+            scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
+            memory_headroom=hardware.memory_headroom, **_overrides(hardware)))
+
+
+def _interruption_rate(config: Phase1aConfig, target: Accelerator) -> tuple[float, str]:
+    """Interruptions per hour of a host, and where the figure comes from."""
+    hardware = config.hardware
+    if hardware.interruptions_per_hour is not None:
+        return hardware.interruptions_per_hour, "hardware.interruptions_per_hour"
+    if hardware.spot:  # the config requires a catalogue kind or a rate of its own
+        return target.spot_interruptions_per_hour or 0.0, f"the catalogue's typical spot rate for {hardware.target}"
+    return 0.0, "on demand"
+
+
+def _price(hardware: HardwareConfig, target: Accelerator) -> float | None:
+    """Per GPU-hour: spot or on demand, the config's override over the catalogue's."""
+    if hardware.spot:
+        return hardware.spot_price_per_gpu_hour or target.spot_price_per_hour
+    return hardware.price_per_gpu_hour or target.price_per_hour
+
+
+def _overrides(hardware: HardwareConfig) -> dict:
+    """The config's own prices and rate, for its target's rows of the options table."""
+    def own(value: float | None) -> dict[str, float] | None:
+        return {hardware.target: value} if value is not None else None
+
+    return {"prices": own(hardware.price_per_gpu_hour), "spot_prices": own(hardware.spot_price_per_gpu_hour),
+            "interruption_rates": own(hardware.interruptions_per_hour)}
+
+
+def _with_upload(cost: CheckpointCost, upload: float | None, source: str) -> CheckpointCost:
+    """A measured upload, else one at the assumed store speed (flagged in the plan's notes where it matters)."""
+    if upload is not None:
+        return cost.model_copy(update={"upload_seconds": upload, "upload_source": source})
+    return cost.model_copy(update={"upload_seconds": cost.bytes / ASSUMED_STORE_BYTES_PER_SECOND,
+                                   "upload_source": "assumed"})
+
+
+_NO_STORE_WARNING = (
+    "WARNING: hardware.spot without a store: an interrupted host takes its disk with it, so the next host stages "
+    "and tokenizes the data again and trains from step 0; each interruption loses on average half the training "
+    "so far (the estimate counts that, not the re-staging). Set `store: s3://bucket/prefix/` to resume from the "
+    "last uploaded checkpoint instead")
+
+
+def _auto_note(interval: str, rule: IntervalRule, cost: CheckpointCost, rate: float, source: str) -> str:
+    delta = (f"a checkpoint costs {cost.seconds:.2f} s ({cost.write_seconds:.2f} s write, {cost.write_source}; "
+             f"{cost.upload_seconds:.2f} s upload, {cost.upload_source})")
+    if rule == "young-daly":
+        return (f"checkpoint.interval auto: {interval}, Young/Daly sqrt(2 delta M) - delta: {delta}, one "
+                f"interruption in M = {1 / rate:.1f} h ({source})")
+    why = ("no interruption rate (on demand)" if not rate
+           else "without a store an interruption loses the local checkpoints anyway")
+    return (f"checkpoint.interval auto: {interval}, the train time in {BOUNDED_PARTS} parts, at most "
+            f"{BOUNDED_MAX_SECONDS / 60:.0f} min, at least {BOUNDED_MIN_COST_MULTIPLE:g}x the checkpoint's cost: "
+            f"{why}; {delta}")
 
 
 def _candidate_of(record: RunRecord) -> Candidate:
@@ -419,11 +601,14 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
         from prefect.artifacts import create_table_artifact
     except ImportError:
         return path
-    nested = {"model", "memory", "estimate", "calibration", "options"}
+    nested = {"model", "memory", "estimate", "calibration", "options", "interruptions"}
     rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude=nested).items()]
     for section in ("memory", "estimate"):
         rows += [{"setting": f"{section}.{key}", "value": f"{value:.3f}"}
                  for key, value in getattr(plan, section).model_dump().items()]
+    if plan.interruptions:
+        rows += [{"setting": f"interruptions.{key}", "value": str(value)}
+                 for key, value in plan.interruptions.model_dump().items()]
     for trial in plan.calibration.trials if plan.calibration else []:
         rows.append({"setting": f"calibration: {trial.candidate.label()}", "value": _trial_result(trial)})
     create_table_artifact(key="plan", table=rows, description="phase1a plan: knobs, estimate, window, calibration")
@@ -444,8 +629,11 @@ def format_plan(plan: Plan) -> str:
              f"estimate: start-up {e.startup_seconds:.0f} s + train {e.train_seconds:.0f} s (warm-up "
              f"{e.warmup_seconds:.0f} s, {e.checkpoints} checkpoints {e.checkpoint_seconds:.0f} s, "
              f"{e.evaluations_during_training} evaluations {e.eval_during_training_seconds:.0f} s) + evaluation "
-             f"{e.evaluation_seconds:.0f} s = {e.total_seconds / 3600:.3f} h"
+             f"{e.evaluation_seconds:.0f} s"
+             + (f" + interruptions {e.interruption_seconds:.0f} s" if e.interruption_seconds else "")
+             + f" = {e.total_seconds / 3600:.3f} h"
              + (f", ${plan.estimated_cost_usd:.2f}" if plan.estimated_cost_usd is not None else ""),
+             *_interruption_lines(plan),
              f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]
     lines += [f"adjusted {a.step}: {a.before} -> {a.after} ({a.estimated_hours:.2f} h)" for a in plan.adjustments]
     if plan.calibration:
@@ -453,6 +641,21 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget):")
         lines += [f"  {t.candidate.label()}: {_trial_result(t)}" for t in plan.calibration.trials]
     return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options)])
+
+
+def _interruption_lines(plan: Plan) -> list[str]:
+    section = plan.interruptions
+    if section is None:
+        return [f"checkpoints every {plan.checkpoint_interval}"] if plan.checkpoint_interval else []
+    lines = [f"checkpoints every {section.interval} ({section.interval_rule}); a checkpoint costs "
+             f"{section.checkpoint.seconds:.2f} s (write {section.checkpoint.write_source}, upload "
+             f"{section.checkpoint.upload_source})"]
+    if section.rate_per_hour:
+        x = section.expected
+        lines.append(f"interruptions: {x.interruptions:.2f} expected at {section.rate_per_hour:.4g} an hour "
+                     f"({section.rate_source}): lost work {x.lost_seconds:.0f} s ({x.lost_seconds_each:.0f} s each), "
+                     f"restarts {x.restart_seconds:.0f} s ({x.restart_seconds_each:.0f} s each)")
+    return lines
 
 
 def _trial_result(trial) -> str:
@@ -473,7 +676,9 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
     would calibrate on."""
     sections = config.model_dump(mode="json",
                                  include={"method", "plan", "hardware", "window", "checkpoint", "validation"})
-    return hash_json({"config": sections, "model": model.fingerprint, "data": data.fingerprint,
+    # Whether there is a store, not where: it decides the checkpoint's upload and what an interruption loses.
+    store = {"configured": config.store.url is not None, "lease_ttl": config.store.lease_ttl}
+    return hash_json({"config": sections, "store": store, "model": model.fingerprint, "data": data.fingerprint,
                       "device": detect()[1].name})
 
 
