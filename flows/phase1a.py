@@ -5,7 +5,9 @@ the flow is the graph, and the run report (flows/report.py) records each stage a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -14,11 +16,13 @@ from flows.report import RunReport
 from flows.report_md import publish_length_report
 from flows.tracking import RunTracking
 from phase1a.config import Phase1aConfig, config_from
+from phase1a.interruptions import interruptions_vs_actual
 from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
+from phase1a.results import Plan, TrainResult
 from phase1a.warmstart import lineage, resolve_start
-from tasks.caching import with_retries
+from tasks.caching import kept_in, store_records, with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task
 from tasks.stage import stage_task
@@ -29,6 +33,33 @@ from tasks.validate import format_table, publish_validation, validate_task, vali
 
 class GateFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """The stage tasks as this run runs them: those that cross the network retried on transient errors
+    (config.retries), the cached ones keeping their records in the store when there is one (every host finds
+    them)."""
+
+    stage: Any
+    tokenize: Any
+    plan: Any
+    validate: Any
+    promote: Any
+
+    @classmethod
+    def of(cls, config: Phase1aConfig) -> "_Stages":
+        records = store_records(config.store)
+        return cls(stage=kept_in(with_retries(stage_task, config.retries), records),
+                   tokenize=kept_in(tokenize_task, records), plan=kept_in(plan_task, records),
+                   validate=kept_in(validate_task, records), promote=with_retries(promote_task, config.retries))
+
+
+def _compare_training(report: RunReport, plan: Plan, trained: TrainResult) -> None:
+    """The plan against the training run: its time (the history line it appended), its interruptions."""
+    if trained.recorded is not None:
+        report.set("estimate_vs_actual", trained.recorded.model_dump(mode="json"))
+    report.set("interruptions_vs_actual", interruptions_vs_actual(plan, trained))
 
 
 @flow(name="phase1a")
@@ -52,18 +83,17 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
         model = prepare_model(config)
         start = resolve_start(config, model)  # before any stage: a missing or mismatched adapter fails in seconds
         report.set("lineage", lineage(start))
-        # The stages that cross the network, retried on transient errors (config.retries).
-        stage, promote = (with_retries(task, config.retries) for task in (stage_task, promote_task))
-        staged = report.run("stage", stage, config=config)
-        held_out = (report.run("stage_validation", stage, config=config, field="validation_source")
+        stages = _Stages.of(config)
+        staged = report.run("stage", stages.stage, config=config)
+        held_out = (report.run("stage_validation", stages.stage, config=config, field="validation_source")
                     if config.data.validation_source else None)
-        data = report.run("tokenize", tokenize_task, config=config, model=model, staged=staged, held_out=held_out)
+        data = report.run("tokenize", stages.tokenize, config=config, model=model, staged=staged, held_out=held_out)
         publish_length_report(data, report.run_dir)
         data = warm_start_data(data, start, config.data.replay_fraction, config.method.seed)
         if data.replay:
             report.set("replay", data.replay)
 
-        plan = report.run("plan", plan_task, config=config, model=model, data=data)
+        plan = report.run("plan", stages.plan, config=config, model=model, data=data)
         publish_plan(plan, report.run_dir)
         print(format_plan(plan))
         if plan_only:
@@ -71,10 +101,9 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             return str(report.path)
 
         trained = tracking.followed("train", train_task, config=config, model=model, data=data, plan=plan, start=start)
-        if trained.recorded is not None:
-            report.set("estimate_vs_actual", trained.recorded.model_dump(mode="json"))
+        _compare_training(report, plan, trained)
 
-        verdict = report.run("validate", validate_task, config=config, model=model, data=data, trained=trained)
+        verdict = report.run("validate", stages.validate, config=config, model=model, data=data, trained=trained)
         report.compare("validation_estimate_vs_actual", "validate", plan.estimate.evaluation_seconds,
                        base_cached=verdict.base_cached)
         report.set("validation", validation_section(verdict))
@@ -84,7 +113,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))
 
         if config.validation.promote_to:  # only a pass gets here: a failed gate never moves the pointer
-            promotion = report.run("promote", promote, config=config, model=model, verdict=verdict,
+            promotion = report.run("promote", stages.promote, config=config, model=model, verdict=verdict,
                                    trained=trained, run_dir=str(report.run_dir))
             report.set("validation", validation_section(verdict, promotion))
             report.set("lineage", lineage(start, promotion))

@@ -98,8 +98,10 @@ def download_bundles(store: Store, wanted: list[Wanted]) -> list[BundleCorrupt |
     out. Transfers of all the bundles go together; a failure to reach the store raises."""
     scratches = [scratch_name(item.destination) for item in wanted]
     try:
-        for scratch in scratches:
+        for item, scratch in zip(wanted, scratches):
             scratch.mkdir(parents=True)
+            for name in item.bundle.files:
+                (scratch / name).parent.mkdir(parents=True, exist_ok=True)
         store.get_files([(item.prefix + name, scratch / name, described.size)
                          for item, scratch in zip(wanted, scratches) for name, described in item.bundle.files.items()])
         with ThreadPoolExecutor(_THREADS) as pool:

@@ -127,8 +127,13 @@ class RemoteRun:
         for old in sorted(stale):
             delete_bundle(self.store, f"{self.prefix}checkpoints/step-{old:08d}/")
 
-    def push_final(self, final_dir: Path) -> None:
+    def push_final(self, final_dir: Path) -> bool:
+        """The finished adapter, unless the store has it already (this run came from it, or uploaded it before);
+        whether it was uploaded now."""
+        if read_bundle(self.store, self.prefix + "final/") is not None:
+            return False
         upload_bundle(self.store, final_dir, self.prefix + "final/")
+        return True
 
 
 def snapshot_of(checkpoint: Path, scratch_root: Path) -> Path:

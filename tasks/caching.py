@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from phase1a.config import ConfigError, RetryConfig
+from phase1a.config import ConfigError, RetryConfig, StoreConfig
 from phase1a.errors import DataError
 from phase1a.fingerprint import code_fingerprint, hash_json
 from phase1a.retries import is_transient, retry_delays
@@ -18,7 +18,9 @@ from phase1a.retries import is_transient, retry_delays
 try:
     from prefect import task
     from prefect.cache_policies import CachePolicy
+    from prefect.filesystems import WritableFileSystem
 except ImportError:  # a bare GPU host: the plain functions still run, the wrappers are plain calls
+    WritableFileSystem = None  # type: ignore[assignment,misc]
 
     def task(*args: Any, **kwargs: Any):  # type: ignore[no-redef]
         if args and callable(args[0]):
@@ -71,3 +73,54 @@ def _failed_transiently(stage: Any, task_run: Any, state: Any) -> bool:
     except BaseException as error:  # the task's own error, as it raised it
         return is_transient(error)
     return False
+
+
+# ---- task records in the store ------------------------------------------------------------------------------
+
+if WritableFileSystem is not None:
+    class StoreRecords(WritableFileSystem):
+        """Prefect's task records (results and cache keys) in the store (phase1a/store.py) under `prefect/`, so
+        that a cached stage is found from every host: a plan calibrated on one host is taken on the next. A
+        record that points at a local file (staged data, tokenized Arrow) still counts only where the file is
+        (`StageCache` checks its output)."""
+
+        _block_type_name = "phase1a store records"
+        url: str
+        endpoint_url: str | None = None
+
+        def _store(self):
+            from phase1a.store import open_store
+
+            return open_store(StoreConfig(url=self.url, endpoint_url=self.endpoint_url))
+
+        def read_path(self, path: str, _sync: bool = True) -> bytes:
+            fetched = self._store().get(f"prefect/{path}")
+            if fetched is None:  # as LocalFileSystem says it: a record that is not there
+                raise ValueError(f"Path {path} does not exist.")
+            return fetched.data
+
+        def write_path(self, path: str, content: bytes, _sync: bool = True) -> str:
+            self._store().put(f"prefect/{path}", content)
+            return path
+
+        async def aread_path(self, path: str) -> bytes:
+            return self.read_path(path)
+
+        async def awrite_path(self, path: str, content: bytes) -> str:
+            return self.write_path(path, content)
+
+
+def kept_in(stage: Any, records: Any | None) -> Any:
+    """The stage with its records in `records` (store_records), or as it is."""
+    return stage if records is None else stage.with_options(result_storage=records)
+
+
+def store_records(settings: StoreConfig) -> Any | None:
+    """Where the cached stages keep their records: the store, when there is one (saved as a block on the Prefect
+    server the run talks to, which Prefect requires of result storage: its settings hold no credential); None
+    leaves them in Prefect's default place (PREFECT_HOME/storage)."""
+    if settings.url is None or WritableFileSystem is None:
+        return None
+    block = StoreRecords(url=settings.url, endpoint_url=settings.endpoint_url)
+    block.save("phase1a-" + hash_json([settings.url, settings.endpoint_url])[:12], overwrite=True)
+    return block

@@ -47,6 +47,7 @@ from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, record_run, share_record
+from phase1a.interruptions import AUTO
 from phase1a.lease import LeaseLost
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
@@ -124,14 +125,20 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
     run."""
     method = config.method.model_copy(update={"epochs": plan.epochs})
     evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
+    interval = plan.checkpoint_interval or config.checkpoint.interval  # auto's choice, or as configured
+    early_stopping = evaluation.key(interval) if evaluation else None
+    if early_stopping and evaluation.at_checkpoints and config.checkpoint.interval == AUTO:
+        # The key holds the policy, not auto's choice, which hosts measuring a few seconds apart make differently:
+        # a resume on another host must find the same training directory.
+        early_stopping["interval"] = AUTO
     run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint,
-                           evaluation.key(config.checkpoint.interval) if evaluation else None)
+                           early_stopping)
     return TrainSettings(
         model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
         output_dir=str(config.work_dir / config.name / f"train-{run_key}"), init_adapter=start.adapter_dir,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
-        checkpoint_interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last,
+        checkpoint_interval=interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, progress=config.progress,
         num_processes=config.hardware.num_gpus, strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
@@ -543,9 +550,7 @@ def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig)
                 report.checkpoint_uploads, report.uploaded_step = mirror.uploads, mirror.uploaded_step
                 report.checkpoint_upload_seconds = round(mirror.upload_seconds, 3)
                 report.upload_failures = mirror.failures
-        if report.pulled.what != "final":
-            remote.push_final(output_dir / "final")
-            report.final_uploaded = True
+        report.final_uploaded = remote.push_final(output_dir / "final")
     if lease.taken_over is not None and lease.taken_over.step is not None:
         report.lost_steps = max(0, lease.taken_over.step - (result.resumed_from_step or 0))
     return result.model_copy(update={"store": report})

@@ -1,8 +1,10 @@
 """A fault injector between an S3 client and the moto server: a real TCP proxy on 127.0.0.1.
 
 Each client connection carries one request (the proxy asks both sides for `Connection: close`), forwarded to
-the server as it came. A request that matches a fault is answered `HTTP/1.1 503 Slow Down` instead, or has its
-response cut off after some bytes by closing the connection, the first `times` times it matches. Every request
+the server as it came. A request that matches a fault is answered `HTTP/1.1 503 Slow Down` instead, has its
+response cut off after some bytes by closing the connection, or (an upload) has its connection closed after some
+bytes of its body, before anything reaches the server; the first `times` times it matches, after letting the first
+`skip` through. Every request
 is recorded (method, target, Range header, the fault it met, the response bytes forwarded), so a test can say
 what the client asked for after a failure.
 """
@@ -21,13 +23,15 @@ _SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDow
 
 @dataclass
 class Fault:
-    kind: Literal["drop", "slow_down"]
+    kind: Literal["drop", "slow_down", "cut_upload"]
     method: str  # "GET", "PUT", ...
     target: str  # a regex searched in the request target (path and query), e.g. r"^/bucket/data\.jsonl$"
     times: int  # the first `times` matching requests meet it
     after_bytes: int = 0  # drop: bytes of the response (head included) forwarded before the connection is cut;
-    # 0: the request reaches the server, its answer is lost
+    # 0: the request reaches the server, its answer is lost; cut_upload: bytes of the request body read first
+    skip: int = 0  # matching requests let through before the fault applies
     met: int = 0
+    passed: int = 0
 
 
 @dataclass
@@ -78,6 +82,9 @@ class FaultProxy:
         with self._lock:
             for fault in self.faults:
                 if fault.method == method and re.search(fault.target, target) and fault.met < fault.times:
+                    if fault.passed < fault.skip:
+                        fault.passed += 1
+                        return None
                     fault.met += 1
                     return fault
         return None
@@ -96,6 +103,13 @@ class FaultProxy:
                 _drain_body(client, headers, rest)
                 client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
                                b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_DOWN), _SLOW_DOWN))
+                return
+            if fault is not None and fault.kind == "cut_upload":
+                if headers.get("expect", "").lower() == "100-continue":
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                part = min(fault.after_bytes, int(headers.get("content-length", "1")) - 1)
+                _drain_body(client, {"content-length": str(part)}, rest)
+                client.shutdown(socket.SHUT_RDWR)  # the connection dies mid-body: the server never sees it
                 return
             if headers.get("expect", "").lower() == "100-continue":
                 # Answered here, so that the server's stream holds the final response alone: `after_bytes`

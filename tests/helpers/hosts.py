@@ -1,0 +1,90 @@
+"""Hosts that come and go, on one machine: each its own HOME, PREFECT_HOME (its own embedded Prefect server) and
+local directories (staging, caches, runs), sharing only the store (S3 on a moto server) and the data source.
+
+A host runs the flow either in this process (`run_here`) or as `phase1a run` in its own session (`start_cli`), so
+that a test can kill it with its whole process group, as a lost machine is lost."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Host:
+    root: Path
+    tree: dict  # the job's config, with this host's local directories
+
+    @classmethod
+    def fresh(cls, root: Path, tree: dict) -> "Host":
+        """A host with empty local directories and the job's config pointed at them."""
+        root.mkdir(parents=True)
+        local = {"work_dir": str(root / "runs"), "cache_dir": str(root / "cache")}
+        data = {**tree["data"], "staging_dir": str(root / "staging")}
+        return cls(root, {**tree, **local, "data": data})
+
+    @property
+    def config_path(self) -> Path:
+        path = self.root / "job.yaml"
+        path.write_text(yaml.safe_dump(self.tree))
+        return path
+
+    def env(self) -> dict[str, str]:
+        home = self.root / "home"
+        (home / ".prefect").mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"), "OMP_NUM_THREADS": "1"}
+
+    def start_cli(self, command: str = "run") -> subprocess.Popen:
+        """`phase1a run` in a session of its own (its process group is the host's processes)."""
+        log = open(self.root / f"{command}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config", str(self.config_path)],
+                                cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    def log(self, command: str = "run") -> str:
+        return (self.root / f"{command}.log").read_text()
+
+    def run_here(self, plan_only: bool = False):
+        """The flow in this process (the tests' own embedded Prefect server); its state and report."""
+        from flows.phase1a import phase1a
+        from phase1a.config import Phase1aConfig
+
+        state = phase1a(Phase1aConfig.model_validate(self.tree), plan_only=plan_only, return_state=True)
+        return state, self.report()
+
+    def report(self) -> dict:
+        [path] = (self.root / "runs" / self.tree["name"]).glob("*/report.json")
+        return json.loads(path.read_text())
+
+    def metrics_steps(self) -> list[int]:
+        [path] = (self.root / "runs" / self.tree["name"]).glob("train-*/metrics.jsonl")
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def kill_host(process: subprocess.Popen) -> None:
+    """kill -9 of the host's whole process group: nothing of it runs on, nothing is cleaned up."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def wait_until(condition, what: str, process: subprocess.Popen | None = None, log: Path | None = None,
+               timeout: float = 300, every: float = 0.05):
+    """Poll `condition()` until it returns something true, which is returned."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the host exited ({process.returncode}) before {what}:\n"
+                                 + (log.read_text()[-4000:] if log else ""))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+    return found

@@ -1,0 +1,246 @@
+"""Hosts that come and go share one store (S3 on a moto server over HTTP): a host killed mid-run is resumed on an
+empty one, a SIGTERM's checkpoint reaches the store within the grace period, a torn upload is never the one a
+resume takes, two hosts started at once never train into one directory, and a fresh host tokenizes only what the
+store lacks. Each host has its own HOME, Prefect server and local directories (tests/helpers/hosts.py)."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import date_records, make_tiny_model_dir, write_jsonl
+from helpers.faults import Fault, FaultProxy
+from helpers.hosts import Host, kill_host, wait_until
+from helpers.servers import isolate_aws, s3_client
+
+pytestmark = pytest.mark.slow
+
+TRAIN_STEPS = 60  # 6 epochs of 10 steps: long enough to stop a host in the middle
+
+
+@pytest.fixture(scope="module")
+def aws(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        isolate_aws(patch, tmp_path_factory.mktemp("aws"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def job(aws, endpoint, tmp_path_factory) -> dict:
+    """The job every host runs: two shards of data on S3, the tiny model, knobs fixed (every host trains the same
+    rows)."""
+    root = tmp_path_factory.mktemp("job")
+    bucket = "resume-anywhere"
+    client = s3_client(endpoint)
+    client.create_bucket(Bucket=bucket)
+    for number in range(2):
+        shard = write_jsonl(root / f"part-{number}.jsonl", date_records(48, seed=number))
+        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl", Body=shard.read_bytes())
+    model = make_tiny_model_dir(root / "model")
+    return {
+        "name": "spot",
+        "data": {"source": f"s3://{bucket}/data/", "s3_endpoint_url": endpoint, "validation_fraction": 0.2},
+        "model": {"name_or_path": str(model)},
+        "method": {"learning_rate": 3e-3, "batch_size": 8, "epochs": 6, "seed": 3,
+                   "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
+        "hardware": {"target": "cpu"},
+        "plan": {"profile": "custom", "micro_batch_size": 4, "gradient_checkpointing": False, "compile": False,
+                 "dataloader_workers": 0},
+        "checkpoint": {"interval": "10steps", "keep_last": 2, "grace_period": "30s"},
+        "validation": {"max_examples": 8, "during_training": "never",
+                       "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
+        "progress": {"display": "lines", "interval": "5s"},
+        "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint, "lease_ttl": "4s"},
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(job, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The same job on one host that nothing interrupts, with a store of its own."""
+    host = Host.fresh(tmp_path_factory.mktemp("reference") / "host", {**job, "store": {
+        **job["store"], "url": job["store"]["url"].replace("/store/", "/reference-store/")}})
+    state, report = host.run_here()
+    assert state.is_completed(), report.get("error")
+    assert report["stages"]["train"]["result"]["steps"] == TRAIN_STEPS
+    return adapter(report)
+
+
+def adapter(report: dict) -> dict[str, torch.Tensor]:
+    return load_file(Path(report["stages"]["train"]["result"]["adapter_dir"]) / "adapter_model.safetensors")
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def trained_steps(host: Host) -> int:
+    """Steps a host running the CLI has finished (its metrics file's whole lines)."""
+    found = list((host.root / "runs").rglob("metrics.jsonl"))
+    return found[0].read_text().count("\n") if found else 0
+
+
+class StoreView:
+    """What the store holds for the job, read with a plain S3 client."""
+
+    def __init__(self, job: dict) -> None:
+        url = job["store"]["url"].removeprefix("s3://")
+        self.bucket, _, self.prefix = url.partition("/")
+        self.client = s3_client(job["store"]["endpoint_url"])
+
+    def keys(self, under: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + under)
+        return [item["Key"][len(self.prefix):] for page in pages for item in page.get("Contents", [])]
+
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+
+    def pointer(self) -> dict | None:
+        found = [key for key in self.keys("jobs/spot/") if key.endswith("/latest.json")]
+        return json.loads(self.read(found[0])) if found else None
+
+    def checkpoints(self) -> dict[int, list[str]]:
+        """Each checkpoint's step and its files' names."""
+        found: dict[int, list[str]] = {}
+        for key in self.keys("jobs/spot/"):
+            match = re.search(r"/checkpoints/step-(\d+)/(.+)$", key)
+            if match:
+                found.setdefault(int(match[1]), []).append(match[2])
+        return found
+
+    def clear(self) -> None:
+        keys = self.keys()
+        for start in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": self.prefix + key} for key in keys[start:start + 1000]]})
+
+
+@pytest.fixture
+def store(job):
+    view = StoreView(job)
+    view.clear()  # each test starts from an empty store; the data stays
+    yield view
+
+
+def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, tmp_path, uninterrupted):
+    first = Host.fresh(tmp_path / "a", job)
+    process = first.start_cli()
+    wait_until(store.pointer, "a checkpoint in the store", process, first.root / "run.log")
+    kill_host(process)  # the host is lost: no final checkpoint, no release of the lease
+    uploaded = store.pointer()["step"]
+    assert uploaded < TRAIN_STEPS and "final/manifest.json" not in "\n".join(store.keys())
+
+    second = Host.fresh(tmp_path / "b", job)
+    state, report = second.run_here()
+    assert state.is_completed(), report.get("error")
+    tokenize = report["stages"]["tokenize"]["result"]
+    assert (tokenize["shards"], tokenize["shards_downloaded"], tokenize["shards_encoded"]) == (2, 2, 0)
+    train = report["stages"]["train"]["result"]
+    assert train["resumed_from_step"] == uploaded and train["store"]["pulled"]["what"] == "checkpoint"
+    taken = train["store"]["taken_over_from"]
+    # The lost host's last renewal said how far it had trained: the work lost, as far as the store knows.
+    assert taken["holder"]["pid"] == process.pid and taken["step"] is not None
+    assert train["store"]["lost_steps"] == max(0, taken["step"] - uploaded)
+    assert_same_weights(adapter(report), uninterrupted)
+    assert second.metrics_steps() == list(range(1, TRAIN_STEPS + 1))  # the curve as one run: redone steps once
+
+
+def test_sigterm_uploads_the_stopping_checkpoint_within_the_grace_period(job, store, tmp_path):
+    host = Host.fresh(tmp_path / "a", job)
+    process = host.start_cli()
+    wait_until(lambda: trained_steps(host) >= 3, "training", process, host.root / "run.log")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) != 0
+    events = [json.loads(line) for line in next((host.root / "runs").rglob("events.jsonl")).read_text().splitlines()]
+    preempted = next(event for event in events if event["event"] == "preempted")
+    upload = next(event for event in events if event["event"] == "preempted_upload")
+    assert upload["uploaded"] and upload["step"] == preempted["step"] < TRAIN_STEPS
+    assert upload["seconds_since_signal"] <= 30.0
+    assert store.pointer()["step"] == preempted["step"]
+    assert host.report()["status"] == "preempted"
+
+
+def test_a_cut_upload_never_becomes_the_latest_and_the_resume_takes_the_one_before(job, store, tmp_path, endpoint,
+                                                                                 uninterrupted):
+    """Every checkpoint upload after the first is cut off mid-body; SIGTERM then stops the host. Its stopping
+    checkpoint never reaches the store, and an empty host resumes from the first one."""
+    with FaultProxy(endpoint) as proxy:
+        proxy.faults = [Fault("cut_upload", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000,
+                              after_bytes=2000, skip=1)]
+        first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
+        process = first.start_cli()
+        wait_until(lambda: trained_steps(first) >= 25, "step 25", process, first.root / "run.log")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) != 0
+    uploads = proxy.requests("PUT", r"trainable\.safetensors")
+    assert [seen.fault for seen in uploads][:2] == [None, "cut_upload"]
+    uploaded = int(re.search(r"step-(\d+)", uploads[0].target)[1])  # the mirror uploads the newest it finds
+    assert store.pointer()["step"] == uploaded
+    torn = {step: names for step, names in store.checkpoints().items() if "manifest.json" not in names}
+    assert torn and all(step > uploaded for step in torn)  # begun, cut off, never complete
+
+    second = Host.fresh(tmp_path / "b", job)
+    state, report = second.run_here()
+    assert state.is_completed(), report.get("error")
+    assert report["stages"]["train"]["result"]["resumed_from_step"] == uploaded
+    assert_same_weights(adapter(report), uninterrupted)
+
+
+def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its_throughput(job, store, tmp_path):
+    hosts = [Host.fresh(tmp_path / name, {**job, "method": {**job["method"], "epochs": 2}}) for name in "ab"]
+    processes = [host.start_cli() for host in hosts]
+    for process, host in zip(processes, hosts):
+        assert process.wait(timeout=600) == 0, host.log()[-4000:]
+    trains = [host.report()["stages"]["train"]["result"] for host in hosts]
+    trained, waited = sorted(trains, key=lambda result: result["reused_completed_run"])
+    assert trained["store"]["pulled"]["what"] == "nothing" and not trained["reused_completed_run"]
+    assert waited["store"]["pulled"]["what"] == "final" and waited["reused_completed_run"]
+    assert waited["store"]["lease_waited_seconds"] > 0
+    waiter = hosts[trains.index(waited)]
+    assert re.search(r"is held by flow run .*, pid \d+ on .* waiting for it", waiter.log())
+    # Every checkpoint in the store is the trainer's alone: one writer, no interleaved files.
+    writers = {json.loads(store.read(key))["writer"]["pid"] for key in store.keys("jobs/spot/")
+               if key.endswith("/manifest.json")}
+    assert writers == {processes[trains.index(trained)].pid}
+
+    third = Host.fresh(tmp_path / "c", {**hosts[0].tree, "method": {**hosts[0].tree["method"], "seed": 4}})
+    state, report = third.run_here(plan_only=True)
+    plan = report["stages"]["plan"]["result"]
+    assert state.is_completed() and plan["throughput_source"] == "history", plan["notes"]
+
+
+def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_env, config_tree, tmp_path, endpoint,
+                                                                           bucket):
+    client = s3_client(endpoint)
+    for number in range(3):
+        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl",
+                          Body=write_jsonl(tmp_path / f"p{number}.jsonl", date_records(24, seed=number)).read_bytes())
+    tree = {**config_tree, "data": {**config_tree["data"], "source": f"s3://{bucket}/data/",
+                                    "s3_endpoint_url": endpoint},
+            "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint}}
+    state, first = Host.fresh(tmp_path / "night1", tree).run_here(plan_only=True)
+    assert state.is_completed() and first["stages"]["tokenize"]["result"]["shards_uploaded"] == 3
+
+    # Night 2: a new shard, and one of the stored shards damaged (one byte of its tokens flipped).
+    client.put_object(Bucket=bucket, Key="data/part-3.jsonl",
+                      Body=write_jsonl(tmp_path / "p3.jsonl", date_records(24, seed=3)).read_bytes())
+    tokens = sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix="store/shards/")["Contents"]
+                    if item["Key"].endswith("/tokens.arrow"))[0]
+    body = bytearray(client.get_object(Bucket=bucket, Key=tokens)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=tokens, Body=bytes(body))
+
+    state, second = Host.fresh(tmp_path / "night2", tree).run_here(plan_only=True)
+    tokenize = second["stages"]["tokenize"]["result"]
+    assert state.is_completed()
+    assert (tokenize["shards"], tokenize["shards_downloaded"], tokenize["shards_encoded"]) == (4, 2, 2)
+    assert len(tokenize["shards_corrupt"]) == 1 and "its sha256 is not the manifest's" in tokenize["shards_corrupt"][0]
+    assert tokenize["shards_uploaded"] == 2  # the new shard, and the damaged one replaced
+    assert tokens.removeprefix("store/").split("/")[1] in tokenize["shards_corrupt"][0]
+    assert first["stages"]["tokenize"]["result"]["train_examples"] < tokenize["train_examples"]
