@@ -130,11 +130,19 @@ def _print_summary(report_path: Path | None) -> None:
 
 def _read_back(args: argparse.Namespace, config) -> int:
     """`runs` and `show`: nothing runs, reports are read."""
-    from flows.runs import find_report, format_runs, run_reports
+    from flows.runs import find_report, format_runs, run_reports, stored_reports
+    from phase1a.store import open_store
 
     runs_dir = Path(config.work_dir) / config.name if config else None
     if args.command == "runs":
         reports, unreadable = run_reports(runs_dir)
+        store = open_store(config.store)
+        if store is not None:  # other hosts' runs: the store keeps every run's report
+            try:
+                reports += stored_reports(store, config.name, {path.parent.name for path, _ in reports})
+            except Exception as error:  # noqa: BLE001 - the local runs are still worth listing
+                print(f"phase1a: runs in the store {store.url} left out: {error}", file=sys.stderr)
+            reports.sort(key=lambda pair: pair[0].parent.name)
         print(format_runs(reports[-args.last:], unreadable) if reports else f"no runs under {runs_dir}")
         return 0
     try:

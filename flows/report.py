@@ -16,12 +16,14 @@ from prefect.exceptions import TerminationSignal
 from pydantic import BaseModel
 
 from flows.report_md import draw_plots, finish_report
+from flows.runs import share_run
 from phase1a.atomic import write_atomically
 from phase1a.config import Phase1aConfig
 from phase1a.logs import run_logger
 from phase1a.preemption import Preempted
 from phase1a.redaction import redact, redacted
 from phase1a.results import RunOutcome
+from phase1a.store import open_store
 
 
 @dataclass
@@ -32,6 +34,9 @@ class Outcome:
 class RunReport:
     def __init__(self, run_dir: Path, config: BaseModel) -> None:
         self.run_dir = Path(run_dir)
+        store_settings = getattr(config, "store", None)
+        self.store = open_store(store_settings) if store_settings is not None else None
+        self.job = getattr(config, "name", "")
         self.path = self.run_dir / "report.json"
         self._started = time.perf_counter()
         self._closing: list[Callable[[RunOutcome], None]] = []
@@ -116,6 +121,8 @@ class RunReport:
             readable = finish_report(self.data, self.run_dir, plots)
             if readable:
                 print(f"run report: {readable}")
+            if self.store is not None:  # last: the report as it stays; a host's disk goes with the host
+                self._closing_step("the copy in the store", lambda: share_run(self.store, self.job, self.run_dir))
 
     def _closing_step(self, what: str, step: Callable[[], Any]) -> Any:
         """Plots and trackers come after the run's outcome: a failure there is a warning, and report.json is

@@ -182,7 +182,9 @@ def _data(report: dict) -> list[str]:
             ("tokens", f"{lengths['total_tokens']:,} ({lengths['supervised_tokens']:,} supervised)"),
             ("tokens per example", f"p50 {lengths['p50']:g}, p99 {lengths['p99']:g}, max {lengths['max']:,}"),
             ("max_seq_length", f"{data['max_seq_length']:,} (the model's: {data['model_max_length']:,})"),
-            ("shards", f"{data['shards']} ({data['shards_encoded']} encoded, {data['shards_reused']} reused)"),
+            ("shards", f"{data['shards']} ({data['shards_encoded']} encoded, {data['shards_reused']} reused"
+                       + (f", {data['shards_downloaded']} from the store" if data.get("shards_downloaded") else "")
+                       + (f", {data['shards_uploaded']} uploaded" if data.get("shards_uploaded") else "") + ")"),
             ("staged files", f"{staged.get('files_copied', 0)} copied, {staged.get('files_reused', 0)} reused"
              if staged.get("files") else ("copied" if staged.get("copied") else "reused")),
             ("skipped", ", ".join(f"{reason}: {count}" for reason, count in data["skipped"].items()) or "none"),
@@ -191,6 +193,7 @@ def _data(report: dict) -> list[str]:
             ("dropped without labels", data["dropped_without_labels"])]
     if report.get("replay"):
         rows.append(("replay", ", ".join(f"{k}: {v}" for k, v in report["replay"].items())))
+    rows += [("corrupt in the store", problem) for problem in data.get("shards_corrupt", [])]
     return ["## Data", "", *_table(("", ""), rows)]
 
 
@@ -293,8 +296,30 @@ def _training(report: dict) -> list[str]:
             ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
             ("micro-batch", f"{train.get('micro_batch_size', '-')} ({train.get('out_of_memory_backoffs', 0)} "
                             "out-of-memory back-offs)"),
-            ("final loss", _n(train.get("final_loss"), ".4f")), *_evaluations(report)]
+            ("final loss", _n(train.get("final_loss"), ".4f")), *_evaluations(report), *_store(train.get("store"))]
     return ["## Training", "", f"Directory: `{train['output_dir']}`", "", *_table(("", ""), rows)]
+
+
+def _store(store: dict | None) -> list[tuple[str, str]]:
+    """What training took from the store and put in it (phase1a/train_store.py)."""
+    if not store:
+        return []
+    pulled = store["pulled"]
+    took = {"final": "the finished adapter", "checkpoint": f"the checkpoint of step {pulled['step']}",
+            "nothing": "nothing"}[pulled["what"]]
+    rows = [("store", f"`{store['location']}`"),
+            ("from the store", f"{took} ({_seconds(pulled['seconds'])})" if pulled["what"] != "nothing" else took),
+            ("to the store", f"{store['checkpoint_uploads']} checkpoints in the background "
+                             f"({_seconds(store['checkpoint_upload_seconds'])}), the newest step "
+                             f"{store['uploaded_step']}" + ("; the adapter" if store["final_uploaded"] else ""))]
+    if store["lease_waited_seconds"] >= 1:
+        rows.append(("lease", f"waited {_seconds(store['lease_waited_seconds'])} for another host"))
+    if store.get("taken_over_from"):
+        lost, step = store.get("lost_steps"), store["taken_over_from"].get("step")
+        rows.append(("taken over", f"from a host that stopped renewing its lease at step {step}"
+                                   + ("" if lost is None else f"; {lost} steps lost")))
+    rows += [("upload failed", failure) for failure in store.get("upload_failures", [])]
+    return rows
 
 
 def _curves(plots: list[Plot]) -> list[str]:

@@ -1,11 +1,15 @@
 """`phase1a runs` and `phase1a show`: a job's runs read back from their report.json files, for people who live
-in a terminal. A run directory is `work_dir/name/<UTC time>-<flow run name>/`, so names sort by time."""
+in a terminal. A run directory is `work_dir/name/<UTC time>-<flow run name>/`, so names sort by time. With a
+store, every run's directory is also kept there (`jobs/<name>/runs/<run>/`, a bundle), and `runs` lists those
+of other hosts too."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from phase1a.bundles import upload_bundle
 from phase1a.errors import DataError
+from phase1a.store import Store
 
 _COLUMNS = ("run", "status", "wall s", "train s", "estimate", "loss", "token acc", "exact", "promoted")
 
@@ -20,6 +24,30 @@ def run_reports(runs_dir: Path) -> tuple[list[tuple[Path, dict]], int]:
         except (OSError, ValueError):
             unreadable += 1
     return reports, unreadable
+
+
+def _store_prefix(job: str) -> str:
+    return f"jobs/{job}/runs/"
+
+
+def share_run(store: Store, job: str, run_dir: Path) -> None:
+    """The run's directory (report.json, report.md, plots, plan.json) into the store, where it outlives the host."""
+    upload_bundle(store, run_dir, f"{_store_prefix(job)}{Path(run_dir).name}/")
+
+
+def stored_reports(store: Store, job: str, known: set[str]) -> list[tuple[Path, dict]]:
+    """The reports of the job's runs in the store whose run directories are not in `known` (other hosts' runs),
+    each with where it lies in the store."""
+    found = []
+    for item in store.list(_store_prefix(job)):
+        run, _, name = item.key.removeprefix(_store_prefix(job)).partition("/")
+        fetched = store.get(item.key) if name == "report.json" and run not in known else None
+        if fetched is not None:
+            try:
+                found.append((Path(store.where(item.key)), json.loads(fetched.data)))
+            except ValueError:
+                continue
+    return found
 
 
 def _row(path: Path, report: dict) -> tuple[str, ...]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl
 from helpers.faults import Fault, FaultProxy
-from helpers.hosts import Host, kill_host, wait_until
+from helpers.hosts import ROOT, Host, kill_host, wait_until
 from helpers.servers import isolate_aws, s3_client
 
 pytestmark = pytest.mark.slow
@@ -102,13 +104,13 @@ class StoreView:
         return self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
 
     def pointer(self) -> dict | None:
-        found = [key for key in self.keys("jobs/spot/") if key.endswith("/latest.json")]
+        found = [key for key in self.keys("jobs/spot/train-") if key.endswith("/latest.json")]
         return json.loads(self.read(found[0])) if found else None
 
     def checkpoints(self) -> dict[int, list[str]]:
         """Each checkpoint's step and its files' names."""
         found: dict[int, list[str]] = {}
-        for key in self.keys("jobs/spot/"):
+        for key in self.keys("jobs/spot/train-"):
             match = re.search(r"/checkpoints/step-(\d+)/(.+)$", key)
             if match:
                 found.setdefault(int(match[1]), []).append(match[2])
@@ -205,7 +207,7 @@ def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its
     waiter = hosts[trains.index(waited)]
     assert re.search(r"is held by flow run .*, pid \d+ on .* waiting for it", waiter.log())
     # Every checkpoint in the store is the trainer's alone: one writer, no interleaved files.
-    writers = {json.loads(store.read(key))["writer"]["pid"] for key in store.keys("jobs/spot/")
+    writers = {json.loads(store.read(key))["writer"]["pid"] for key in store.keys("jobs/spot/train-")
                if key.endswith("/manifest.json")}
     assert writers == {processes[trains.index(trained)].pid}
 
@@ -213,6 +215,11 @@ def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its
     state, report = third.run_here(plan_only=True)
     plan = report["stages"]["plan"]["result"]
     assert state.is_completed() and plan["throughput_source"] == "history", plan["notes"]
+    # Every host's report is in the store: `phase1a runs` on the third host lists the two others' runs too.
+    listed = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--config", str(third.config_path)],
+                            cwd=ROOT, env=third.env(), capture_output=True, text=True, check=True).stdout
+    names = [Path(host.report()["run_dir"]).name for host in (*hosts, third)]
+    assert all(name in listed for name in names), listed
 
 
 def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_env, config_tree, tmp_path, endpoint,
@@ -244,3 +251,6 @@ def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_en
     assert tokenize["shards_uploaded"] == 2  # the new shard, and the damaged one replaced
     assert tokens.removeprefix("store/").split("/")[1] in tokenize["shards_corrupt"][0]
     assert first["stages"]["tokenize"]["result"]["train_examples"] < tokenize["train_examples"]
+    shown = (Path(second["run_dir"]) / "report.md").read_text()
+    assert "| shards | 4 (2 encoded, 0 reused, 2 from the store, 2 uploaded) |" in shown
+    assert "| corrupt in the store | " in shown
