@@ -21,6 +21,7 @@ from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
 from phase1a.results import Plan, TrainResult
+from phase1a.store import open_store
 from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import kept_in, store_records, with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
@@ -49,6 +50,9 @@ class _Stages:
 
     @classmethod
     def of(cls, config: Phase1aConfig) -> "_Stages":
+        store = open_store(config.store)
+        if store is not None:  # one that cannot be used fails the run now, not at training
+            store.probe()
         records = store_records(config.store)
         return cls(stage=kept_in(with_retries(stage_task, config.retries), records),
                    tokenize=kept_in(tokenize_task, records), plan=kept_in(plan_task, records),

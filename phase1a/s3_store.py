@@ -3,12 +3,12 @@ part and S3 refuses one that does not match it), downloads through phase1a/s3.py
 the version listed), conditional writes with If-None-Match / If-Match."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import timezone
 from pathlib import Path
 
 from botocore.exceptions import ClientError
 
-from phase1a.s3 import S3Object, download_objects, make_client, parse_s3_url, s3_errors
+from phase1a.s3 import S3Error, S3Object, download_objects, make_client, parse_s3_url, s3_errors
 from phase1a.store import Fetched, Listed, Store, StoreConflict, http_date
 
 
@@ -25,6 +25,15 @@ class S3Store(Store):
 
     def _errors(self, key: str, action: str):
         return s3_errors(self.client, self.where(key), self.bucket, action)
+
+    def probe(self) -> None:
+        with self._errors("", "HEAD bucket"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as error:
+                if _status(error) == 404:
+                    raise S3Error(f"{self.url}: no such bucket {self.bucket!r}") from None
+                raise
 
     def put_file(self, path: Path, key: str) -> None:
         with self._errors(key, "upload"):
@@ -87,7 +96,3 @@ class S3Store(Store):
             with self._errors(batch[0], "delete"):
                 self.client.delete_objects(Bucket=self.bucket, Delete={
                     "Objects": [{"Key": self.prefix + key} for key in batch], "Quiet": True})
-
-
-def utc_now() -> datetime:
-    return datetime.now(timezone.utc)

@@ -18,7 +18,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -63,6 +62,11 @@ class Store(ABC):
 
     def where(self, key: str) -> str:
         return self.url + key
+
+    @abstractmethod
+    def probe(self) -> None:
+        """Fail now, naming the store and what is wrong, when it cannot be used (no such bucket, no access, a
+        directory that cannot be written)."""
 
     @abstractmethod
     def put_file(self, path: Path, key: str) -> None:
@@ -123,6 +127,14 @@ class LocalStore(Store):
         if not path.is_relative_to(self.root.resolve()):
             raise ValueError(f"{key!r} is outside the store {self.root}")
         return path
+
+    def probe(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(f"store {self.url}: cannot be created ({error.strerror})") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise OSError(f"store {self.url}: not writable by this user")
 
     def put_file(self, path: Path, key: str) -> None:
         target = self._path(key)
@@ -195,7 +207,3 @@ def http_date(headers: dict[str, Any]) -> datetime:
         return email.utils.parsedate_to_datetime(raw) if raw else datetime.now(timezone.utc)
     except (TypeError, ValueError):
         return datetime.now(timezone.utc)
-
-
-def wait_seconds(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())

@@ -11,6 +11,7 @@ import pytest
 from phase1a.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
 from phase1a.config import StoreConfig
 from phase1a.lease import Lease, LeaseHeld
+from phase1a.s3 import S3Error
 from phase1a.store import LocalStore, StoreConflict, open_store
 
 
@@ -109,3 +110,11 @@ def test_a_waiting_host_goes_on_when_the_holder_releases(store):
     started = time.monotonic()
     waiter.acquire()  # a live lease of 30 s: only the release lets it go on this soon
     assert time.monotonic() - started < 12 and waiter.taken_over is None
+
+
+def test_a_store_that_cannot_be_used_fails_at_once_naming_it(aws_env, tmp_path, endpoint):
+    with pytest.raises(S3Error, match="s3://no-such-store-bucket/x/: no such bucket 'no-such-store-bucket'"):
+        open_store(StoreConfig(url="s3://no-such-store-bucket/x/", endpoint_url=endpoint)).probe()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OSError, match="cannot be created"):
+        LocalStore(tmp_path / "a-file" / "store").probe()
