@@ -225,32 +225,42 @@ def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its
 def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_env, config_tree, tmp_path, endpoint,
                                                                            bucket):
     client = s3_client(endpoint)
+
+    def add_shard(number: int) -> None:
+        shard = write_jsonl(tmp_path / f"p{number}.jsonl", date_records(24, seed=number))
+        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl", Body=shard.read_bytes())
+
     for number in range(3):
-        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl",
-                          Body=write_jsonl(tmp_path / f"p{number}.jsonl", date_records(24, seed=number)).read_bytes())
+        add_shard(number)
     tree = {**config_tree, "data": {**config_tree["data"], "source": f"s3://{bucket}/data/",
                                     "s3_endpoint_url": endpoint},
             "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint}}
-    state, first = Host.fresh(tmp_path / "night1", tree).run_here(plan_only=True)
-    assert state.is_completed() and first["stages"]["tokenize"]["result"]["shards_uploaded"] == 3
 
-    # Night 2: a new shard, and one of the stored shards damaged (one byte of its tokens flipped).
-    client.put_object(Bucket=bucket, Key="data/part-3.jsonl",
-                      Body=write_jsonl(tmp_path / "p3.jsonl", date_records(24, seed=3)).read_bytes())
+    def tokenize_on_a_fresh_host(name: str) -> tuple[dict, dict]:
+        state, report = Host.fresh(tmp_path / name, tree).run_here(plan_only=True)
+        assert state.is_completed(), report.get("error")
+        return report["stages"]["tokenize"]["result"], report
+
+    first, _ = tokenize_on_a_fresh_host("night1")
+    assert (first["shards_encoded"], first["shards_uploaded"]) == (3, 3)
+
+    add_shard(3)  # night 2: one new shard, on a host that has never seen the data
+    second, _ = tokenize_on_a_fresh_host("night2")
+    assert (second["shards"], second["shards_downloaded"], second["shards_encoded"]) == (4, 3, 1)
+    assert second["shards_uploaded"] == 1 and second["train_examples"] > first["train_examples"]
+
+    # One byte of a stored shard's tokens flipped: the next fresh host finds it, encodes that shard again, says so.
     tokens = sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix="store/shards/")["Contents"]
                     if item["Key"].endswith("/tokens.arrow"))[0]
     body = bytearray(client.get_object(Bucket=bucket, Key=tokens)["Body"].read())
     body[len(body) // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=tokens, Body=bytes(body))
-
-    state, second = Host.fresh(tmp_path / "night2", tree).run_here(plan_only=True)
-    tokenize = second["stages"]["tokenize"]["result"]
-    assert state.is_completed()
-    assert (tokenize["shards"], tokenize["shards_downloaded"], tokenize["shards_encoded"]) == (4, 2, 2)
-    assert len(tokenize["shards_corrupt"]) == 1 and "its sha256 is not the manifest's" in tokenize["shards_corrupt"][0]
-    assert tokenize["shards_uploaded"] == 2  # the new shard, and the damaged one replaced
-    assert tokens.removeprefix("store/").split("/")[1] in tokenize["shards_corrupt"][0]
-    assert first["stages"]["tokenize"]["result"]["train_examples"] < tokenize["train_examples"]
-    shown = (Path(second["run_dir"]) / "report.md").read_text()
-    assert "| shards | 4 (2 encoded, 0 reused, 2 from the store, 2 uploaded) |" in shown
-    assert "| corrupt in the store | " in shown
+    third, report = tokenize_on_a_fresh_host("night3")
+    assert (third["shards_downloaded"], third["shards_encoded"], third["shards_uploaded"]) == (3, 1, 1)
+    [problem] = third["shards_corrupt"]
+    assert tokens.removeprefix("store/") in problem and "its sha256 is not the manifest's" in problem
+    assert {key: third[key] for key in ("train_examples", "validation_examples", "lengths")} == \
+        {key: second[key] for key in ("train_examples", "validation_examples", "lengths")}
+    shown = (Path(report["run_dir"]) / "report.md").read_text()
+    assert "| shards | 4 (1 encoded, 0 reused, 3 from the store, 1 uploaded) |" in shown
+    assert f"| corrupt in the store | {problem} |" in shown
