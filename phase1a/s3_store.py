@@ -3,12 +3,13 @@ part and S3 refuses one that does not match it), downloads through phase1a/s3.py
 the version listed), conditional writes with If-None-Match / If-Match."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timezone
 from pathlib import Path
 
 from botocore.exceptions import ClientError
 
-from phase1a.s3 import S3Error, S3Object, download_objects, make_client, parse_s3_url, s3_errors
+from phase1a.s3 import DEFAULT_TRANSFER, S3Error, S3Object, download_objects, make_client, parse_s3_url, s3_errors
 from phase1a.store import Fetched, Listed, Store, StoreConflict, http_date
 
 
@@ -45,13 +46,17 @@ class S3Store(Store):
     def get_files(self, items: list[tuple[str, Path, int]]) -> None:
         if not items:
             return
-        listed = []
-        for key, destination, size in items:
+
+        def listed(item: tuple[str, Path, int]) -> tuple[S3Object, Path]:  # the version to pin the GETs to
+            key, destination, _ = item
             with self._errors(key, "HEAD"):
                 head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)
-            listed.append((S3Object(key=self.prefix + key, size=head["ContentLength"],
-                                    etag=head["ETag"].strip('"')), Path(destination)))
-        download_objects(self.client, self.bucket, listed)
+            return S3Object(key=self.prefix + key, size=head["ContentLength"], etag=head["ETag"].strip('"')), \
+                Path(destination)
+
+        with ThreadPoolExecutor(DEFAULT_TRANSFER.max_concurrency) as pool:
+            objects = list(pool.map(listed, items))
+        download_objects(self.client, self.bucket, objects)
 
     def get(self, key: str) -> Fetched | None:
         with self._errors(key, "GET"):
