@@ -59,5 +59,5 @@ def test_the_pod_keeps_nothing_on_the_node_and_has_time_for_its_last_upload():
     assert mounts["/var/tmp/phase1a"] == "phase1a-scratch"  # where configs/h100.yaml's caches and staging live
     job = load_config(ROOT / "configs" / "h100.yaml")
     assert job.store.url is not None and job.store.url.startswith("s3://")
-    assert str(job.cache_dir).startswith("/var/tmp/phase1a") and str(job.data.staging_dir).startswith("/var/tmp/phase1a")
+    assert all(str(path).startswith("/var/tmp/phase1a") for path in (job.cache_dir, job.data.staging_dir))
     assert parse_duration_seconds(job.checkpoint.grace_period) < pod.termination_grace_period_seconds == 120
