@@ -173,7 +173,7 @@ class CheckpointMirror:
     output_dir: Path
     keep_last: int
     lease: Lease | None
-    poll_seconds: float = 0.5
+    poll_seconds: float = 0.2  # a listing of the checkpoints directory: cheap; an upload starts soon after a write
     uploaded_step: int | None = None
     uploads: int = 0
     upload_seconds: float = 0.0
