@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks.tokenize_throughput import _in_process, generate  # noqa: E402
+from benchmarks.tokenize_throughput import _in_process  # noqa: E402
 
 BUCKET = "bench-upload-overhead"
 GLOBAL_BATCH = 16
@@ -121,18 +121,11 @@ def figures(result, cpu: dict, output_dir: Path) -> dict:
 
 def prepare(args: argparse.Namespace) -> tuple[str, object]:
     """The model directory and the tokenized data (made once under `--work`, reused by later invocations)."""
-    from benchmarks.train_throughput import make_model_dir
-    from phase1a.config import ModelConfig
-    from phase1a.models import load_tokenizer, resolve_model
+    from benchmarks.train_throughput import model_and_data
+    from phase1a.models import load_tokenizer
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
-    if args.model == "tiny":
-        model_dir = make_model_dir("tiny", None, args.work / "model-tiny")
-    else:
-        model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
-    data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
-    if not data_path.is_file():
-        generate(data_path, args.examples, seed=1, max_answer_words=args.max_answer_words)
+    model_dir, data_path = model_and_data(args.model, args.work, args.examples, args.max_answer_words)
     data = tokenize_dataset(data_path, load_tokenizer(Path(model_dir)), 8192, TokenizeOptions(),
                             args.work / "cache" / f"{args.model}-{data_path.stem}")
     if data.train_examples < GLOBAL_BATCH:

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks.tokenize_throughput import generate  # noqa: E402
+from benchmarks.train_throughput import model_and_data  # noqa: E402
 from helpers.hosts import Host, kill_host, wait_until  # noqa: E402
 
 BUCKET = "bench-lost-work"
@@ -226,22 +226,6 @@ def one_kill(args: argparse.Namespace, context: dict, number: int, share: float)
     return figures
 
 
-def prepare(args: argparse.Namespace) -> tuple[str, Path]:
-    """The model directory and the data file, made once under `--work`."""
-    from benchmarks.train_throughput import make_model_dir
-    from phase1a.config import ModelConfig
-    from phase1a.models import resolve_model
-
-    if args.model == "tiny":
-        model_dir = make_model_dir("tiny", None, args.work / "model-tiny")
-    else:
-        model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
-    data = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
-    if not data.is_file():
-        generate(data, args.examples, seed=1, max_answer_words=args.max_answer_words)
-    return str(model_dir), data
-
-
 def summarise(kills: list[dict]) -> dict:
     worst = max(kills, key=lambda kill: kill["lost_seconds"])
     return {"worst_lost_seconds": worst["lost_seconds"], "worst_lost_steps": max(k["lost_steps"] for k in kills),
@@ -292,7 +276,7 @@ def main() -> None:
 
     interval = parse_duration_seconds(args.interval)
     args.work.mkdir(parents=True, exist_ok=True)
-    model_dir, data = prepare(args)
+    model_dir, data = model_and_data(args.model, args.work, args.examples, args.max_answer_words)
     rng = random.Random(args.seed)
     shares = [(number + rng.random()) / args.kills for number in range(args.kills)]
     summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),

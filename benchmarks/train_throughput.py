@@ -64,6 +64,22 @@ WARMUP_EXAMPLES = 16  # one optimizer step of 16 examples warms every configurat
 PROFILED_STEPS = 3
 
 
+def model_and_data(model: str, work: Path, examples: int, max_answer_words: int) -> tuple[str, Path]:
+    """The demo's model (SmolLM2-135M-Instruct, `model` smollm2) or the tiny Llama (`tiny`), and a generated chat
+    data file, each made once under `work` (the store's benchmarks train on them)."""
+    from phase1a.config import ModelConfig
+    from phase1a.models import resolve_model
+
+    if model == "tiny":
+        model_dir = make_model_dir("tiny", None, work / "model-tiny")
+    else:
+        model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
+    data = work / f"chat_{examples}_{max_answer_words}.jsonl"
+    if not data.is_file():
+        generate(data, examples, seed=1, max_answer_words=max_answer_words)
+    return str(model_dir), data
+
+
 def make_model_dir(shape: str, tokenizer_dir: Path | None, target: Path) -> Path:
     """A randomly initialised Llama of `shape`, written once and reused. The test and tiny shapes take the test
     suite's 400-token BPE tokenizer (built from scratch, no hub): with SmolLM2's 49k vocabulary the logits alone
