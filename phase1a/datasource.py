@@ -49,11 +49,14 @@ class DataLocation(BaseModel):
     """A local dataset: `path` is a file or a directory; `files` lists a directory's shards (relative, in
     order) when they were named explicitly, and is empty when the directory itself says what it holds.
     `origin` is what the user calls `path` (their file, directory, glob's base, S3 URL or Hub id) when `path`
-    is a staged copy: messages name the user's files, not the copies."""
+    is a staged copy: messages name the user's files, not the copies. `deferred` names the files staging left
+    off local disk because the store knew their content (phase1a/staging.py), each with its shape (whether a
+    JSON file holds one array), which is otherwise read from its first bytes."""
 
     path: str
     files: list[str] = []
     origin: str | None = None
+    deferred: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,15 @@ def is_data_file(path: Path | str) -> bool:
     return file_format(path) is not None
 
 
-def _shard(path: Path, field: str) -> Shard:
+def _shard(path: Path, field: str, json_array: bool | None = None) -> Shard:
+    """`json_array`: the shape, when known without reading the file (a deferred file is not on disk)."""
     kind = file_format(path)
     if kind is None:
         known = ", ".join(DATA_FILE_FORMATS)
         raise DataError(f"{field}: {path} is not a data file this reads ({known}, text formats optionally "
                         f"{'/'.join(COMPRESSION_SUFFIXES)})")
-    return Shard(path, kind, kind == "json" and is_json_array(path))
+    shape = is_json_array(path) if json_array is None and kind == "json" else bool(json_array)
+    return Shard(path, kind, kind == "json" and shape)
 
 
 def resolve_shards(location: DataLocation, config: str | None, split: str, field: str = "data.source") -> list[Shard]:
@@ -120,7 +125,7 @@ def _resolve_shards(location: DataLocation, config: str | None, split: str, fiel
     if not path.is_dir():
         raise DataError(f"{field}: no such file or directory: {path}")
     if location.files:
-        return [_shard(path / name, field) for name in location.files]
+        return [_shard(path / name, field, location.deferred.get(name)) for name in location.files]
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return _saved_dataset_shards(path, split, field)
     return _repository_shards(path, config, split, field)

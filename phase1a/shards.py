@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -113,6 +114,7 @@ class ShardStore:
     requested_workers: int | None  # None: phase1a.encoding.auto_workers, from the size of the shards to encode
     content: dict[str, str] = field(default_factory=dict)  # resolved shard path -> content hash, where known
     shared: SharedShards | None = None  # the store's shards: downloaded where missing here, uploaded once encoded
+    fetch: Callable[[list[Shard]], None] | None = None  # brings shards staging deferred to disk, before encoding
     workers: int = 1  # processes the last encode used
 
     def encode(self, shards: list[Shard]) -> list[EncodedShard]:
@@ -125,6 +127,8 @@ class ShardStore:
             for position in self.shared.fetch([dirs[number] for number in pending]):
                 origins[pending[position]] = "store"
             pending = [number for number in pending if origins[number] == "encoded"]
+        if pending and self.fetch is not None:
+            self.fetch([shards[number] for number in pending])
         self.workers = auto_workers([shards[number] for number in pending], self.requested_workers)
         if pending:
             self._encode_pending(shards, pending, dirs)

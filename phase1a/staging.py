@@ -10,6 +10,13 @@ file's bytes (of every file's, for a directory or glob), for S3 the hash of its 
 Hub the resolved commit. So the stage cache can tell from its inputs alone whether the staged copy still
 exists, and two sources never share a location. A Hub dataset's staged location is a link to its snapshot in
 the Hugging Face cache, which other tools share.
+
+With a store (phase1a/store.py), every S3 object staged and verified is also recorded there by its version
+(`staged/s3/<bucket, key, size, ETag>`: its sha256), and a host that finds an object recorded does not download
+it: the file is *deferred* (`StagedData.deferred`), its content key known. Tokenize downloads a deferred file
+only when it has to encode it (`fetch_deferred`): a fresh host whose tokenized shards are in the store stages
+the new objects alone. The record also says whether a JSON file holds one array (read from its first bytes when
+it was downloaded), which tokenize needs before it reads any record.
 """
 from __future__ import annotations
 
@@ -17,8 +24,9 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 from urllib.parse import urlparse
@@ -28,9 +36,10 @@ from pydantic import BaseModel, ValidationError
 
 from phase1a import hub
 from phase1a.atomic import atomic_path, write_atomically
-from phase1a.datasource import DataLocation, download_hub_dataset, is_data_file
+from phase1a.datasource import DataLocation, download_hub_dataset, file_format, is_data_file, is_json_array
 from phase1a.errors import DataError
 from phase1a.fingerprint import READ_CHUNK, FileHashes, hash_json
+from phase1a.logs import run_logger
 from phase1a.meter import Meter, stage_meter
 from phase1a.s3 import (
     DEFAULT_TRANSFER,
@@ -43,6 +52,7 @@ from phase1a.s3 import (
     make_client,
     parse_s3_url,
 )
+from phase1a.store import Store
 
 
 class StagedData(DataLocation):
@@ -67,6 +77,18 @@ class StageManifest(BaseModel):
     sha256: str = ""  # dataset: of the staged file
     size_bytes: int = 0
     file_sha256: dict[str, str] = {}  # model directory: relative path -> sha256
+    deferred: dict[str, bool] = {}  # keys not downloaded (their sha256 came from the store) -> JSON array
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How a dataset is staged, beyond where from and where to: a Hub dataset's revision and config, S3's
+    transfer settings, and the store that knows the hashes of objects staged before (None: download them all)."""
+
+    revision: str | None = None
+    config: str | None = None
+    transfer: TransferConfig = DEFAULT_TRANSFER
+    store: Store | None = None
 
 
 @contextmanager
@@ -250,6 +272,50 @@ def _keep_s3_blob(staging_dir: Path, bucket: str, item: S3Object, path: Path, sh
     write_atomically(_s3_index(staging_dir, bucket, item), sha + "\n")
 
 
+def _store_index(bucket: str, item: S3Object) -> str:
+    return f"staged/s3/{hash_json([bucket, item.key, item.size, item.etag])[:40]}"
+
+
+class _StoredObject(BaseModel):
+    """The store's record of an S3 object staged and verified on some host."""
+
+    sha256: str
+    json_array: bool  # a JSON file that holds one array (datasource.is_json_array); False for other formats
+
+
+def _known_to_store(store: Store, bucket: str, items: list[S3Object]) -> dict[str, _StoredObject]:
+    """The record of each object (by key) that the store has; a store that cannot be read defers nothing."""
+
+    def known(item: S3Object) -> tuple[str, _StoredObject | None]:
+        fetched = store.get(_store_index(bucket, item))
+        try:
+            return item.key, _StoredObject.model_validate_json(fetched.data) if fetched else None
+        except ValidationError:  # unreadable: download it
+            return item.key, None
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            return {key: record for key, record in pool.map(known, items) if record is not None}
+    except Exception as error:  # noqa: BLE001 - the store is a cache here: download instead
+        run_logger().warning(f"{store.url}: staged objects not looked up ({type(error).__name__}); downloading")
+        return {}
+
+
+def _record_in_store(store: Store, bucket: str, shas: dict[str, str], pending: list[tuple[S3Object, Path]]) -> None:
+    """What this host staged and verified, for the next host; a failure costs that host a download."""
+
+    def record(item: S3Object, path: Path) -> None:
+        shape = file_format(path) == "json" and is_json_array(path)
+        store.put(_store_index(bucket, item), _StoredObject(sha256=shas[item.key], json_array=shape)
+                  .model_dump_json().encode())
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda pair: record(*pair), pending))
+    except Exception as error:  # noqa: BLE001
+        run_logger().warning(f"{store.url}: staged objects not recorded ({type(error).__name__})")
+
+
 def _require_free_space(directory: Path, needed: int, source: str) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
@@ -383,23 +449,25 @@ class _StagedPrefix:
     shas: dict[str, str]  # key -> sha256
     downloaded: int
     reused: int  # linked from an earlier listing's copy
+    deferred: dict[str, bool] = field(default_factory=dict)  # keys the store knows, not downloaded: JSON array
 
 
 def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Object], staging_dir: Path,
-                     transfer: TransferConfig) -> _StagedPrefix:
+                     options: StageOptions) -> _StagedPrefix:
     """Every object under the prefix into `staging_dir/<fingerprint[:16]>/<name>/`, each verified and renamed
     into place; skipped when the manifest matches the listing and every file is intact. An object that an
-    earlier listing staged (same key, size and ETag) is linked from the blob store, not downloaded again."""
+    earlier listing staged (same key, size and ETag) is linked from the blob store, not downloaded again; one the
+    store records is deferred."""
     name = url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket
     target = staged_location(staging_dir, _s3_fingerprint(url, objects), name)
     files = [(item, target / _relative_file(url, item.key)) for item in objects]
     manifest_path, hashes = _manifest_path(target), file_hashes(staging_dir)
     recorded = _read_manifest(manifest_path)
     if recorded and recorded.objects == objects:
-        damaged = [path for item, path in files
-                   if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""), hashes)]
+        damaged = [path for item, path in files if not _intact(path, item.size, recorded.file_sha256.get(item.key, ""),
+                                                                hashes) and not _still_deferred(item, path, recorded)]
         if not damaged:
-            return _StagedPrefix(target, recorded.file_sha256, 0, len(files))
+            return _StagedPrefix(target, recorded.file_sha256, 0, len(files), recorded.deferred)
         for path in damaged:  # else the size check below would keep a same-size corruption
             path.unlink(missing_ok=True)
     manifest_path.unlink(missing_ok=True)
@@ -409,41 +477,82 @@ def _stage_s3_prefix(source: str, url: S3Url, client: Any, objects: list[S3Objec
     missing = [(item, path) for item, path in files if not (path.is_file() and path.stat().st_size == item.size)]
     pending = [(item, path) for item, path in missing
                if not _reuse_s3_blob(staging_dir, url.bucket, item, path, hashes)]
+    known = _known_to_store(options.store, url.bucket, [item for item, _ in pending]) if options.store else {}
+    shas = {key: record.sha256 for key, record in known.items()}
+    deferred = {key: record.json_array for key, record in sorted(known.items())}
+    pending = [(item, path) for item, path in pending if item.key not in known]
     target.mkdir(parents=True, exist_ok=True)
-    _require_free_space(target, sum(item.size for item, _ in pending), source)
-    shas: dict[str, str] = {}
-    with ExitStack() as renames:  # every verified download takes its name at the end; on an error none does
-        partials = [(item, renames.enter_context(atomic_path(path))) for item, path in pending]
-        what = f"downloading {len(pending)} of {len(files)} objects of {source}"
-        with _data_errors(), stage_meter("stage", sum(item.size for item, _ in pending), "bytes", what=what) as meter:
-            md5s = download_objects(client, url.bucket, partials, transfer, meter=meter)
-        for item, part in partials:
-            shas[item.key] = verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
+    shas.update(_download_verified(source, (url, client), pending, len(files), target, options.transfer))
     for item, path in pending:  # into the blob store, for the next listing that shares it
         _keep_s3_blob(staging_dir, url.bucket, item, path, shas[item.key])
+    if options.store is not None and pending:
+        _record_in_store(options.store, url.bucket, shas, pending)
     shas.update({item.key: hashes.sha256(path) for item, path in files if item.key not in shas})
     hashes.save()
-    _write_manifest(manifest_path, StageManifest(source=source, objects=objects, file_sha256=shas))
-    return _StagedPrefix(target, shas, len(pending), len(files) - len(pending))
+    _write_manifest(manifest_path, StageManifest(source=source, objects=objects, file_sha256=shas, deferred=deferred))
+    return _StagedPrefix(target, shas, len(pending), len(files) - len(pending) - len(deferred), deferred)
 
 
-def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, transfer: TransferConfig) -> StagedData:
+def _still_deferred(item: S3Object, path: Path, recorded: StageManifest) -> bool:
+    """A deferred file is not on disk until tokenize fetches it: its absence is no damage."""
+    return item.key in recorded.deferred and not path.exists()
+
+
+def _download_verified(source: str, bucket: tuple[S3Url, Any], pending: list[tuple[S3Object, Path]], of: int,
+                       target: Path, transfer: TransferConfig) -> dict[str, str]:
+    """The objects (`of` listed) to their paths under `target`, each verified (size, MD5 where the ETag is one)
+    before it takes its name; on an error none does. Their sha256 by key."""
+    (url, client), shas = bucket, {}
+    _require_free_space(target, sum(item.size for item, _ in pending), source)
+    with ExitStack() as renames:  # every verified download takes its name at the end; on an error none does
+        partials = [(item, renames.enter_context(atomic_path(path))) for item, path in pending]
+        what = f"downloading {len(pending)} of {of} objects of {source}"
+        with _data_errors(), stage_meter("stage", sum(item.size for item, _ in pending), "bytes", what=what) as meter:
+            md5s = download_objects(client, url.bucket, partials, transfer, meter=meter) if partials else {}
+        for item, part in partials:
+            shas[item.key] = verify_download(part, item.size, md5s[item.key], what=f"s3://{url.bucket}/{item.key}")
+    return shas
+
+
+def fetch_deferred(staged: StagedData, names: list[str], endpoint_url: str | None = None) -> None:
+    """Download deferred files of a staged S3 prefix (relative names) into place, each verified against the
+    sha256 the store recorded: a changed object fails, naming it."""
+    url = _parse(staged.source)
+    wanted = {str(_relative_file(url, item.key)): item for item in staged.objects}
+    pending = [(wanted[name], Path(staged.path) / name) for name in names
+               if name in staged.deferred and not (Path(staged.path) / name).is_file()]
+    if not pending:
+        return
+    with _data_errors():
+        client = make_client(endpoint_url)
+    shas = _download_verified(staged.source, (url, client), pending, len(staged.objects), Path(staged.path),
+                              DEFAULT_TRANSFER)
+    for item, _ in pending:
+        expected = staged.file_sha256[str(_relative_file(url, item.key))]
+        if shas[item.key] != expected:
+            (Path(staged.path) / _relative_file(url, item.key)).unlink(missing_ok=True)
+            raise DataError(f"s3://{url.bucket}/{item.key}: sha256 {shas[item.key]}, not the {expected} recorded when "
+                            "it was staged; the object changed: stage again")
+
+
+def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, options: StageOptions) -> StagedData:
     url = _parse(source)
     client, objects = _list(url, endpoint_url)
     if sum(item.size for item in objects) == 0:
         raise DataError(f"{source}: the data is empty")
     if not url.is_prefix:
-        return _stage_s3_object(source, url, client, objects[0], staging_dir, transfer)
+        return _stage_s3_object(source, url, client, objects[0], staging_dir, options.transfer)
     data = [item for item in objects if is_data_file(item.key)]
     if not data:
         raise DataError(f"{source}: no data file under the prefix (keys: {', '.join(o.key for o in objects[:5])})")
-    staged = _stage_s3_prefix(source, url, client, objects, staging_dir, transfer)
+    staged = _stage_s3_prefix(source, url, client, objects, staging_dir, options)
     files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
     shas = {name: staged.shas[item.key] for name, item in zip(files, data)}
     return StagedData(source=source, path=str(staged.target), origin=source, files=files,
                       fingerprint=_content_fingerprint(list(shas.items())), size_bytes=sum(item.size for item in data),
                       copied=bool(staged.downloaded), objects=objects, file_sha256=shas,
-                      files_copied=staged.downloaded, files_reused=staged.reused)
+                      files_copied=staged.downloaded, files_reused=staged.reused,
+                      deferred={_relative_file(url, key).as_posix(): shape for key, shape in staged.deferred.items()})
 
 
 def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:
@@ -462,14 +571,13 @@ def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str
 
 
 def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = None,
-                  transfer: TransferConfig = DEFAULT_TRANSFER, revision: str | None = None,
-                  config: str | None = None) -> StagedData:
+                  options: StageOptions = StageOptions()) -> StagedData:
     """Copy `source` under `staging_dir`; every copy is verified before it gets its final name."""
     staging_dir = Path(staging_dir)
     if is_s3_url(source):
-        return _stage_s3(source, staging_dir, endpoint_url, transfer)
+        return _stage_s3(source, staging_dir, endpoint_url, options)
     if hub.looks_like_hub_id(source):
-        return _stage_hub(source, staging_dir, revision, config)
+        return _stage_hub(source, staging_dir, options.revision, options.config)
     return _stage_local(source, staging_dir)
 
 
@@ -512,4 +620,4 @@ def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
         return _copy_local_model(path, Path(staging_dir)) if copy_local and path.is_dir() else path
     url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
     client, objects = _list(url, endpoint_url)
-    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), transfer).target
+    return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), StageOptions(transfer=transfer)).target

@@ -14,12 +14,14 @@ from typing import Literal
 from phase1a.config import Phase1aConfig
 from phase1a.staging import (
     StagedData,
+    StageOptions,
     file_hashes,
     source_fingerprint,
     stage_dataset,
     staged_location,
     staged_name,
 )
+from phase1a.store import open_store
 from tasks.caching import StageCache, task
 
 Source = Literal["source", "validation_source"]  # which field of the config's `data` section
@@ -40,5 +42,5 @@ def staged_copy(fingerprint: str, config: Phase1aConfig, field: Source = "source
       persist_result=True, result_serializer="json")
 def stage_task(config: Phase1aConfig, field: Source = "source") -> StagedData:
     data = config.data
-    return stage_dataset(getattr(data, field), data.staging_dir, data.s3_endpoint_url, revision=data.revision,
-                         config=data.config)
+    options = StageOptions(revision=data.revision, config=data.config, store=open_store(config.store))
+    return stage_dataset(getattr(data, field), data.staging_dir, data.s3_endpoint_url, options)

@@ -75,6 +75,7 @@ class TokenizeOptions(BaseModel):
     validation_split: str | None = None
     tokenize_workers: int | None = None  # processes for pass 1; None: phase1a.encoding.auto_workers
     store: StoreConfig = StoreConfig()  # shards shared with other hosts (phase1a/shared_shards.py); none by default
+    s3_endpoint_url: str | None = None  # where a staged source's deferred files are fetched from
 
     @classmethod
     def from_config(cls, config: Phase1aConfig) -> "TokenizeOptions":
@@ -89,7 +90,7 @@ def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_len
     # The worker count and the store are left out: any count, and a shard from the store, give the same bytes
     # (tests/test_encoding.py, tests/test_resume_anywhere.py check).
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
-                      "options": options.model_dump(exclude={"tokenize_workers", "store"}),
+                      "options": options.model_dump(exclude={"tokenize_workers", "store", "s3_endpoint_url"}),
                       "chat_template": template_fingerprint(options.chat_template), "code": code_fingerprint(__name__)})
 
 
@@ -132,6 +133,7 @@ class _Sources:
     shards: list[Shard]
     first_validation: int | None  # None: hold out a content-hash share of every shard
     content: dict[str, str]  # shard path -> content hash, as staging recorded it
+    locations: list[DataLocation]  # where the shards were staged: a staged S3 prefix may have deferred files
 
     @classmethod
     def resolve(cls, data: DataLocation | Path, validation: DataLocation | None,
@@ -140,10 +142,28 @@ class _Sources:
         train = resolve_shards(data, options.config, options.split)
         content = _content_hashes(data)
         if validation is None:
-            return cls(train, None, content)
+            return cls(train, None, content, [data])
         held_out = resolve_shards(validation, options.config, options.validation_split or options.split,
                                   field="data.validation_source")
-        return cls(train + held_out, len(train), content | _content_hashes(validation))
+        return cls(train + held_out, len(train), content | _content_hashes(validation), [data, validation])
+
+    def fetcher(self, endpoint_url: str | None):
+        """What brings the shards about to be encoded to local disk, where staging deferred them (the store knew
+        their content: phase1a/staging.py); None when nothing was deferred."""
+        deferred = [location for location in self.locations if getattr(location, "deferred", None)]
+        if not deferred:
+            return None
+
+        def fetch(shards: list[Shard]) -> None:
+            from phase1a.staging import fetch_deferred  # boto3: only where a staged S3 prefix deferred a file
+
+            for location in deferred:
+                base = Path(location.path)
+                names = [Path(shard.path).relative_to(base).as_posix() for shard in shards
+                         if Path(shard.path).is_relative_to(base)]
+                fetch_deferred(location, names, endpoint_url)
+
+        return fetch
 
     def name(self) -> str:
         first = self.shards[0].path
@@ -189,7 +209,8 @@ class _Encoded:
 def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path,
             shared: SharedShards | None) -> _Encoded:
     settings = EncodeSettings(**{f.name: getattr(options, f.name) for f in fields(EncodeSettings)})
-    store = ShardStore(root, tokenizer, settings, options.tokenize_workers, sources.content, shared)
+    store = ShardStore(root, tokenizer, settings, options.tokenize_workers, sources.content, shared,
+                       fetch=sources.fetcher(options.s3_endpoint_url))
     shards = store.encode(sources.shards)
     skipped: Counter[str] = Counter()
     shown: list[str] = []

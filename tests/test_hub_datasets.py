@@ -14,7 +14,7 @@ from helpers.hub_cache import cache_repo, unique_repo
 from phase1a.config import Phase1aConfig
 from phase1a.errors import DataError
 from phase1a.hub import repo_cache_dir
-from phase1a.staging import source_fingerprint, stage_dataset
+from phase1a.staging import StageOptions, source_fingerprint, stage_dataset
 from tasks.stage import staged_copy
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -69,8 +69,9 @@ def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_pat
                                 tmp_path / "cache" / "held-out", validation=staged)
     assert (held_out.train_examples, held_out.validation_examples) == (24, 6)
 
-    flat = tokenize_dataset(stage_dataset(repo_id, tmp_path / "staging", config="flat"), tokenizer, 256,
-                            TokenizeOptions(config="flat", validation_count=1), tmp_path / "cache" / "flat")
+    staged_flat = stage_dataset(repo_id, tmp_path / "staging", options=StageOptions(config="flat"))
+    flat = tokenize_dataset(staged_flat, tokenizer, 256, TokenizeOptions(config="flat", validation_count=1),
+                            tmp_path / "cache" / "flat")
     assert flat.train_examples + flat.validation_examples == 6
 
 
@@ -83,7 +84,7 @@ def test_a_moved_branch_is_new_data_and_a_pinned_revision_is_not(tmp_path, hub_d
     assert (repo_cache_dir(repo_id, "dataset") / "refs" / "main").read_text() == second
     assert source_fingerprint(repo_id) != before
     assert source_fingerprint(repo_id, revision=first) == before
-    pinned = stage_dataset(repo_id, tmp_path / "staging", revision=first)
+    pinned = stage_dataset(repo_id, tmp_path / "staging", options=StageOptions(revision=first))
     assert pinned.fingerprint == before
 
     # Each revision's files by their blobs' names: the test split's file is the same blob in both commits, so
@@ -98,7 +99,7 @@ def test_a_moved_branch_is_new_data_and_a_pinned_revision_is_not(tmp_path, hub_d
 def test_unknown_config_split_and_uncached_repository(tmp_path, hub_dates):
     repo_id = hub_dates[0]
     with pytest.raises(DataError, match=r"data.config: 'nope' is not a config of .*configs: dates, flat"):
-        stage_dataset(repo_id, tmp_path / "staging", config="nope")
+        stage_dataset(repo_id, tmp_path / "staging", options=StageOptions(config="nope"))
     staged = stage_dataset(repo_id, tmp_path / "staging")
     with pytest.raises(DataError, match=r"data.split: 'train' is not a split of .*splits: train_sft, test_sft"):
         tokenize_dataset(staged, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache" / "bad-split")

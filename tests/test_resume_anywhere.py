@@ -248,28 +248,34 @@ def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_en
     def tokenize_on_a_fresh_host(name: str) -> tuple[dict, dict]:
         state, report = Host.fresh(tmp_path / name, tree).run_here(plan_only=True)
         assert state.is_completed(), report.get("error")
-        return report["stages"]["tokenize"]["result"], report
+        return report["stages"]["tokenize"]["result"], report["stages"]["stage"]["result"]
 
-    first, _ = tokenize_on_a_fresh_host("night1")
-    assert (first["shards_encoded"], first["shards_uploaded"]) == (3, 3)
+    first, staged = tokenize_on_a_fresh_host("night1")
+    assert (first["shards_encoded"], first["shards_uploaded"], staged["files_copied"]) == (3, 3, 3)
 
     add_shard(3)  # night 2: one new shard, on a host that has never seen the data
-    second, _ = tokenize_on_a_fresh_host("night2")
+    second, staged = tokenize_on_a_fresh_host("night2")
     assert (second["shards"], second["shards_downloaded"], second["shards_encoded"]) == (4, 3, 1)
     assert second["shards_uploaded"] == 1 and second["train_examples"] > first["train_examples"]
+    # Staging downloaded the new object alone: the store knew the others' content, and tokenize needed none.
+    assert staged["files_copied"] == 1 and staged["deferred"] == {f"part-{number}.jsonl": False for number in range(3)}
+    assert sorted(p.name for p in Path(staged["path"]).iterdir()) == ["part-3.jsonl"]
 
     # One byte of a stored shard's tokens flipped: the next fresh host finds it, encodes that shard again, says so.
     tokens = sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix="store/shards/")["Contents"]
-                    if item["Key"].endswith("/tokens.arrow"))[0]
+                    if re.search(r"/tokens\.arrow(\.zst)?$", item["Key"]))[0]
     body = bytearray(client.get_object(Bucket=bucket, Key=tokens)["Body"].read())
     body[len(body) // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=tokens, Body=bytes(body))
-    third, report = tokenize_on_a_fresh_host("night3")
+    third, staged = tokenize_on_a_fresh_host("night3")
     assert (third["shards_downloaded"], third["shards_encoded"], third["shards_uploaded"]) == (3, 1, 1)
+    assert staged["files_copied"] == 0 and len(staged["deferred"]) == 4  # the shard to encode again: fetched then
+    assert len(list(Path(staged["path"]).iterdir())) == 1
     [problem] = third["shards_corrupt"]
-    assert tokens.removeprefix("store/") in problem and "its sha256 is not the manifest's" in problem
+    assert tokens.removeprefix("store/") in problem and "not what the manifest says" in problem
     assert {key: third[key] for key in ("train_examples", "validation_examples", "lengths")} == \
         {key: second[key] for key in ("train_examples", "validation_examples", "lengths")}
-    shown = (Path(report["run_dir"]) / "report.md").read_text()
+    [run] = (tmp_path / "night3" / "runs" / tree["name"]).glob("*/report.md")
+    shown = run.read_text()
     assert "| shards | 4 (1 encoded, 0 reused, 3 from the store, 1 uploaded) |" in shown
     assert f"| corrupt in the store | {problem} |" in shown

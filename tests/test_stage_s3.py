@@ -22,7 +22,14 @@ from phase1a.config import Phase1aConfig
 from phase1a.datasource import describe, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
-from phase1a.staging import source_fingerprint, stage_dataset, stage_model, staged_location, verify_download
+from phase1a.staging import (
+    StageOptions,
+    source_fingerprint,
+    stage_dataset,
+    stage_model,
+    staged_location,
+    verify_download,
+)
 from tasks.stage import staged_copy
 
 MiB = 1024 * 1024
@@ -81,7 +88,7 @@ def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tm
     small_parts = TransferConfig(multipart_threshold=1 * MiB, multipart_chunksize=1 * MiB, max_concurrency=4)
     body = os.urandom(3 * MiB + 17)
     _put(endpoint, bucket, "big.bin", body)
-    staged = stage_dataset(f"s3://{bucket}/big.bin", tmp_path / "staging", endpoint, transfer=small_parts)
+    staged = stage_dataset(f"s3://{bucket}/big.bin", tmp_path / "staging", endpoint, StageOptions(transfer=small_parts))
     assert Path(staged.path).read_bytes() == body and staged.fingerprint == hashlib.sha256(body).hexdigest()
 
     # A multipart upload's ETag is not an MD5 ("<hash>-<parts>"): verified by size, then hashed.
@@ -89,7 +96,7 @@ def test_large_objects_download_as_parallel_ranges_single_and_multipart_etags(tm
     (tmp_path / "mp.bin").write_bytes(multipart)
     s3_client(endpoint).upload_file(str(tmp_path / "mp.bin"), bucket, "mp.bin",
                                   Config=TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
-    staged = stage_dataset(f"s3://{bucket}/mp.bin", tmp_path / "staging", endpoint, transfer=small_parts)
+    staged = stage_dataset(f"s3://{bucket}/mp.bin", tmp_path / "staging", endpoint, StageOptions(transfer=small_parts))
     assert staged.objects[0].etag.endswith("-2")
     assert Path(staged.path).read_bytes() == multipart and staged.fingerprint == hashlib.sha256(multipart).hexdigest()
 
