@@ -13,15 +13,17 @@ process and timed as the flow runs it (the source's fingerprint, the stage's cac
   (a) warm local   host A again, with its caches and the store: it encodes the new shard (and uploads it). Its
                    caches are a hard-linked copy of them as night 1 left them, so every repeat starts from the
                    same state; the files keep their inodes, so staging's remembered hashes still hold
-  (b) fresh host   empty local directories, with the store: it downloads the source and the old tokenized
-                   shards from the store, and encodes the new shard only
+  (b) fresh host   empty local directories, with the store: it downloads the new object of the source only (the
+                   store records the old ones' content, so staging defers them) and the old tokenized shards
+                   from the store, and encodes the new shard only
   (c) cold         empty local directories, no store: it downloads the source and encodes every shard
 
 Before each night-2 measurement the store is put back as night 1 left it (what a measurement uploaded, the new
 shard, is deleted), so (b) always finds the old shards and not the new one. Each is repeated `--repeat` times,
 in alternating order; this VM's timings move with its neighbours' load, so the spread is reported. Checked: every
-night 2 gives the same train and validation splits (`phase1a.tokenized.split_digest`), (b) encodes exactly one
-shard and downloads the others, (a) encodes one and reuses the others, (c) encodes them all.
+night 2 gives the same train and validation splits (`phase1a.tokenized.split_digest`), (b) stages one object
+(defers the others), encodes exactly one shard and downloads the others, (a) encodes one and reuses the others,
+(c) encodes them all.
 
 The breakdown of (b): the fingerprint, the stage, the tokenize, and of the tokenize its download (time in
 `SharedShards.fetch`: the shards' manifests read, their files transferred (`S3Store.get_files`, also given
@@ -85,21 +87,24 @@ class _Timed:
 
 def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str | None, queue) -> None:
     """One night's stage and tokenize on `host` (its staging and cache directories under it), timed as the flow
-    runs them: the source's fingerprint, the stage, the tokenize. With `store_url`, tokenize shares shards."""
+    runs them: the source's fingerprint, the stage, the tokenize. With `store_url`, the stage defers what the
+    store knows and tokenize shares shards."""
     from phase1a.config import StoreConfig
     from phase1a.models import load_tokenizer
     from phase1a.s3_store import S3Store
     from phase1a.shared_shards import SharedShards
-    from phase1a.staging import file_hashes, source_fingerprint, stage_dataset
+    from phase1a.staging import StageOptions, file_hashes, source_fingerprint, stage_dataset
+    from phase1a.store import open_store
     from phase1a.tokenized import split_digest
     from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     staging, tokenizer = Path(host) / "staging", load_tokenizer(Path(model_dir))
-    options = TokenizeOptions(store=StoreConfig(url=store_url, endpoint_url=endpoint if store_url else None))
+    store = StoreConfig(url=store_url, endpoint_url=endpoint if store_url else None)
+    options = TokenizeOptions(store=store, s3_endpoint_url=endpoint)
     began = time.perf_counter()
     fingerprint = source_fingerprint(source, endpoint, hashes=file_hashes(staging))
     fingerprinted = time.perf_counter()
-    staged = stage_dataset(source, staging, endpoint)
+    staged = stage_dataset(source, staging, endpoint, StageOptions(store=open_store(store)))
     staged_at = time.perf_counter()
     out = dataset_dir(Path(host) / "cache", tokenize_fingerprint([fingerprint], "smollm2", 8192, options))
     with _Timed(SharedShards, "fetch") as fetch, _Timed(SharedShards, "finish") as finish, \
@@ -113,6 +118,7 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
                "shards": data.shards, "shards_encoded": data.shards_encoded, "shards_reused": data.shards_reused,
                "shards_downloaded": data.shards_downloaded, "shards_uploaded": data.shards_uploaded,
                "shards_corrupt": len(data.shards_corrupt), "files_copied": staged.files_copied,
+               "files_deferred": len(staged.deferred),
                "files_reused": staged.files_reused, "source_bytes": staged.size_bytes, "examples": data.lengths.count,
                "tokens": data.lengths.total_tokens, "workers": data.workers,
                "train_digest": split_digest(data.train_path), "validation_digest": split_digest(data.validation_path)})
@@ -206,6 +212,7 @@ def check(rounds: list[dict], shards: int) -> None:
         a, b, c = r["a"], r["b"], r["c"]
         assert (a["shards_encoded"], a["shards_reused"], a["shards_downloaded"]) == (1, shards, 0), a
         assert (b["shards_encoded"], b["shards_reused"], b["shards_downloaded"]) == (1, 0, shards), b
+        assert (b["files_copied"], b["files_deferred"]) == (1, shards), b
         assert (c["shards_encoded"], c["shards_downloaded"]) == (shards + 1, 0), c
         assert a["shards_corrupt"] == b["shards_corrupt"] == 0
 

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +31,10 @@ from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSett
 from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.labels import IGNORE_INDEX
 from phase1a.meter import Meter, stage_meter
-from phase1a.shared_shards import SharedShards
 from phase1a.tokenized import read_mapped
+
+if TYPE_CHECKING:  # typing only: how shards travel to and from the store is not part of a shard's key
+    from phase1a.shared_shards import SharedShards
 
 TOKENS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
 EXAMPLES_SCHEMA = pa.schema([("line", pa.int64()), ("key", pa.uint64()), ("length", pa.int32()),
