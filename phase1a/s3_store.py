@@ -4,11 +4,13 @@ the version listed), conditional writes with If-None-Match / If-Match."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from datetime import timezone
 from pathlib import Path
 
 from botocore.exceptions import ClientError
 
+from phase1a.atomic import atomic_path
 from phase1a.s3 import DEFAULT_TRANSFER, S3Error, S3Object, download_objects, make_client, parse_s3_url, s3_errors
 from phase1a.store import Fetched, Listed, Store, StoreConflict, http_date
 
@@ -44,19 +46,30 @@ class S3Store(Store):
             raise OSError(f"{self.where(key)}: {stored} bytes stored, {path} has {Path(path).stat().st_size}")
 
     def get_files(self, items: list[tuple[str, Path, int]]) -> None:
-        if not items:
-            return
-
-        def listed(item: tuple[str, Path, int]) -> tuple[S3Object, Path]:  # the version to pin the GETs to
-            key, destination, _ = item
-            with self._errors(key, "HEAD"):
-                head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)
-            return S3Object(key=self.prefix + key, size=head["ContentLength"], etag=head["ETag"].strip('"')), \
-                Path(destination)
-
+        """Objects below the multipart threshold in one GET each (what is read is checked by the caller against
+        its manifest); larger ones through phase1a/s3.py: parallel ranged GETs pinned to the version a HEAD
+        found, resumed where an attempt was cut off."""
+        large = [item for item in items if item[2] > DEFAULT_TRANSFER.multipart_threshold]
         with ThreadPoolExecutor(DEFAULT_TRANSFER.max_concurrency) as pool:
-            objects = list(pool.map(listed, items))
-        download_objects(self.client, self.bucket, objects)
+            list(pool.map(self._get_small, [item for item in items if item not in large]))
+            pinned = list(pool.map(self._pinned, large))
+        if pinned:
+            download_objects(self.client, self.bucket, pinned)
+
+    def _get_small(self, item: tuple[str, Path, int]) -> None:
+        key, destination, _ = item
+        with self._errors(key, "GET"), atomic_path(Path(destination)) as scratch, open(scratch, "wb") as sink:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"]
+            with closing(body):
+                for chunk in body.iter_chunks(DEFAULT_TRANSFER.io_chunksize):
+                    sink.write(chunk)
+
+    def _pinned(self, item: tuple[str, Path, int]) -> tuple[S3Object, Path]:
+        key, destination, _ = item
+        with self._errors(key, "HEAD"):
+            head = self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+        return S3Object(key=self.prefix + key, size=head["ContentLength"], etag=head["ETag"].strip('"')), \
+            Path(destination)
 
     def get(self, key: str) -> Fetched | None:
         with self._errors(key, "GET"):

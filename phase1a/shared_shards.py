@@ -1,7 +1,6 @@
 """Tokenized shards in the store (`shards/<key>/`, each a bundle, phase1a/bundles.py), keyed as the local shard
 cache is (phase1a/shards.py: content, format, tokenizer, settings, code): a host that lacks a shard downloads it
-instead of encoding it again, and a shard a host encodes is uploaded while it encodes the next, its token file
-zstd-compressed (token ids compress several times over: less to move, and S3 bills by the byte).
+instead of encoding it again, and a shard a host encodes is uploaded while it encodes the next.
 
 A download is verified file by file against the shard's manifest; one that is not what the manifest says
 (bytes flipped, cut short, replaced) is counted, removed from the store and encoded again, never used. The
@@ -74,7 +73,7 @@ class SharedShards:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_THREADS)
         self._uploads.append((directory, self._pool.submit(upload_bundle, self.store, directory,
-                                                           shard_prefix(directory), compress=True)))
+                                                           shard_prefix(directory))))
 
     def finish(self) -> None:
         """Wait for the uploads; one that failed is a warning (the next host encodes that shard)."""

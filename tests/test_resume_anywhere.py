@@ -263,7 +263,7 @@ def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_en
 
     # One byte of a stored shard's tokens flipped: the next fresh host finds it, encodes that shard again, says so.
     tokens = sorted(item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix="store/shards/")["Contents"]
-                    if re.search(r"/tokens\.arrow(\.zst)?$", item["Key"]))[0]
+                    if item["Key"].endswith("/tokens.arrow"))[0]
     body = bytearray(client.get_object(Bucket=bucket, Key=tokens)["Body"].read())
     body[len(body) // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=tokens, Body=bytes(body))

@@ -79,26 +79,6 @@ def test_a_bundle_with_a_flipped_byte_is_refused_and_leaves_nothing_behind(store
         read_bundle(store, "shards/abc/")
 
 
-def test_a_compressed_bundle_is_smaller_in_the_store_and_the_same_bytes_on_disk(store, tmp_path):
-    source = a_directory(tmp_path / "source")
-    bundle = upload_bundle(store, source, "shards/abc/", compress=True)
-    stored = {item.key: item.size for item in store.list("shards/abc/")}
-    assert bundle.files["weights.bin"].stored == "zstd" and "shards/abc/weights.bin" not in stored
-    assert stored["shards/abc/weights.bin.zst"] < bundle.files["weights.bin"].size / 10  # a repeated pattern
-    assert bundle.files["best/evaluation.json"].stored == "whole"  # too small to be worth it
-    download_bundle(store, "shards/abc/", tmp_path / "copy", bundle)
-    assert (tmp_path / "copy" / "weights.bin").read_bytes() == (source / "weights.bin").read_bytes()
-    assert sorted(p.name for p in (tmp_path / "copy").rglob("*")) == ["best", "evaluation.json", "weights.bin"]
-
-    packed = bytearray(store.get("shards/abc/weights.bin.zst").data)
-    packed[len(packed) // 2] ^= 0xFF
-    (tmp_path / "flipped.zst").write_bytes(bytes(packed))
-    store.put_file(tmp_path / "flipped.zst", "shards/abc/weights.bin.zst")
-    with pytest.raises(BundleCorrupt, match=r"weights.bin.zst: not what the manifest says"):
-        download_bundle(store, "shards/abc/", tmp_path / "again", bundle)
-    assert not (tmp_path / "again").exists()
-
-
 def test_a_lease_is_held_renewed_refused_to_others_and_released(store):
     with Lease(store, "jobs/x/train-k/lease.json", ttl=1.5, wait=None, progress=lambda: 7) as held:
         time.sleep(1.0)  # past ttl/3: renewed at least once, so it never ages past its ttl while held
