@@ -17,6 +17,7 @@ same command again), 1 a part failed (its status file holds the end of its log).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -281,13 +282,13 @@ def describe_environment(installed: list[str]) -> dict:
 
     from phase1a.hardware import detect
 
-    versions = {}
-    for module in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger_kernel",
-                   "bitsandbytes", "flash_attn", "triton"):
+    versions = {}  # by distribution: liger_kernel has no __version__
+    for name in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger-kernel",
+                 "bitsandbytes", "flash-attn", "triton"):
         try:
-            versions[module] = __import__(module).__version__
-        except Exception:  # noqa: BLE001 - absent, or broken on this host: both are facts for the summary
-            versions[module] = None
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     cuda = torch.cuda.is_available()
     device = detect()[1].name
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -382,7 +383,7 @@ def _train_section(train: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in train["results"]:
         rows = f"packed, {r['max_seq_length']}" if r.get("packed") else f"padded to {r['max_seq_length']}"
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        mfu = f"{r['mfu']:.2%}" if r.get("mfu") is not None else "n/a"
         lines.append(f"| {r['config']} | {rows} | {r['micro_batch_size']} x {r['accumulation']} | "
                      f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['useful_tokens_per_s']:,.0f} | {mfu} | "
                      f"{r['model_tflops_per_s']:.3g} | {r['peak_memory_gib']:.2f} | {r['padding_waste']:.0%} |")

@@ -444,12 +444,13 @@ def _cuda() -> bool:
 
 def with_mfu(result: dict, model_dir: Path, mean_length: float) -> dict:
     """Model TFLOP/s of the useful tokens (4N + attention for LoRA, the same count for every configuration)."""
-    from phase1a.cost_model import flops_per_token, model_facts
+    from phase1a.cost_model import flops_per_token, mfu, model_facts
     from phase1a.hardware import detect
 
-    tflops = result["useful_tokens_per_s"] * flops_per_token(model_facts(model_dir), False, False, mean_length) / 1e12
+    per_token = flops_per_token(model_facts(model_dir), False, False, mean_length)
     peak = detect()[1].peak_flops
-    return {**result, "model_tflops_per_s": round(tflops, 4), "mfu": round(tflops * 1e12 / peak, 4) if peak else None}
+    return {**result, "model_tflops_per_s": round(result["useful_tokens_per_s"] * per_token / 1e12, 4),
+            "mfu": mfu(result["useful_tokens_per_s"], per_token, peak) if peak else None}
 
 
 def speedups(results: list[dict]) -> dict[str, float]:

@@ -184,3 +184,14 @@ class MemoryModel:
 def flops_per_token(facts: ModelFacts, full: bool, checkpointing: bool, mean_length: float) -> float:
     n = facts.parameters
     return (6 if full else 4) * n + (2 * n if checkpointing else 0) + 6 * facts.layers * mean_length * facts.hidden
+
+
+def mfu(tokens_per_second: float, model_flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation as a fraction of the peak."""
+    return significant(tokens_per_second * model_flops_per_token / peak_flops)
+
+
+def significant(value: float, digits: int = 3) -> float:
+    """`value` to `digits` significant figures: a small model on a big GPU runs far below 1 % MFU, which a fixed
+    number of decimals rounds to 0."""
+    return float(f"{value:.{digits}g}")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from phase1a import run_files
+from phase1a.cost_model import mfu
 from phase1a.history import ESTIMATE_BAND
 from phase1a.logs import run_logger
 from phase1a.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, duration, emit, resolved_display
@@ -80,7 +81,7 @@ class ProgressReporter:
                   "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
                   "gpu_utilization": _gpu_utilization(), "on_track": None}
         if yardstick.model_flops_per_token and yardstick.peak_flops:
-            record["mfu"] = round(tokens_per_second * yardstick.model_flops_per_token / yardstick.peak_flops, 4)
+            record["mfu"] = mfu(tokens_per_second, yardstick.model_flops_per_token, yardstick.peak_flops)
         if yardstick.planned_seconds:
             projected = prior_seconds + elapsed + remaining
             record["projected_s"] = round(projected, 1)

@@ -44,6 +44,7 @@ from phase1a.checkpoints import (
     trainable_state_dict,
 )
 from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
+from phase1a.cost_model import significant
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, record_run, share_record
@@ -434,7 +435,7 @@ class TrainRecipe:
             startup_seconds=round(self.startup, 3),
             checkpoint_share=round(progress.checkpoint_seconds / max(wall, 1e-9), 5), micro_batch_size=self.micro,
             out_of_memory_backoffs=progress.backoffs,
-            mean_mfu=round(sum(progress.mfus) / len(progress.mfus), 4) if progress.mfus else None,
+            mean_mfu=significant(sum(progress.mfus) / len(progress.mfus)) if progress.mfus else None,
             **self._evaluation_summary(),  # with early stopping: the best weights are put back into the model
         )
         weights = trainable_state_dict(self.model) if self.sharded else None  # every rank: FSDP gathers the shards

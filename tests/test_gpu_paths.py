@@ -92,7 +92,7 @@ def test_the_8bit_optimizer_follows_adamw(tiny_model_dir, train_path):
     curves, states = {}, {}
     for name in ("adamw", "adamw_8bit"):
         torch.manual_seed(0)
-        method = METHOD.model_copy(update={"optimizer": name, "lora": {"r": 64, "alpha": 128}})
+        method = METHOD.model_validate({**METHOD.model_dump(), "optimizer": name, "lora": {"r": 64, "alpha": 128}})
         model = build_model(tiny_model_dir, method, False)
         optimizer = make_optimizer(model, method)
         curves[name] = [_step(model, optimizer, batch) for _ in range(6)]
