@@ -5,7 +5,9 @@ the restarts into a dense block-diagonal mask over the whole row, so attention c
 cannot skip) every pair of tokens in the row: the square of the row's length, where the examples alone need
 the sum of their squares. `sdpa_packed` runs causal SDPA once per example instead, over that example's slice of
 the row. Same arithmetic, exact (no mask values at all), and no optional package: on CUDA each call takes
-SDPA's own flash kernel, since a causal call without a mask qualifies for it.
+SDPA's own flash kernel, since a causal call without a mask qualifies for it. The calls are kept off SDPA's
+cuDNN backend, which torch prefers on Hopper: it builds a graph for every new sequence length (hundreds of
+milliseconds each), and here every example length is one (benchmarks/results/gpu-check-h200-2026-11-26).
 
 Registered with transformers' `AttentionInterface` (the function) and `AttentionMaskInterface` (no dense mask
 for unpadded rows) under the name `sdpa_packed`; `load_model(..., attn_implementation="sdpa_packed")` takes it
@@ -17,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -26,6 +29,7 @@ NAME = "sdpa_packed"
 # checkpointing): its segments are read once and kept on the tensor, so a CUDA row syncs the host once a
 # forward, not once a layer, and they go when the tensor goes.
 _CACHE = "_phase1a_segments"
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # all but cuDNN's
 
 
 def segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -55,11 +59,12 @@ def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     if position_ids is None:
         position_ids = torch.arange(query.shape[2])[None].expand(query.shape[0], -1)
     rows = []
-    for row, spans in enumerate(segments(position_ids)):
-        parts = [F.scaled_dot_product_attention(query[row:row + 1, :, a:b], key[row:row + 1, :, a:b],
-                                                value[row:row + 1, :, a:b], dropout_p=dropout, scale=scaling,
-                                                is_causal=b - a > 1) for a, b in spans]
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    with sdpa_kernel(_BACKENDS, set_priority=True):
+        for row, spans in enumerate(segments(position_ids)):
+            parts = [F.scaled_dot_product_attention(query[row:row + 1, :, a:b], key[row:row + 1, :, a:b],
+                                                    value[row:row + 1, :, a:b], dropout_p=dropout, scale=scaling,
+                                                    is_causal=b - a > 1) for a, b in spans]
+            rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     output = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
     return output.transpose(1, 2).contiguous(), None
 
