@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl
 from helpers.faults import Fault, FaultProxy
-from helpers.hosts import ROOT, Host, kill_host, wait_until
+from helpers.hosts import ROOT, Host, kill_host, stop_started_hosts, wait_until
 from helpers.servers import isolate_aws, s3_client
 
 pytestmark = pytest.mark.slow
@@ -89,6 +89,11 @@ def trained_steps(host: Host) -> int:
     return found[0].read_text().count("\n") if found else 0
 
 
+def _lease_step(store: "StoreView") -> int:
+    """The step the lease's holder last reported (none before its first renewal in training)."""
+    return (store.lease() or {}).get("step") or 0
+
+
 class StoreView:
     """What the store holds for the job, read with a plain S3 client."""
 
@@ -133,6 +138,7 @@ def store(job):
     view = StoreView(job)
     view.clear()  # each test starts from an empty store; the data stays
     yield view
+    stop_started_hosts()
 
 
 def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, tmp_path, uninterrupted):
@@ -141,8 +147,8 @@ def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, t
     wait_until(store.pointer, "a checkpoint in the store", process, first.root / "run.log")
     # The host renews its lease with the step it has trained (every third of the lease's ttl): once it has
     # reported training past its upload, it is lost, as a machine is lost.
-    reported = wait_until(lambda: (store.lease() or {}).get("step", 0) > store.pointer()["step"]
-                          and store.lease()["step"], "a renewal past the upload", process, first.root / "run.log")
+    reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
+                          "a renewal past the upload", process, first.root / "run.log")
     kill_host(process)  # the host is lost: no final checkpoint, no release of the lease
     uploaded = store.pointer()["step"]
     assert uploaded < TRAIN_STEPS and "final/manifest.json" not in "\n".join(store.keys())
@@ -160,6 +166,8 @@ def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, t
     assert train["store"]["lost_steps"] == taken["step"] - uploaded > 0
     assert_same_weights(adapter(report), uninterrupted)
     assert second.metrics_steps() == list(range(1, TRAIN_STEPS + 1))  # the curve as one run: redone steps once
+    complete = [step for step, names in store.checkpoints().items() if "manifest.json" in names]
+    assert 1 <= len(complete) <= 2  # checkpoint.keep_last holds in the store too
 
 
 def test_sigterm_uploads_the_stopping_checkpoint_within_the_grace_period(job, store, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+STARTED: list[subprocess.Popen] = []  # every CLI host started, so that a failed test leaves none running
 
 
 @dataclass
@@ -46,9 +47,11 @@ class Host:
     def start_cli(self, command: str = "run") -> subprocess.Popen:
         """`phase1a run` in a session of its own (its process group is the host's processes)."""
         log = open(self.root / f"{command}.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config", str(self.config_path)],
-                                cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config", str(self.config_path)],
+                                   cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+        STARTED.append(process)
+        return process
 
     def log(self, command: str = "run") -> str:
         return (self.root / f"{command}.log").read_text()
@@ -74,6 +77,15 @@ def kill_host(process: subprocess.Popen) -> None:
     """kill -9 of the host's whole process group: nothing of it runs on, nothing is cleaned up."""
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
+
+
+def stop_started_hosts() -> None:
+    """Kill the CLI hosts a test left running (it failed before it stopped them): one still training would write
+    to the store the next test starts from."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            kill_host(process)
 
 
 def wait_until(condition, what: str, process: subprocess.Popen | None = None, log: Path | None = None,
