@@ -383,7 +383,7 @@ def _train_section(train: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in train["results"]:
         rows = f"packed, {r['max_seq_length']}" if r.get("packed") else f"padded to {r['max_seq_length']}"
-        mfu = f"{r['mfu']:.2%}" if r.get("mfu") is not None else "n/a"
+        mfu = f"{r['mfu'] * 100:.3g}%" if r.get("mfu") is not None else "n/a"
         lines.append(f"| {r['config']} | {rows} | {r['micro_batch_size']} x {r['accumulation']} | "
                      f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['useful_tokens_per_s']:,.0f} | {mfu} | "
                      f"{r['model_tflops_per_s']:.3g} | {r['peak_memory_gib']:.2f} | {r['padding_waste']:.0%} |")

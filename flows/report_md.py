@@ -292,7 +292,7 @@ def _training(report: dict) -> list[str]:
             ("wall", f"{_seconds(train['wall_seconds'])} (start-up {_seconds(train.get('startup_seconds'))})"),
             ("checkpoints", f"{train['checkpoints_written']} written, {_seconds(train['checkpoint_seconds'])} "
                             f"({train.get('checkpoint_share', 0):.1%} of the wall time)"),
-            ("MFU", _n(train.get("mean_mfu"), ".2%")),
+            ("MFU", "-" if train.get("mean_mfu") is None else f"{train['mean_mfu'] * 100:.3g}%"),
             ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
             ("micro-batch", f"{train.get('micro_batch_size', '-')} ({train.get('out_of_memory_backoffs', 0)} "
                             "out-of-memory back-offs)"),
