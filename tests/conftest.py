@@ -3,6 +3,7 @@ are in tests/helpers."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -20,6 +21,10 @@ os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a fres
 os.environ.pop("PREFECT_API_URL", None)
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl  # noqa: E402 - after the isolation above
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOME, ignore_errors=True)  # a session's homes go with it: /tmp does not fill run after run
 
 
 def pytest_collection_modifyitems(items):
