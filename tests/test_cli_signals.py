@@ -16,6 +16,8 @@ import psutil
 import pytest
 import yaml
 
+from helpers.servers import s3_client
+
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
 
@@ -115,11 +117,15 @@ def test_sigterm_mid_calibration_stops_every_process(config_tree, tmp_path):
     assert report["stages"]["plan"]["error"].startswith("TerminationSignal: stopped by SIGTERM in stage plan")
 
 
-def test_sigterm_mid_training_checkpoints_and_stops_every_process(config_tree, tmp_path):
-    """`run`, stopped while it trains: training writes its checkpoint and stops (phase1a/preemption.py), the report
-    says `preempted`, and no process of the run is left."""
+def test_sigterm_mid_training_uploads_its_checkpoint_within_the_grace_period_and_stops_every_process(
+        config_tree, tmp_path, aws_env, endpoint, bucket):
+    """`run` with a store, stopped while it trains: training writes its checkpoint, uploads it to the store within
+    `checkpoint.grace_period` and stops (phase1a/preemption.py, tasks/train.py), the report says `preempted`, and
+    no process of the run is left."""
     config_tree["method"]["epochs"] = 40  # long enough to be stopped in the middle
     config_tree["plan"] = ONE_WORKER
+    config_tree["checkpoint"] = {"interval": "1000steps", "keep_last": 2, "grace_period": "30s"}  # only the stop's
+    config_tree["store"] = {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint}
     cli, descendants, output = start("run", config_tree, tmp_path)
     wait_for(lambda: any(path.read_text().count("\n") >= 2 for path in (tmp_path / "runs").rglob("metrics.jsonl")),
              cli, descendants, output)
@@ -130,3 +136,11 @@ def test_sigterm_mid_training_checkpoints_and_stops_every_process(config_tree, t
     report = printed_report(output)
     assert report["status"] == "preempted" and "Preempted: stopped by SIGTERM after step" in report["error"]
     assert "status: preempted" in output.read_text()
+    events = [json.loads(line) for line in next((tmp_path / "runs").rglob("events.jsonl")).read_text().splitlines()]
+    preempted = next(event for event in events if event["event"] == "preempted")
+    upload = next(event for event in events if event["event"] == "preempted_upload")
+    assert upload["uploaded"] and upload["step"] == preempted["step"] and upload["seconds_since_signal"] <= 30.0
+    [pointer] = [item["Key"] for item in s3_client(endpoint).list_objects_v2(Bucket=bucket)["Contents"]
+                 if item["Key"].endswith("/latest.json")]
+    latest = json.loads(s3_client(endpoint).get_object(Bucket=bucket, Key=pointer)["Body"].read())
+    assert latest["step"] == preempted["step"]

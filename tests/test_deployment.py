@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.prefect_stack import PrefectStack, flow_run_id, states, wait_for
+from helpers.prefect_stack import PrefectStack, flow_run_id, migrated_database, states, wait_for
 from phase1a.config import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
@@ -25,7 +25,7 @@ def stack(tmp_path_factory):
     """A server, the phase1a-cpu pool with phase1a/cpu deployed, and a worker on it, shared by the tests."""
     stack = PrefectStack(tmp_path_factory.mktemp("deployment") / "prefect-home",
                          extra_env={"PHASE1A_TZ": "UTC"})  # `make deploy` sets it for the nightly schedule
-    stack.home.mkdir()
+    migrated_database(stack.home / "prefect.db")
     try:
         stack.wait_healthy(stack.start("server", ["server", "start", "--host", "127.0.0.1",
                                                    "--port", str(stack.port)]))

@@ -33,6 +33,7 @@ from helpers.prefect_stack import (
     flow_run_logs,
     free_port,
     kill9,
+    migrated_database,
     states,
     stop_group,
     task_window,
@@ -85,7 +86,7 @@ def hook():
 def ops(tmp_path_factory, hook):
     """`make server`, `make pools` (twice), `make deploy`, `make automations`, against a fresh PREFECT_HOME."""
     home = tmp_path_factory.mktemp("ops") / "prefect-home"
-    home.mkdir()
+    migrated_database(home / "prefect.db")  # an empty database: `make server` finds nothing to migrate
     empty = home.parent / "aws-empty"
     empty.write_text("")
     stack = PrefectStack(home)

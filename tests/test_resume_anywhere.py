@@ -1,7 +1,8 @@
 """Hosts that come and go share one store (S3 on a moto server over HTTP): a host killed mid-run is resumed on an
-empty one, a SIGTERM's checkpoint reaches the store within the grace period, a torn upload is never the one a
-resume takes, two hosts started at once never train into one directory, and a fresh host tokenizes only what the
-store lacks. Each host has its own HOME, Prefect server and local directories (tests/helpers/hosts.py)."""
+empty one, a torn upload is never the one a resume takes, two hosts started at once never train into one
+directory, and a fresh host tokenizes only what the store lacks. Each host has its own HOME, Prefect server and
+local directories (tests/helpers/hosts.py). A SIGTERM's checkpoint reaching the store within the grace period is
+in tests/test_cli_signals.py."""
 from __future__ import annotations
 
 import json
@@ -168,21 +169,6 @@ def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, t
     assert second.metrics_steps() == list(range(1, TRAIN_STEPS + 1))  # the curve as one run: redone steps once
     complete = [step for step, names in store.checkpoints().items() if "manifest.json" in names]
     assert 1 <= len(complete) <= 2  # checkpoint.keep_last holds in the store too
-
-
-def test_sigterm_uploads_the_stopping_checkpoint_within_the_grace_period(job, store, tmp_path):
-    host = Host.fresh(tmp_path / "a", job)
-    process = host.start_cli()
-    wait_until(lambda: trained_steps(host) >= 3, "training", process, host.root / "run.log")
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) != 0
-    events = [json.loads(line) for line in next((host.root / "runs").rglob("events.jsonl")).read_text().splitlines()]
-    preempted = next(event for event in events if event["event"] == "preempted")
-    upload = next(event for event in events if event["event"] == "preempted_upload")
-    assert upload["uploaded"] and upload["step"] == preempted["step"] < TRAIN_STEPS
-    assert upload["seconds_since_signal"] <= 30.0
-    assert store.pointer()["step"] == preempted["step"]
-    assert host.report()["status"] == "preempted"
 
 
 def test_a_cut_upload_never_becomes_the_latest_and_the_resume_takes_the_one_before(job, store, tmp_path, endpoint,

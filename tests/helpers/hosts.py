@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from helpers.prefect_stack import migrated_database
+
 ROOT = Path(__file__).resolve().parents[2]
 STARTED: list[subprocess.Popen] = []  # every CLI host started, so that a failed test leaves none running
 
@@ -41,7 +43,8 @@ class Host:
 
     def env(self) -> dict[str, str]:
         home = self.root / "home"
-        (home / ".prefect").mkdir(parents=True, exist_ok=True)
+        if not (home / ".prefect" / "prefect.db").exists():
+            migrated_database(home / ".prefect" / "prefect.db")
         return {**os.environ, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"), "OMP_NUM_THREADS": "1"}
 
     def start_cli(self, command: str = "run") -> subprocess.Popen:
