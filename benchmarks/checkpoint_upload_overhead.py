@@ -84,7 +84,7 @@ class _Cpu:
 def measure(settings_json: str, store: dict | None, moto_pid: int | None, queue) -> None:
     """One training run, without a store (`run`) or with one (`run_with_store`); its figures and CPU split."""
     from phase1a.config import Phase1aConfig
-    from phase1a.store import open_store
+    from phase1a.stores import open_store
     from tasks.train import TrainSettings, run, run_with_store
 
     settings = TrainSettings.model_validate_json(settings_json)

@@ -94,7 +94,7 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
     from phase1a.s3_store import S3Store
     from phase1a.shared_shards import SharedShards
     from phase1a.staging import StageOptions, file_hashes, source_fingerprint, stage_dataset
-    from phase1a.store import open_store
+    from phase1a.stores import open_store
     from phase1a.tokenized import split_digest
     from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 

@@ -131,7 +131,7 @@ def _print_summary(report_path: Path | None) -> None:
 def _read_back(args: argparse.Namespace, config) -> int:
     """`runs` and `show`: nothing runs, reports are read."""
     from flows.runs import find_report, format_runs, run_reports, stored_reports
-    from phase1a.store import open_store
+    from phase1a.stores import open_store
 
     runs_dir = Path(config.work_dir) / config.name if config else None
     if args.command == "runs":

@@ -21,7 +21,7 @@ from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
 from phase1a.results import Plan, TrainResult
-from phase1a.store import open_store
+from phase1a.stores import open_store
 from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import kept_in, store_records, with_retries
 from tasks.plan import format_plan, plan_task, publish_plan

@@ -23,7 +23,7 @@ from phase1a.logs import run_logger
 from phase1a.preemption import Preempted
 from phase1a.redaction import redact, redacted
 from phase1a.results import RunOutcome
-from phase1a.store import open_store
+from phase1a.stores import open_store
 
 
 @dataclass

@@ -11,9 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from phase1a.hardware import CATALOGUE, HARDWARE_KINDS
 from phase1a.hub import looks_like_hub_id
-from phase1a.interruptions import AUTO
 from phase1a.templates import CHAT_TEMPLATES
-from phase1a.units import parse_duration_seconds, parse_interval
+from phase1a.units import AUTO, parse_duration_seconds, parse_interval
 
 
 class ConfigError(ValueError):

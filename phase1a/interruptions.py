@@ -39,7 +39,6 @@ from pydantic import BaseModel
 if TYPE_CHECKING:  # typing only: results.py embeds InterruptionEstimate
     from phase1a.results import Plan, TrainResult
 
-AUTO = "auto"  # checkpoint.interval: chosen by the plan
 BOUNDED_PARTS = 4
 BOUNDED_MAX_SECONDS = 1800.0
 BOUNDED_MIN_COST_MULTIPLE = 10.0

@@ -22,12 +22,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phase1a.atomic import atomic_path, write_atomically
-
-if TYPE_CHECKING:
-    from phase1a.config import StoreConfig
 
 
 class StoreConflict(Exception):
@@ -93,19 +90,6 @@ class Store(ABC):
     @abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Remove the objects; a missing one is not an error."""
-
-
-def open_store(settings: StoreConfig) -> Store | None:
-    """The configured store, or None when there is none (everything stays on local disk)."""
-    if settings.url is None:
-        return None
-    from phase1a.s3 import is_s3_url
-
-    if is_s3_url(settings.url):
-        from phase1a.s3_store import S3Store
-
-        return S3Store(settings.url, settings.endpoint_url)
-    return LocalStore(Path(settings.url))
 
 
 def content_version(data: bytes) -> str:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, fields
 
 KIB = 1024
+AUTO = "auto"  # checkpoint.interval: chosen by the plan (phase1a/interruptions.py)
 MIB = 1024**2
 GIB = 1024**3
 

@@ -89,7 +89,7 @@ if WritableFileSystem is not None:
         endpoint_url: str | None = None
 
         def _store(self):
-            from phase1a.store import open_store
+            from phase1a.stores import open_store
 
             return open_store(StoreConfig(url=self.url, endpoint_url=self.endpoint_url))
 

@@ -68,7 +68,6 @@ from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator,
 from phase1a.history import Remembered, RunRecord, history_path, pull_records, remembered
 from phase1a.interruptions import (
     ASSUMED_STORE_BYTES_PER_SECOND,
-    AUTO,
     BOUNDED_MAX_SECONDS,
     BOUNDED_MIN_COST_MULTIPLE,
     BOUNDED_PARTS,
@@ -89,10 +88,10 @@ from phase1a.models import ResolvedModel
 from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, SpotJob, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
-from phase1a.store import open_store
+from phase1a.stores import open_store
 from phase1a.tokenized import TokenizedData
 from phase1a.training_eval import EvalSettings
-from phase1a.units import GIB, Clock, parse_duration_seconds, parse_interval
+from phase1a.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from tasks.caching import StageCache, task
 

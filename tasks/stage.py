@@ -21,7 +21,7 @@ from phase1a.staging import (
     staged_location,
     staged_name,
 )
-from phase1a.store import open_store
+from phase1a.stores import open_store
 from tasks.caching import StageCache, task
 
 Source = Literal["source", "validation_source"]  # which field of the config's `data` section

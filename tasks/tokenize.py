@@ -46,7 +46,7 @@ from phase1a.logs import run_logger
 from phase1a.models import ResolvedModel, load_tokenizer
 from phase1a.shards import EncodedShard, ShardStore
 from phase1a.shared_shards import SharedShards
-from phase1a.store import open_store
+from phase1a.stores import open_store
 from phase1a.templates import apply_chat_template_setting, template_fingerprint
 from phase1a.tokenized import SplitView, TokenizedData, read_mapped
 from tasks.caching import StageCache, task

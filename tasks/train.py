@@ -48,7 +48,6 @@ from phase1a.cost_model import significant
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, record_run, share_record
-from phase1a.interruptions import AUTO
 from phase1a.lease import LeaseLost
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
@@ -61,11 +60,12 @@ from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_even
 from phase1a.replay import write_trained_on
 from phase1a.results import Plan, StartPoint, StoreTraining, TrainResult
 from phase1a.steps import optimizer_step
-from phase1a.store import Store, open_store
+from phase1a.store import Store
+from phase1a.stores import open_store
 from phase1a.tokenized import TokenizedData
 from phase1a.train_store import CheckpointMirror, RemoteRun, job_prefix
 from phase1a.training_eval import EvalSettings, Evaluator
-from phase1a.units import Clock, parse_duration_seconds, parse_interval
+from phase1a.units import AUTO, Clock, parse_duration_seconds, parse_interval
 from tasks.caching import task
 
 

@@ -12,7 +12,8 @@ from phase1a.bundles import BundleCorrupt, delete_bundle, download_bundle, read_
 from phase1a.config import StoreConfig
 from phase1a.lease import Lease, LeaseHeld
 from phase1a.s3 import S3Error
-from phase1a.store import LocalStore, StoreConflict, open_store
+from phase1a.store import LocalStore, StoreConflict
+from phase1a.stores import open_store
 
 
 @pytest.fixture(params=["local", "s3"])
