@@ -16,11 +16,10 @@ from flows.report import RunReport
 from flows.report_md import publish_length_report
 from flows.tracking import RunTracking
 from phase1a.config import Phase1aConfig, config_from
-from phase1a.interruptions import interruptions_vs_actual
 from phase1a.meter import configure as configure_progress
 from phase1a.models import prepare_model
 from phase1a.replay import warm_start_data
-from phase1a.results import Plan, TrainResult
+from phase1a.results import Plan, TrainResult, interruptions_vs_actual
 from phase1a.stores import open_store
 from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import kept_in, store_records, with_retries

@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel
-
-if TYPE_CHECKING:  # typing only: results.py embeds InterruptionEstimate
-    from phase1a.results import Plan, TrainResult
 
 BOUNDED_PARTS = 4
 BOUNDED_MAX_SECONDS = 1800.0
@@ -170,25 +167,3 @@ class InterruptionOutcome(BaseModel):
     taken_over_from_step: int | None  # the gone host's last renewed step
     lost_steps: int | None  # that host's steps past the checkpoint this run resumed from
     lost_seconds: float | None  # lost_steps at this attempt's own seconds per step
-
-
-def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> dict | None:
-    """report.json's `interruptions_vs_actual`; None where the plan expected none and the run had no store."""
-    if plan.interruptions is None and trained.store is None:
-        return None
-    return interruptions_outcome(plan, trained).model_dump(mode="json")
-
-
-def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutcome:
-    estimate, store = plan.interruptions, trained.store
-    resumed = store is not None and store.pulled.what == "checkpoint"
-    lost = store.lost_steps if store is not None else None
-    own_steps = trained.steps - (trained.resumed_from_step or 0)
-    per_step = trained.wall_seconds / own_steps if own_steps > 0 else None
-    taken = (store.taken_over_from or {}).get("step") if store is not None else None
-    return InterruptionOutcome(
-        expected_interruptions=estimate.expected.interruptions if estimate else None,
-        expected_lost_seconds=estimate.expected.lost_seconds if estimate else None,
-        resumed_after_interruption=resumed, resumed_from_step=trained.resumed_from_step,
-        taken_over_from_step=taken, lost_steps=lost,
-        lost_seconds=None if lost is None or per_step is None else lost * per_step)

@@ -12,7 +12,7 @@ from phase1a.cost_model import MemoryEstimate, ModelFacts
 from phase1a.evaluation import Metrics
 from phase1a.gate import Baseline, GateCheck
 from phase1a.history import RunRecord
-from phase1a.interruptions import InterruptionEstimate
+from phase1a.interruptions import InterruptionEstimate, InterruptionOutcome
 from phase1a.options import OptionRow
 from phase1a.window import Adjustment
 
@@ -168,3 +168,25 @@ class ValidationResult(BaseModel):
     adapter_sha256: str
     base_cached: bool
     promoted_seen: str | None = None  # the pointer's version the gate compared against (baseline: promoted)
+
+
+def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> dict | None:
+    """report.json's `interruptions_vs_actual`; None where the plan expected none and the run had no store."""
+    if plan.interruptions is None and trained.store is None:
+        return None
+    return interruptions_outcome(plan, trained).model_dump(mode="json")
+
+
+def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutcome:
+    estimate, store = plan.interruptions, trained.store
+    resumed = store is not None and store.pulled.what == "checkpoint"
+    lost = store.lost_steps if store is not None else None
+    own_steps = trained.steps - (trained.resumed_from_step or 0)
+    per_step = trained.wall_seconds / own_steps if own_steps > 0 else None
+    taken = (store.taken_over_from or {}).get("step") if store is not None else None
+    return InterruptionOutcome(
+        expected_interruptions=estimate.expected.interruptions if estimate else None,
+        expected_lost_seconds=estimate.expected.lost_seconds if estimate else None,
+        resumed_after_interruption=resumed, resumed_from_step=trained.resumed_from_step,
+        taken_over_from_step=taken, lost_steps=lost,
+        lost_seconds=None if lost is None or per_step is None else lost * per_step)

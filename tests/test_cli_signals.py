@@ -140,7 +140,8 @@ def test_sigterm_mid_training_uploads_its_checkpoint_within_the_grace_period_and
     preempted = next(event for event in events if event["event"] == "preempted")
     upload = next(event for event in events if event["event"] == "preempted_upload")
     assert upload["uploaded"] and upload["step"] == preempted["step"] and upload["seconds_since_signal"] <= 30.0
-    [pointer] = [item["Key"] for item in s3_client(endpoint).list_objects_v2(Bucket=bucket)["Contents"]
+    client = s3_client(endpoint)
+    [pointer] = [item["Key"] for item in client.list_objects_v2(Bucket=bucket)["Contents"]
                  if item["Key"].endswith("/latest.json")]
-    latest = json.loads(s3_client(endpoint).get_object(Bucket=bucket, Key=pointer)["Body"].read())
+    latest = json.loads(client.get_object(Bucket=bucket, Key=pointer)["Body"].read())
     assert latest["step"] == preempted["step"]

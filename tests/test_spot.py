@@ -15,12 +15,11 @@ from phase1a.interruptions import (
     auto_interval,
     bounded_seconds,
     expected,
-    interruptions_outcome,
     interval_text,
     young_daly_seconds,
 )
 from phase1a.options import OptionsJob, OptionSpec, OptionsPolicy, SpotJob, format_options, option_rows
-from phase1a.results import Pulled, StartPoint, StoreTraining, TrainResult
+from phase1a.results import Pulled, StartPoint, StoreTraining, TrainResult, interruptions_outcome
 from phase1a.store import LocalStore
 from phase1a.window import WindowError
 from tasks.plan import make_plan
