@@ -22,8 +22,29 @@ os.environ.pop("PREFECT_API_URL", None)
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl  # noqa: E402 - after the isolation above
 
+_SERVER = []  # the session's Prefect server, once started
+
+
+def pytest_collection_finish(session):
+    """Where any selected test runs a flow, one real `prefect server` for the session: every `phase1a` command a
+    test starts, and the flows run in this process, talk to it (PREFECT_API_URL), as on a machine with a server,
+    instead of each starting a temporary server of its own (8 s a command on two cores). What is about the
+    temporary server (tests/test_cli_signals.py, one test_flow.py command) or about hosts with servers of their
+    own (helpers/hosts.py) leaves the variable out: `without_session_server`."""
+    if not any(item.get_closest_marker("prefect_server") for item in session.items):
+        return
+    from prefect.context import refresh_global_settings_context
+
+    from helpers.prefect_stack import session_server
+
+    _SERVER.append(session_server(Path(os.environ["PREFECT_HOME"])))
+    os.environ["PREFECT_API_URL"] = _SERVER[0].api_url
+    refresh_global_settings_context()
+
 
 def pytest_unconfigure(config):
+    for stack in _SERVER:
+        stack.stop()
     shutil.rmtree(_HOME, ignore_errors=True)  # a session's homes go with it: /tmp does not fill run after run
 
 

@@ -5,7 +5,6 @@ started as a user starts it, and its descendants are recorded while it runs (flo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import psutil
 import pytest
 import yaml
 
+from helpers import without_session_server
 from helpers.servers import s3_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
@@ -57,7 +57,8 @@ def start(command: str, config_tree: dict, tmp_path: Path) -> tuple[subprocess.P
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
     output = tmp_path / "output.txt"
-    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"}  # the stages' progress notes are Prefect's INFO lines
+    # The stages' progress notes are Prefect's INFO lines; the temporary server is among the processes to stop.
+    env = {**without_session_server(), "PREFECT_LOGGING_LEVEL": "INFO"}
     with open(output, "w") as out:
         cli = subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config", str(config_path)],
                                stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -11,7 +11,7 @@ import yaml
 
 from flows.cli import main as cli_main
 from flows.phase1a import phase1a
-from helpers import date_records, write_jsonl
+from helpers import date_records, without_session_server, write_jsonl
 from phase1a.config import Phase1aConfig
 
 pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
@@ -130,7 +130,8 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(config_tree))
     cli = [sys.executable, "-m", "flows.cli", "run", "--config", str(config_path)]
-    done = subprocess.run(cli + ["--set", "method.epochs=0.5"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cli + ["--set", "method.epochs=0.5"], capture_output=True, text=True, timeout=600,
+                          env=without_session_server())  # as a user without a Prefect server runs it
     assert done.returncode == 0, done.stderr[-3000:]
     report_line = [line for line in done.stdout.splitlines() if line.startswith("report: ")][-1]
     report = json.loads(Path(report_line.removeprefix("report: ")).read_text())

@@ -7,6 +7,7 @@ helpers.prefect_stack (a real Prefect server and workers) and helpers.postgres (
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,6 +28,12 @@ def _facts_8b():
 
 
 FACTS_8B = _facts_8b()  # Llama-3-8B's shape: the memory model's textbook case
+
+
+def without_session_server(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (by default this process's) for a command that starts its own temporary Prefect server, as a machine
+    without a server does: the session's server (tests/conftest.py) left out."""
+    return {key: value for key, value in (env if env is not None else os.environ).items() if key != "PREFECT_API_URL"}
 
 
 def make_tokenizer(chat_template: str | None = CHATML):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from helpers import without_session_server
 from helpers.prefect_stack import migrated_database
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,8 @@ class Host:
         home = self.root / "home"
         if not (home / ".prefect" / "prefect.db").exists():
             migrated_database(home / ".prefect" / "prefect.db")
-        return {**os.environ, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"), "OMP_NUM_THREADS": "1"}
+        return {**without_session_server(), "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
+                "OMP_NUM_THREADS": "1"}
 
     def start_cli(self, command: str = "run") -> subprocess.Popen:
         """`phase1a run` in a session of its own (its process group is the host's processes)."""

@@ -1,6 +1,7 @@
 """A real Prefect server and workers in subprocesses, and readers of what they recorded (no mocks).
 
-Shared by test_deployment.py (a server started directly) and test_operations.py (the Makefile's targets).
+Shared by test_deployment.py (a server started directly), test_operations.py (the Makefile's targets) and the
+session's own server (tests/conftest.py: `session_server`).
 """
 from __future__ import annotations
 
@@ -241,3 +242,12 @@ def all_events(stack: PrefectStack) -> list[dict]:
 
 def dump(value: Any) -> str:
     return json.dumps(value, default=str)
+
+
+def session_server(home: Path) -> PrefectStack:
+    """`prefect server start` on a migrated copy of the database, in `home` (the session's PREFECT_HOME), healthy."""
+    migrated_database(home / "prefect.db")
+    stack = PrefectStack(home)
+    server = stack.start("session-server", ["server", "start", "--host", "127.0.0.1", "--port", str(stack.port)])
+    stack.wait_healthy(server)
+    return stack
