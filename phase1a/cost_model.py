@@ -16,8 +16,10 @@ t tokens in one micro-batch.
                  product); 4h outside the layers (embedding output, final norm). With checkpointing t*b*(L+4)*h
                  (each layer's input), plus at the peak the larger of the logits and one layer's recomputed
                  activations, which are never alive together
-    logits       t*V*8: the fp32 logits the loss reads and their log-softmax (the compute-dtype logits are
-                 freed as they are upcast)
+    logits       the loss runs over chunks of c = min(t, 1024) tokens (phase1a/chunked_loss.py): one chunk's fp32
+                 logits and the log-sum-exp's temporary of the same size, c*V*8, then the gradient with respect to
+                 the hidden states, t*h*b, kept for backward (a full fine-tune also keeps the output projection's,
+                 V*h*b)
     mask         only with `method.attention: sdpa`: packed rows of several examples attend through a
                  block-diagonal mask that SDPA receives as a t x t tensor: t^2 bytes (bool) plus t^2*4 (its
                  additive float form) kept by every layer that saves its attention inputs (L, or 1 with
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from phase1a.chunked_loss import CHUNK_TOKENS
 from phase1a.units import GIB
 
 NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
@@ -143,9 +146,11 @@ class MemoryModel:
             weights = weights / shape.shards + 2 * weights / facts.layers
             trainable_bytes = trainable_bytes / shape.shards
         one_layer = t * b * (9 * h + 4 * facts.intermediate)
-        logits = t * facts.vocab * 8
+        chunk = min(t, CHUNK_TOKENS) * facts.vocab * 8
+        kept = t * h * b + (facts.vocab * h * b if shape.full else 0)  # the loss's gradients, kept for backward
+        logits = chunk + kept
         if checkpointing:
-            activations = t * b * (facts.layers + 4) * h + max(0, one_layer - logits)  # the recompute, past the logits
+            activations = t * b * (facts.layers + 4) * h + max(0, one_layer - chunk)  # the recompute, past the chunk
         else:
             activations = facts.layers * one_layer + t * b * 4 * h
         mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed and shape.dense_mask else 0

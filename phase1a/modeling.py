@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from phase1a import chunked_loss
 from phase1a.adapters import load_adapter_weights
 from phase1a.attention import NAME as SDPA_PACKED  # importing it registers it: transformers finds it by name
 from phase1a.config import MethodConfig
@@ -26,8 +27,8 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     if quantization is None:
         model = model.to(device)
     model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
-    if device.type == "cuda" and method.liger != "off":
-        _apply_liger(model, required=method.liger == "on")
+    if device.type == "cuda" and method.liger != "off" and _apply_liger(model, required=method.liger == "on"):
+        chunked_loss.install(model, liger=True)
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -77,7 +78,7 @@ def _installed(module: str) -> bool:
 
 def _apply_liger(model, required: bool) -> bool:
     """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) in place of the model's own, when the package is installed.
-    The fused linear cross-entropy is left out: the loss here is computed from logits, over packed rows."""
+    Its fused linear cross-entropy is called by the loss (phase1a/chunked_loss.py), not by a patched forward."""
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
     except ImportError:

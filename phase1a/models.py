@@ -182,13 +182,16 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
 
 def load_model(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool = False, quantization_config=None,
                attention: str = "sdpa"):
+    """The model, its forward able to compute the loss in chunks (phase1a/chunked_loss.py)."""
     from transformers import AutoModelForCausalLM
 
+    from phase1a import chunked_loss
+
     placement = {"device_map": {"": 0}} if quantization_config is not None else {}  # quantises while loading to GPU
-    return AutoModelForCausalLM.from_pretrained(
+    return chunked_loss.install(AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation=attention, trust_remote_code=trust_remote_code,
         quantization_config=quantization_config, **placement,
-    )
+    ))
 
 
 def model_max_positions(model_dir: Path) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from phase1a.chunked_loss import TokenLoss
 from phase1a.distributed import World
 from phase1a.labels import IGNORE_INDEX
 from phase1a.tokenized import SplitView, read_mapped
@@ -78,18 +79,18 @@ def pack(rows: TokenRows, indices: np.ndarray) -> dict[str, torch.Tensor]:
     }
 
 
-def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed next-token cross-entropy over supervised tokens, the count of correct argmax predictions, and
-    the number of supervised tokens. Sums (not means) let accumulation normalise over the whole step."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    logits = logits[:, :-1].float()
+def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Summed next-token cross-entropy over supervised tokens, the count of correct argmax predictions (None
+    where Liger's kernel computed the loss while training), and the number of supervised tokens. Sums (not means)
+    let accumulation normalise over the whole step. The loss is computed in chunks from the hidden states
+    (phase1a/chunked_loss.py), so the model must come from `phase1a.models.load_model`."""
     targets = batch["labels"][:, 1:]
-    mask = targets != IGNORE_INDEX
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    correct = ((logits.argmax(-1) == targets) & mask).sum()
-    return loss, correct, int(mask.sum())
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], loss_targets=targets,
+                use_cache=False)
+    if not isinstance(out, TokenLoss):
+        raise TypeError(f"{type(out).__name__} has no chunked loss: load the model with phase1a.models.load_model")
+    return out.loss, out.correct, int((targets != IGNORE_INDEX).sum())
 
 
 def step_indices(order: np.ndarray, step: int, batch_size: int, total_examples: int) -> np.ndarray:

@@ -3,7 +3,7 @@ forward/backward allocates on this CPU (torch profiler)."""
 import pytest
 import torch
 
-from helpers import FACTS_8B
+from helpers import FACTS_8B, peak_tensor_bytes
 from phase1a.config import Phase1aConfig
 from phase1a.cost_model import (
     NF4_BYTES,
@@ -101,19 +101,6 @@ def test_flops_per_token():
     assert flops_per_token(FACTS_8B, True, True, 0) == 8 * n
 
 
-def _peak_tensor_bytes(fn) -> int:
-    """The most tensor memory alive at once while `fn` runs, from the profiler's allocation and free events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("attention", ["sdpa_packed", "sdpa"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_memory_model_against_the_measured_peak(checkpointing, attention):
@@ -124,13 +111,15 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import phase1a.attention  # noqa: F401  (registers sdpa_packed)
+    from phase1a import chunked_loss
     from phase1a.modeling import set_gradient_checkpointing
 
     torch.manual_seed(0)
     shape = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                         tie_word_embeddings=True, attn_implementation=attention)
-    model = get_peft_model(LlamaForCausalLM(shape), LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(chunked_loss.install(LlamaForCausalLM(shape)),
+                           LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     model.config.use_cache = False
     set_gradient_checkpointing(model, checkpointing)
     tokens = 1024
@@ -144,7 +133,7 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
 
     step()  # first call: lazy initialisation stays out of the measurement
     model.zero_grad(set_to_none=True)
-    measured = _peak_tensor_bytes(step)
+    measured = peak_tensor_bytes(step)
 
     facts = ModelFacts(parameters=0, layers=3, hidden=256, intermediate=688, vocab=2000, max_positions=2048,
                        heads=4, kv_heads=2, head_dim=64)

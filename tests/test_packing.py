@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from phase1a.models import load_model
 from phase1a.packing import IGNORE_INDEX, TokenRows, budget_rows, example_stream, pack, step_indices, summed_loss
 
 
@@ -21,7 +21,7 @@ def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
     test_gpu_paths.py)."""
     import phase1a.attention  # noqa: F401  (registers sdpa_packed)
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention).eval()
+    model = load_model(tiny_model_dir, torch.float32, attention=attention).eval()
     indices = np.arange(len(rows))
     with torch.no_grad():
         packed_loss, packed_correct, packed_tokens = summed_loss(model, pack(rows, indices))

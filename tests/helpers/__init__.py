@@ -30,6 +30,21 @@ def _facts_8b():
 FACTS_8B = _facts_8b()  # Llama-3-8B's shape: the memory model's textbook case
 
 
+def peak_tensor_bytes(fn) -> int:
+    """The most tensor memory alive at once while `fn` runs: the profiler's allocation and free events in time
+    order (each event's own bytes, so an allocation inside a custom autograd function counts where it happens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def without_session_server(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (by default this process's) for a command that starts its own temporary Prefect server, as a machine
     without a server does: the session's server (tests/conftest.py) left out."""
