@@ -62,19 +62,25 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `hidden @ weight.T + bias` ([N, H] against [V, H]) over `targets` ([N], IGNORE_INDEX
     where unsupervised), and the count of correct arg-max predictions."""
-    chunk = chunk or CHUNK_TOKENS
+    shape = _Chunking(transform, chunk or CHUNK_TOKENS)
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if trains:
-        return _LinearCrossEntropy.apply(hidden, weight, bias, targets, transform, chunk)
-    loss, correct, _ = _chunks(hidden, weight, bias, targets, transform, chunk, grads=(False, False, False))
+        return _LinearCrossEntropy.apply(hidden, weight, bias, targets, shape)
+    loss, correct, _ = _chunks(hidden, weight, bias, targets, shape, grads=(False, False, False))
     return loss, correct
+
+
+@dataclass(frozen=True)
+class _Chunking:
+    transform: LogitTransform
+    rows: int  # tokens a chunk
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunk):
+    def forward(ctx, hidden, weight, bias, targets, shape: _Chunking):
         wanted = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-        loss, correct, grads = _chunks(hidden, weight, bias, targets, transform, chunk, wanted)
+        loss, correct, grads = _chunks(hidden, weight, bias, targets, shape, wanted)
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(correct)
         return loss, correct
@@ -82,10 +88,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
-        return *scaled, None, None, None
+        return *scaled, None, None
 
 
-def _chunks(hidden, weight, bias, targets, transform: LogitTransform, chunk: int, grads: tuple[bool, bool, bool]):
+def _chunks(hidden, weight, bias, targets, shape: _Chunking, grads: tuple[bool, bool, bool]):
     """The loop: summed loss, correct count, and (per `grads`) the gradients of the summed loss with respect to
     hidden, weight and bias. Weight and bias gradients accumulate in their own dtype across chunks, as Liger's do."""
     want_hidden, want_weight, want_bias = grads
@@ -94,10 +100,11 @@ def _chunks(hidden, weight, bias, targets, transform: LogitTransform, chunk: int
     grad_hidden = torch.empty_like(hidden) if want_hidden else None
     grad_weight = torch.zeros_like(weight) if want_weight else None
     grad_bias = torch.zeros_like(bias) if want_bias else None
+    chunk = shape.rows
     for start in range(0, hidden.size(0), chunk):
         rows = hidden[start : start + chunk]
-        chunk_loss, chunk_correct, gradient = _chunk(rows, weight, bias, targets[start : start + chunk], transform,
-                                                     any(grads))
+        chunk_loss, chunk_correct, gradient = _chunk(rows, weight, bias, targets[start : start + chunk],
+                                                     shape.transform, any(grads))
         loss += chunk_loss
         correct += chunk_correct
         if gradient is None:
