@@ -159,7 +159,8 @@ class MethodConfig(_Section):
     base_precision: Literal["16bit", "4bit"] = Field(
         "16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
     liger: Literal["auto", "on", "off"] = Field(
-        "auto", description="Liger kernels on CUDA: auto uses them when installed.")
+        "auto", description="Liger kernels on CUDA (RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy "
+                            "while training): auto uses them when installed.")
     attention: Literal["auto", "sdpa_packed", "sdpa", "flash_attention_2"] = Field(
         "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, "
                             "else sdpa_packed (SDPA once per packed example, phase1a/attention.py); sdpa: one "
