@@ -42,8 +42,9 @@ def main() -> None:
 
     from phase1a.config import ModelConfig, Phase1aConfig
     from phase1a.hardware import detect
-    from phase1a.history import history_path, record_run
+    from phase1a.history import history_path
     from phase1a.models import load_tokenizer, prepare_model, resolve_model
+    from phase1a.results import record_run
     from phase1a.warmstart import resolve_start
     from tasks.plan import format_plan, make_plan
     from tasks.tokenize import TokenizeOptions, tokenize_dataset

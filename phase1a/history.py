@@ -32,13 +32,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from phase1a.logs import run_logger
 
-if TYPE_CHECKING:  # the results embed a RunRecord: typing only, to keep the import one-way
-    from phase1a.config import Phase1aConfig
-    from phase1a.models import ResolvedModel
-    from phase1a.results import Plan, TrainResult
+if TYPE_CHECKING:
     from phase1a.store import Store
-
-
 
 RECENT_RUNS = 5
 ESTIMATE_BAND = 0.10  # an estimate within ±10 % of the measured time is on track (progress, plots, report.md)
@@ -217,26 +212,3 @@ def pull_records(store: Store, path: Path, model_fingerprint: str, hardware: str
 def _utc(moment: datetime) -> datetime:
     # Naive timestamps (hand-edited files) are taken as UTC so they compare with aware ones.
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
-
-
-def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Plan, result: TrainResult) -> RunRecord:
-    """A finished training run, measured against its plan, appended to the history the next plan reads."""
-    record = RunRecord(
-        model_fingerprint=model.fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
-        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
-        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
-        # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.
-        tokens_per_second=result.train_tokens / max(
-            result.wall_seconds - result.checkpoint_seconds - result.eval_seconds, 1e-9),
-        startup_seconds=result.startup_seconds,
-        checkpoint_seconds_each=(result.checkpoint_seconds / result.checkpoints_written
-                                 if result.checkpoints_written else None),
-        checkpoint_upload_seconds_each=(result.store.checkpoint_upload_seconds / result.store.checkpoint_uploads
-                                        if result.store and result.store.checkpoint_uploads else None),
-        # A run that stopped early did not run what the plan estimated: it says nothing of the estimate.
-        estimated_train_seconds=None if result.stopped_early else plan.estimated_train_seconds,
-        actual_train_seconds=result.wall_seconds,
-    )
-    append_run(path, record)
-    return record

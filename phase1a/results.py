@@ -3,7 +3,8 @@ report.json records and the task caches store. Stages read each other's results 
 dataset's from phase1a/tokenized.py), never from each other's modules."""
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
@@ -11,10 +12,14 @@ from phase1a.calibration import Calibration
 from phase1a.cost_model import MemoryEstimate, ModelFacts
 from phase1a.evaluation import Metrics
 from phase1a.gate import Baseline, GateCheck
-from phase1a.history import RunRecord
+from phase1a.history import RunRecord, append_run
 from phase1a.interruptions import InterruptionEstimate, InterruptionOutcome
 from phase1a.options import OptionRow
 from phase1a.window import Adjustment
+
+if TYPE_CHECKING:
+    from phase1a.config import Phase1aConfig
+    from phase1a.models import ResolvedModel
 
 # How a flow run ended (report.json `status`): passed the gate (and promoted when asked), stopped after the plan,
 # failed (an error or a failed gate), or preempted (a signal stopped training at a checkpoint the next run
@@ -190,3 +195,26 @@ def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutco
         resumed_after_interruption=resumed, resumed_from_step=trained.resumed_from_step,
         taken_over_from_step=taken, lost_steps=lost,
         lost_seconds=None if lost is None or per_step is None else lost * per_step)
+
+
+def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Plan, result: TrainResult) -> RunRecord:
+    """A finished training run, measured against its plan, appended to the history the next plan reads."""
+    record = RunRecord(
+        model_fingerprint=model.fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
+        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
+        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
+        # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.
+        tokens_per_second=result.train_tokens / max(
+            result.wall_seconds - result.checkpoint_seconds - result.eval_seconds, 1e-9),
+        startup_seconds=result.startup_seconds,
+        checkpoint_seconds_each=(result.checkpoint_seconds / result.checkpoints_written
+                                 if result.checkpoints_written else None),
+        checkpoint_upload_seconds_each=(result.store.checkpoint_upload_seconds / result.store.checkpoint_uploads
+                                        if result.store and result.store.checkpoint_uploads else None),
+        # A run that stopped early did not run what the plan estimated: it says nothing of the estimate.
+        estimated_train_seconds=None if result.stopped_early else plan.estimated_train_seconds,
+        actual_train_seconds=result.wall_seconds,
+    )
+    append_run(path, record)
+    return record

@@ -47,7 +47,7 @@ from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.cost_model import significant
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
-from phase1a.history import history_path, record_run, share_record
+from phase1a.history import history_path, share_record
 from phase1a.lease import LeaseLost
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
@@ -58,7 +58,7 @@ from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader,
 from phase1a.preemption import Preempted, StopSignals
 from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
 from phase1a.replay import write_trained_on
-from phase1a.results import Plan, StartPoint, StoreTraining, TrainResult
+from phase1a.results import Plan, StartPoint, StoreTraining, TrainResult, record_run
 from phase1a.steps import optimizer_step
 from phase1a.store import Store
 from phase1a.stores import open_store
