@@ -30,20 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import peak_tensor_bytes  # noqa: E402 - the test suite's measure
+from helpers import peak_tensor_bytes, whole_logits_loss  # noqa: E402 - the test suite's measure and reference
 from phase1a.units import GIB
-
-
-def whole_logits_loss(model, batch):
-    """The loss as it was: the row's whole logits from the model's own forward, upcast, then cross_entropy."""
-    import torch
-
-    from phase1a.labels import IGNORE_INDEX
-
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    logits = logits[:, :-1].float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def step_peak(model, tokens: int, loss_name: str) -> int:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import phase1a.attention  # noqa: F401  (registers sdpa_packed)
+from helpers import whole_logits_loss
 from phase1a.chunked_loss import LogitTransform, linear_cross_entropy
 from phase1a.labels import IGNORE_INDEX
 from phase1a.models import load_model
@@ -72,13 +73,6 @@ def rows() -> TokenRows:
     return TokenRows(np.concatenate(ids), np.concatenate(labels), np.concatenate([[0], np.cumsum(lengths)]))
 
 
-def _whole_logits_loss(model, batch):
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    targets = batch["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), targets[0], ignore_index=IGNORE_INDEX,
-                                             reduction="sum")
-
-
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_a_loaded_model_trains_on_the_same_loss_and_gradients(tiny_model_dir, rows, kind, monkeypatch):
     """A packed row of 600 tokens in chunks of 128: the loss and every trainable gradient as from whole logits."""
@@ -100,7 +94,7 @@ def test_a_loaded_model_trains_on_the_same_loss_and_gradients(tiny_model_dir, ro
         loss.backward()
         return loss.item(), [p.grad.clone() for p in trainable]
 
-    (chunked, ours), (whole, theirs) = gradients(lambda m, b: summed_loss(m, b)[0]), gradients(_whole_logits_loss)
+    (chunked, ours), (whole, theirs) = gradients(lambda m, b: summed_loss(m, b)[0]), gradients(whole_logits_loss)
     assert chunked == pytest.approx(whole, rel=TOLERANCE)
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)

@@ -45,6 +45,19 @@ def peak_tensor_bytes(fn) -> int:
     return peak
 
 
+def whole_logits_loss(model, batch):
+    """The loss before phase1a/chunked_loss.py, the reference it is measured against: the row's whole logits from
+    the model's own forward, upcast, then cross_entropy."""
+    import torch
+
+    from phase1a.labels import IGNORE_INDEX
+
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def without_session_server(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (by default this process's) for a command that starts its own temporary Prefect server, as a machine
     without a server does: the session's server (tests/conftest.py) left out."""
