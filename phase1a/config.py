@@ -10,7 +10,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from phase1a.hardware import CATALOGUE, HARDWARE_KINDS
-from phase1a.hub import looks_like_hub_id
+from phase1a.locators import looks_like_hub_id
 from phase1a.templates import CHAT_TEMPLATES
 from phase1a.units import AUTO, parse_duration_seconds, parse_interval
 

@@ -34,14 +34,10 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from phase1a.errors import DataError
+from phase1a.locators import COMPRESSION_SUFFIXES, DATA_FILE_FORMATS, file_format
 from phase1a.records import UndecodableLine
 from phase1a.units import MIB
 
-# The one home of data file formats: suffix -> reader. Text formats may carry a compression suffix too.
-DATA_FILE_FORMATS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet",
-                     ".csv": "csv", ".tsv": "tsv", ".arrow": "arrow"}
-COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-_TEXT_FORMATS = ("json", "csv", "tsv")
 _BATCH = 4096  # rows per streamed batch of a columnar shard
 
 
@@ -69,21 +65,6 @@ class Shard:
     @property
     def label(self) -> str:
         return self.name or str(self.path)
-
-
-def file_format(path: Path | str) -> str | None:
-    """The reader for a file name, or None when it is not a data file (a README, a lock, a checksum...)."""
-    name = Path(path).name.lower()
-    for suffix in COMPRESSION_SUFFIXES:
-        if name.endswith(suffix):
-            stem = name[: -len(suffix)]
-            kind = DATA_FILE_FORMATS.get(Path(stem).suffix)
-            return kind if kind in _TEXT_FORMATS else None
-    return DATA_FILE_FORMATS.get(Path(name).suffix)
-
-
-def is_data_file(path: Path | str) -> bool:
-    return file_format(path) is not None
 
 
 def _shard(path: Path, field: str, json_array: bool | None = None) -> Shard:

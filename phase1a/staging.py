@@ -36,9 +36,10 @@ from pydantic import BaseModel, ValidationError
 
 from phase1a import hub
 from phase1a.atomic import atomic_path, write_atomically
-from phase1a.datasource import DataLocation, download_hub_dataset, file_format, is_data_file, is_json_array
+from phase1a.datasource import DataLocation, download_hub_dataset, is_json_array
 from phase1a.errors import DataError
 from phase1a.fingerprint import READ_CHUNK, FileHashes, hash_json
+from phase1a.locators import file_format, is_data_file, looks_like_hub_id
 from phase1a.logs import run_logger
 from phase1a.meter import Meter, stage_meter
 from phase1a.s3 import (
@@ -178,7 +179,7 @@ def source_fingerprint(source: str, endpoint_url: str | None = None, revision: s
     if is_s3_url(source):
         url = _parse(source)
         return _s3_fingerprint(url, _list(url, endpoint_url)[1])
-    if hub.looks_like_hub_id(source):
+    if looks_like_hub_id(source):
         commit = hub.resolve_commit(source, repo_type="dataset", revision=revision, field=field)
         return hash_json(["hub-dataset", source, commit])
     if is_glob(source):
@@ -196,7 +197,7 @@ def staged_name(source: str) -> str:
     if is_s3_url(source):
         url = _parse(source)
         return (url.key.rstrip("/").rsplit("/", 1)[-1] or url.bucket) if url.is_prefix else url.key.rsplit("/", 1)[-1]
-    if hub.looks_like_hub_id(source):
+    if looks_like_hub_id(source):
         return source.replace("/", "--")
     parsed = urlparse(source)
     path = Path(parsed.path if parsed.scheme == "file" else source)
@@ -576,7 +577,7 @@ def stage_dataset(source: str, staging_dir: Path, endpoint_url: str | None = Non
     staging_dir = Path(staging_dir)
     if is_s3_url(source):
         return _stage_s3(source, staging_dir, endpoint_url, options)
-    if hub.looks_like_hub_id(source):
+    if looks_like_hub_id(source):
         return _stage_hub(source, staging_dir, options.revision, options.config)
     return _stage_local(source, staging_dir)
 

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
-from phase1a.datasource import DataLocation, file_format, iter_records, resolve_shards
+from phase1a.datasource import DataLocation, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json
+from phase1a.locators import file_format
 from phase1a.staging import source_fingerprint, stage_dataset
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
