@@ -48,6 +48,13 @@ from phase1a.units import GIB
 
 NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
 OPTIMIZER_STATE_BYTES = {"adamw_fused": 8, "adamw": 8, "adamw_8bit": 2}
+
+
+def checkpoint_bytes(trainable: int, optimizer: str) -> int:
+    """A checkpoint's size: the trainable weights in fp32 and their optimizer state."""
+    return trainable * (4 + OPTIMIZER_STATE_BYTES[optimizer])
+
+
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

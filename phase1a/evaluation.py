@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -184,32 +185,125 @@ class ValidationSpeed(BaseModel):
 
     forward_seconds_per_token: float
     decode_seconds_per_step: float
+    source: str = "measured"  # how the two were found: measured, or measured on fewer rows and scaled
 
 
-def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
-                    settings: ValidationConfig) -> ValidationSpeed:
-    """One teacher-forced batch and a few greedy steps on the sample's first generation batch, timed."""
+@dataclass(frozen=True)
+class TimingAllowance:
+    """What timing validation may spend, and a guess of a forward token's cost to size it by (a third of a
+    training token's: the forward of forward and backward)."""
+
+    seconds: float
+    forward_guess: float  # seconds per token
+
+
+_DECODE_STEPS = 8  # timed greedy steps; one more runs untimed first
+
+
+@dataclass
+class _Timing:
+    """What timing validation runs, and its cost at the guessed forward speed, example by example: a warm-up
+    example, the sample's first batch (teacher-forced), the first generation batch (a prefill, then a token a
+    step)."""
+
+    sample: np.ndarray
+    forward_costs: np.ndarray
+    warmup_cost: float
+    prompts: list[GenerationExample]
+    generation_costs: np.ndarray
+
+    @classmethod
+    def of(cls, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig, guess: float) -> "_Timing":
+        lengths, sample = rows.lengths(), indices[: settings.batch_size]
+        examples = generation_examples(rows, indices[: settings.generation_batch_size])
+        prompts = [] if isinstance(examples, str) else examples
+        return cls(sample, lengths[sample] * guess, float(lengths[sample[:1]].sum() * guess), prompts,
+                   np.array([(len(e.prompt) + 1 + _DECODE_STEPS) * guess for e in prompts]))
+
+    def seconds(self) -> float:
+        return self.warmup_cost + float(self.forward_costs.sum() + self.generation_costs.sum())
+
+    def within(self, seconds: float) -> "_Timing":
+        """The same, both parts cut by the same share to the examples that fit `seconds`."""
+        share = min(1.0, seconds / max(self.seconds(), 1e-12))
+        forward = _fitting(self.forward_costs, share * (self.warmup_cost + self.forward_costs.sum()) - self.warmup_cost)
+        generation = _fitting(self.generation_costs, share * self.generation_costs.sum())
+        return _Timing(self.sample[:forward], self.forward_costs[:forward], self.warmup_cost,
+                       self.prompts[:generation], self.generation_costs[:generation])
+
+
+def validation_timing_seconds(rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
+                              forward_guess: float) -> float:
+    """What `time_validation` takes unhurried, at a guessed forward speed (seconds per token)."""
+    return _Timing.of(rows, indices, settings, forward_guess).seconds()
+
+
+def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
+                    allowance: TimingAllowance) -> ValidationSpeed | None:
+    """The teacher-forced pass on the sample's first batch and greedy steps of its first generation batch, both
+    cut to the examples the allowance holds. None when not one example fits: the plan then derives both from
+    the training speed."""
+    whole = _Timing.of(rows, indices, settings, allowance.forward_guess)
+    timing = whole.within(allowance.seconds)
+    if not len(timing.sample) or (whole.prompts and not timing.prompts):
+        return None
     model.eval()
-    sample = indices[: settings.batch_size]
-    teacher_forced(model, rows, sample[:1], settings.batch_size)  # warm-up
+    teacher_forced(model, rows, timing.sample[:1], settings.batch_size)  # warm-up: eval mode's first pass
     began = time.perf_counter()
-    teacher_forced(model, rows, sample, settings.batch_size)
-    forward = (time.perf_counter() - began) / max(1, int(rows.lengths()[sample].sum()))
-    examples = generation_examples(rows, indices[: settings.generation_batch_size])
-    decode = 0.0 if isinstance(examples, str) else time_decode_step(model, [e.prompt for e in examples], pad_id=0)
-    return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=decode)
+    teacher_forced(model, rows, timing.sample, settings.batch_size)
+    forward = (time.perf_counter() - began) / max(1, int(rows.lengths()[timing.sample].sum()))
+    if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
+    prompts = [e.prompt for e in timing.prompts]
+    step = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS).seconds_per_step
+    if len(prompts) == len(whole.prompts):
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
+    # Fewer rows than the generation batch: on a CPU a step's cost grows with its rows; on an accelerator a small
+    # batch's step is bound by reading the weights, so the smaller batch's step stands (a lower bound).
+    scale = len(whole.prompts) / len(prompts) if next(model.parameters()).device.type == "cpu" else 1.0
+    return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
+                           source=f"greedy steps timed on {len(prompts)} of {len(whole.prompts)} rows"
+                                  + (", scaled by rows" if scale != 1.0 else ""))
+
+
+def _fitting(costs: np.ndarray, seconds: float) -> int:
+    """How many of `costs`, from the first, add up to at most `seconds`."""
+    return int(np.searchsorted(np.cumsum(costs), seconds, side="right"))
+
+
+class EvaluationWork(BaseModel):
+    """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill) and
+    greedy steps of generation batches."""
+
+    forward_tokens: float = 0.0
+    decode_steps: float = 0.0
+
+    def seconds(self, speed: ValidationSpeed) -> float:
+        return (self.forward_tokens * speed.forward_seconds_per_token
+                + self.decode_steps * speed.decode_seconds_per_step)
+
+    def __add__(self, other: "EvaluationWork") -> "EvaluationWork":
+        return EvaluationWork(forward_tokens=self.forward_tokens + other.forward_tokens,
+                              decode_steps=self.decode_steps + other.decode_steps)
+
+    def __mul__(self, times: float) -> "EvaluationWork":
+        return EvaluationWork(forward_tokens=self.forward_tokens * times, decode_steps=self.decode_steps * times)
+
+
+def validation_work(rows: TokenRows, indices: np.ndarray, settings: ValidationConfig, models: int) -> EvaluationWork:
+    """Validation as `evaluate` runs it, for each of `models` models: the teacher-forced pass over the sample,
+    then per generation batch a prefill of its prompts and a greedy step per token of its longest answer."""
+    forward = float(rows.lengths()[indices].sum())
+    examples = generation_examples(rows, indices)
+    if isinstance(examples, str):  # no generation: exact match is reported unavailable
+        return EvaluationWork(forward_tokens=forward) * models
+    longest = max(len(e.reference) for e in examples)
+    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
+    prefill = sum(len(e.prompt) for e in examples)
+    steps = decode_steps(examples, max_new, settings.generation_batch_size)
+    return EvaluationWork(forward_tokens=forward + prefill, decode_steps=steps) * models
 
 
 def validation_seconds(speed: ValidationSpeed, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
                        models: int) -> float:
-    """Validation as `evaluate` runs it, for each of `models` models: the teacher-forced pass over the sample,
-    then per generation batch a prefill of its prompts and a greedy step per token of its longest answer."""
-    forward = float(rows.lengths()[indices].sum()) * speed.forward_seconds_per_token
-    examples = generation_examples(rows, indices)
-    if isinstance(examples, str):  # no generation: exact match is reported unavailable
-        return models * forward
-    longest = max(len(e.reference) for e in examples)
-    max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
-    prefill = sum(len(e.prompt) for e in examples) * speed.forward_seconds_per_token
-    steps = decode_steps(examples, max_new, settings.generation_batch_size)
-    return models * (forward + prefill + steps * speed.decode_seconds_per_step)
+    return validation_work(rows, indices, settings, models).seconds(speed)

@@ -103,24 +103,34 @@ def decode_steps(examples: list[GenerationExample], max_new_tokens: int, batch_s
 
 
 @torch.no_grad()
-def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8) -> float:
-    """Seconds per greedy step for this batch of prompts: `1 + steps` new tokens minus 1 (the prefill)."""
-    from transformers import GenerationConfig
-
+def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8) -> DecodeTiming:
+    """One prefill of this batch of prompts, then `steps` greedy steps with the KV cache, timed after one untimed
+    step: the prefill's seconds and the seconds per step. Run under no_grad."""
     device = next(model.parameters()).device
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
+    _sync(device)
+    began = time.perf_counter()
+    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
+    _sync(device)
+    prefill = time.perf_counter() - began
+    cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
+    ones = attention_mask.new_ones((attention_mask.size(0), 1))
+    for step in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
+        if step == 1:
+            _sync(device)
+            began = time.perf_counter()
+        attention_mask = torch.cat([attention_mask, ones], dim=1)
+        output = model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+        cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
+    _sync(device)
+    return DecodeTiming(prefill_seconds=prefill, seconds_per_step=(time.perf_counter() - began) / steps)
 
-    def timed(new_tokens: int) -> float:
-        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  num_beams=1, use_cache=True, pad_token_id=pad_id)
-        _sync(device)
-        began = time.perf_counter()
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        _sync(device)
-        return time.perf_counter() - began
 
-    timed(1)  # warm-up: the first generate call pays for lazy set-up
-    return max(0.0, timed(1 + steps) - timed(1)) / steps
+@dataclass(frozen=True)
+class DecodeTiming:
+    prefill_seconds: float
+    seconds_per_step: float
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,13 @@ is shardable weights, gradients and optimizer state. For n GPUs of kind k under 
 
     efficiency(n)      = scaling_efficiency ** log2(n)        0.9 per doubling by default: 1, 0.9, 0.81, 0.729
     tokens_per_second  = reference_tps * peak(k) / peak(reference) * n * efficiency(n)
-    hours              = train_tokens / tokens_per_second / 3600 + fixed_overhead_seconds / 3600
+    hours              = train_tokens / tokens_per_second / 3600 + (host_seconds + evaluation) / 3600
+    evaluation         = forward_tokens * reference_forward * peak(reference) / peak(k)
+                         + decode_steps * reference_decode * bandwidth(reference) / bandwidth(k)
+                         on one GPU of the option (the validate stage runs in one process), at that GPU's
+                         speed: the reference's measured (or modelled) evaluation speed scaled by peak FLOP/s for
+                         forward tokens and by memory bandwidth for greedy steps (peak FLOP/s where a bandwidth
+                         is not catalogued); host_seconds (start-up, warm-up, checkpoint writes) are the host's
     dollars            = n * price(k) * hours                    price: `prices[k]`, else the catalogue's
     mfu                = tokens_per_second * flops_per_token / (n * peak(k))    a sanity check on the above
     memory per GPU     single, ddp:   memory_needed              (DDP replicates weights, grads and state)
@@ -70,6 +76,8 @@ class OptionRow(BaseModel):
     spot_hours: float | None = None  # with the expected interruptions; None: not expected to finish, or no spot job
     spot_dollars: float | None = None
     spot_interruptions: float | None = None  # expected over the run
+    evaluation_seconds: float = 0.0  # the validate stage and evaluations during training, on one GPU of this kind
+    host_seconds: float = 0.0  # start-up, warm-up, checkpoint writes: the host's, the same on every option
 
 
 DEFAULT_OPTIONS: list[OptionSpec] = [
@@ -109,9 +117,25 @@ class SpotJob(BaseModel):
 
     checkpoint_seconds: float  # delta: one checkpoint written and uploaded
     restart_seconds: float  # a fresh host to its first step
-    outside_train_seconds: float  # start-up and evaluation: the part of the hours outside the train loop
+    startup_seconds: float  # with the option's evaluation, the part of its hours outside the train loop
     interval_seconds: float | None = None  # a configured interval's wall time; None: auto, chosen per option
     store: bool = True  # without one a fresh host starts over
+
+
+class OtherWork(BaseModel):
+    """What a run does besides its training steps: seconds the host spends the same on any option, and
+    evaluation's work, priced on each option at that option's speed (module docstring)."""
+
+    host_seconds: float = 0.0  # start-up, warm-up, checkpoint writes
+    forward_tokens: float = 0.0  # evaluation's teacher-forced and prefill tokens: the validate stage, during training
+    decode_steps: float = 0.0  # its greedy steps of generation batches
+    reference_forward_seconds_per_token: float = 0.0  # on one GPU of the reference kind, measured or modelled
+    reference_decode_seconds_per_step: float = 0.0
+
+    def evaluation_seconds(self, reference: str, kind: str) -> float:
+        forward = self.reference_forward_seconds_per_token * _peak(reference) / _peak(kind)
+        step = self.reference_decode_seconds_per_step * _bandwidth_ratio(reference, kind)
+        return self.forward_tokens * forward + self.decode_steps * step
 
 
 class OptionsJob(BaseModel):
@@ -125,7 +149,7 @@ class OptionsJob(BaseModel):
     weights_and_state_bytes: float  # the shardable part of it: weights, gradients, optimizer state
     global_batch: int
     learning_rate: float
-    fixed_overhead_seconds: float = 0.0  # start-up, warm-up, checkpoints, evaluation: the same on any option
+    other: OtherWork = OtherWork()  # besides the training steps: the host's seconds, and evaluation's work
     spot: SpotJob | None = None  # what an interruption costs; None: no spot column
 
 
@@ -155,7 +179,8 @@ def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
     accelerator, peak, n = CATALOGUE[spec.kind], _peak(spec.kind), spec.gpus
     tokens_per_second = (job.reference_tokens_per_second * peak / _peak(job.reference) * n
                          * scaling_factor(n, policy.scaling_efficiency))
-    hours = job.train_tokens / tokens_per_second / 3600 + job.fixed_overhead_seconds / 3600
+    evaluation = job.other.evaluation_seconds(job.reference, spec.kind)
+    hours = (job.train_tokens / tokens_per_second + job.other.host_seconds + evaluation) / 3600
     price = (policy.prices or {}).get(spec.kind, accelerator.price_per_hour)
     needed = memory_per_gpu(job.memory_needed_bytes_per_gpu, job.weights_and_state_bytes, n, spec.strategy)
     available = accelerator.memory_bytes * (1 - policy.memory_headroom)
@@ -179,11 +204,18 @@ def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
     row = OptionRow(
         label=spec.label, gpus=n, kind=spec.kind, strategy=spec.strategy, fits=needed <= available,
         memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
-        tokens_per_second=tokens_per_second, mfu=mfu, hours=hours,
+        tokens_per_second=tokens_per_second, mfu=mfu, hours=hours, evaluation_seconds=evaluation,
+        host_seconds=job.other.host_seconds,
         dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
         note="; ".join(notes),
     )
     return _with_spot(row, job.spot, policy) if job.spot else row
+
+
+def _bandwidth_ratio(reference: str, kind: str) -> float:
+    """How much faster a greedy step (bound by reading the weights) is on `reference` than on `kind`."""
+    ours, theirs = CATALOGUE[reference].memory_bandwidth, CATALOGUE[kind].memory_bandwidth
+    return ours / theirs if ours and theirs else _peak(reference) / _peak(kind)
 
 
 def _with_spot(row: OptionRow, spot: SpotJob, policy: OptionsPolicy) -> OptionRow:
@@ -192,7 +224,7 @@ def _with_spot(row: OptionRow, spot: SpotJob, policy: OptionsPolicy) -> OptionRo
     rate = (policy.interruption_rates or {}).get(row.kind, accelerator.spot_interruptions_per_hour) or 0.0
     price = (policy.spot_prices or {}).get(row.kind, accelerator.spot_price_per_hour)
     run = row.hours * 3600
-    train = max(0.0, run - spot.outside_train_seconds)
+    train = max(0.0, run - spot.startup_seconds - row.evaluation_seconds)
     interval = spot.interval_seconds or auto_interval(rate, spot.checkpoint_seconds, train, spot.store)[0]
     try:
         cost = expected(rate, Exposure(run, train, interval, spot.checkpoint_seconds, spot.restart_seconds,

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from phase1a.calibration import Calibration
 from phase1a.cost_model import MemoryEstimate, ModelFacts
 from phase1a.evaluation import Metrics
+from phase1a.footing import Footing
 from phase1a.gate import Baseline, GateCheck
 from phase1a.history import RunRecord, append_run
 from phase1a.interruptions import InterruptionEstimate, InterruptionOutcome
@@ -41,6 +42,19 @@ class Estimate(BaseModel):
     # train_seconds, which is one uninterrupted attempt's loop (what the history compares against).
     interruption_seconds: float = 0.0
     total_seconds: float  # startup + train + evaluation + interruption_seconds
+    footing: Footing | None = None  # what the speed rests on; None: a plan written before the field
+    low_total_seconds: float | None = None  # the range: the speed-bound seconds at the footing's multiples
+    high_total_seconds: float | None = None
+
+    def speed_bound_seconds(self) -> float:
+        """What moves with the training speed: the steady steps, and the evaluations derived from it."""
+        return self.steady_seconds + self.eval_during_training_seconds + self.evaluation_seconds
+
+    def with_range(self, footing: Footing) -> "Estimate":
+        bound = self.speed_bound_seconds()
+        return self.model_copy(update={"footing": footing,
+                                       "low_total_seconds": self.total_seconds - bound * (1 - footing.low),
+                                       "high_total_seconds": self.total_seconds + bound * (footing.high - 1)})
 
 
 class Plan(BaseModel):

@@ -31,9 +31,14 @@ def optimizer_step(model, optimizer, step_batch: dict, world_size: int = 1) -> t
     """One whole optimizer step as training runs it, shared with calibration so both time the same work."""
     loss, tokens = train_step(model, step_batch["micro_batches"], step_batch["supervised"],
                               step_batch.get("weight", 1.0), world_size)
+    return loss, tokens, apply_update(model, optimizer)
+
+
+def apply_update(model, optimizer) -> float:
+    """The step's update once its gradients are in: clip, step, clear. Returns the gradient norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm over all shards, a distributed tensor
         grad_norm = grad_norm.full_tensor()
-    return loss, tokens, float(grad_norm)
+    return float(grad_norm)

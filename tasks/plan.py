@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
+from phase1a import footing
 from phase1a.atomic import write_atomically
 from phase1a.calibration import Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives, no_alternatives
 from phase1a.config import HardwareConfig, Phase1aConfig
@@ -58,15 +59,18 @@ from phase1a.cost_model import (
     MemoryEstimate,
     MemoryModel,
     TrainingShape,
+    checkpoint_bytes,
     flops_per_token,
     lora_parameters,
     model_facts,
 )
-from phase1a.evaluation import ValidationSpeed, validation_seconds
+from phase1a.evaluation import EvaluationWork, ValidationSpeed, validation_work
 from phase1a.fingerprint import hash_json
+from phase1a.footing import Footing
 from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
 from phase1a.history import Remembered, RunRecord, history_path, pull_records, remembered
 from phase1a.interruptions import (
+    ASSUMED_DISK_BYTES_PER_SECOND,
     ASSUMED_STORE_BYTES_PER_SECOND,
     BOUNDED_MAX_SECONDS,
     BOUNDED_MIN_COST_MULTIPLE,
@@ -85,7 +89,7 @@ from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
 from phase1a.logs import run_logger
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
-from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, SpotJob, format_options, option_rows
+from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
 from phase1a.stores import open_store
@@ -95,7 +99,6 @@ from phase1a.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interv
 from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from tasks.caching import StageCache, task
 
-_ASSUMED_DISK_BYTES_PER_SECOND = GIB  # for start-up and checkpoints on hardware that is not here to measure
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
 
 
@@ -116,6 +119,7 @@ class _Throughput(BaseModel):
     startup_seconds: float
     checkpoint: CheckpointCost  # one checkpoint's write, and its upload as it would be with a store
     source: str
+    footing: Footing  # what the speed rests on: the estimate's range
     calibration: Calibration | None = None
 
 
@@ -208,7 +212,8 @@ class _Planner:
                           f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
         return _Throughput(chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
                            warmup_seconds=0.0, startup_seconds=self._assumed_startup(),
-                           checkpoint=self._checkpoint_cost(None, None), source="assumed")
+                           checkpoint=self._checkpoint_cost(None, None), source="assumed",
+                           footing=footing.assumed(self.policy.assumed_mfu))
 
     def _calibrated(self, start: Candidate, max_seq_length: int, sweeps: bool) -> _Throughput:
         config = self.config
@@ -222,13 +227,17 @@ class _Planner:
             upload_to=open_store(config.store) if config.checkpoint.interval == AUTO or self.rate_per_hour else None)
         calibration = calibrate(config, Path(self.model.path), job)
         release_device_memory()  # the calibration's model: training builds its own
-        checkpoint = CheckpointCost(write_seconds=calibration.checkpoint_seconds, write_source="measured",
-                                    bytes=calibration.checkpoint_bytes)
+        self.notes += [f"calibration: {note}" for note in calibration.notes]
+        if calibration.checkpoint_seconds is None:  # the budget had no room to time one
+            checkpoint = self._checkpoint_cost(None, None)
+        else:
+            checkpoint = _with_upload(CheckpointCost(write_seconds=calibration.checkpoint_seconds,
+                                                     write_source="measured", bytes=calibration.checkpoint_bytes),
+                                      calibration.checkpoint_upload_seconds, "measured")
         return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
                            warmup_seconds=calibration.warmup_excess_seconds,
-                           startup_seconds=calibration.startup_seconds,
-                           checkpoint=_with_upload(checkpoint, calibration.checkpoint_upload_seconds, "measured"),
-                           source="measured", calibration=calibration)
+                           startup_seconds=calibration.startup_seconds, checkpoint=checkpoint,
+                           source="measured", footing=calibration.footing, calibration=calibration)
 
     def _start_candidate(self, max_seq_length: int) -> Candidate:
         """memory_efficient: one example with checkpointing; custom: the user's knobs, checked; else the memory
@@ -264,17 +273,17 @@ class _Planner:
             chosen=candidate, seconds_per_token=1.0 / past.tokens_per_second, warmup_seconds=0.0,
             startup_seconds=record.startup_seconds if record.startup_seconds is not None else self._assumed_startup(),
             checkpoint=self._checkpoint_cost(record.checkpoint_seconds_each, record.checkpoint_upload_seconds_each),
-            source="history")
+            source="history", footing=footing.history(past.runs))
 
     def _assumed_startup(self) -> float:
         return (_ASSUMED_STARTUP_SECONDS
-                + self.facts.parameters * self.shape.weight_bytes / _ASSUMED_DISK_BYTES_PER_SECOND)
+                + self.facts.parameters * self.shape.weight_bytes / ASSUMED_DISK_BYTES_PER_SECOND)
 
     def _checkpoint_cost(self, write: float | None, upload: float | None) -> CheckpointCost:
         """From a run's measurements where it made them, else the trainable weights (fp32) and their optimizer
         state, written at 1 GiB/s."""
-        size = self.memory.trainable * (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])
-        cost = CheckpointCost(write_seconds=size / _ASSUMED_DISK_BYTES_PER_SECOND if write is None else write,
+        size = checkpoint_bytes(self.memory.trainable, self.shape.optimizer)
+        cost = CheckpointCost(write_seconds=size / ASSUMED_DISK_BYTES_PER_SECOND if write is None else write,
                               write_source="assumed" if write is None else "history", bytes=size)
         return _with_upload(cost, upload, "history")
 
@@ -338,39 +347,56 @@ class _Planner:
         return fit
 
     def _validation_speed(self, throughput: _Throughput, max_seq_length: int) -> ValidationSpeed:
-        """Measured where the calibration timed it, else a forward pass at 2N of the step's FLOPs a token and a
-        greedy step at the weights' read from memory (or, with no bandwidth catalogued, one forward token per
-        row of the generation batch)."""
+        """Measured where the calibration timed it, else modelled from the training speed on the target."""
         if throughput.calibration is not None and throughput.calibration.validation is not None:
             return throughput.calibration.validation
-        facts = self.facts
-        flops = flops_per_token(facts, self.shape.full, throughput.chosen.gradient_checkpointing,
-                                _mean(self.lengths, max_seq_length))
-        forward = throughput.seconds_per_token * (2 * facts.parameters) / flops
-        step = (facts.parameters * self.shape.weight_bytes / self.target.memory_bandwidth
-                if self.target.memory_bandwidth else forward * self.config.validation.generation_batch_size)
-        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
+        return self._modelled_validation_speed(throughput.seconds_per_token, self.target,
+                                               throughput.chosen.gradient_checkpointing, max_seq_length)
 
-    def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
-        """The validate stage as it will run: it scores the base, the trained and a promoted baseline's model
-        (phase1a.evaluation.validation_seconds each) and loads the trained model, the base of a full fine-tune
-        and a promoted baseline anew."""
+    def _modelled_validation_speed(self, seconds_per_token: float, accelerator: Accelerator, checkpointing: bool,
+                                   max_seq_length: int) -> ValidationSpeed:
+        """A forward pass at 2N of the step's FLOPs a token and a greedy step at the weights' read from memory (or,
+        with no bandwidth catalogued, one forward token per row of the generation batch)."""
+        facts = self.facts
+        flops = flops_per_token(facts, self.shape.full, checkpointing, _mean(self.lengths, max_seq_length))
+        forward = seconds_per_token * (2 * facts.parameters) / flops
+        step = (facts.parameters * self.shape.weight_bytes / accelerator.memory_bandwidth
+                if accelerator.memory_bandwidth else forward * self.config.validation.generation_batch_size)
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step,
+                               source="modelled from the training speed")
+
+    def _validation_loads(self) -> int:
+        """Models the validate stage loads anew: the trained one, the base of a full fine-tune, a promoted
+        baseline."""
+        return 1 + (self.method.kind == "full") + (self.config.validation.baseline == "promoted")
+
+    def _validation_work(self) -> EvaluationWork:
+        """The validate stage scores the base, the trained and a promoted baseline's model."""
         settings = self.config.validation
-        promoted = settings.baseline == "promoted"
-        loads = 1 + (self.method.kind == "full") + promoted
         rows = TokenRows.load(self.data.validation_path)
         indices = np.arange(min(len(rows), settings.max_examples))
-        return loads * throughput.startup_seconds + validation_seconds(speed, rows, indices, settings, 2 + promoted)
+        return validation_work(rows, indices, settings, 2 + (settings.baseline == "promoted"))
+
+    def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
+        """The validate stage as it will run: its loads, and its work (phase1a.evaluation.validation_work)."""
+        return self._validation_loads() * throughput.startup_seconds + self._validation_work().seconds(speed)
+
+    def _eval_during_training_work(self) -> EvaluationWork:
+        """One evaluation during training (phase1a/training_eval.py): the forward pass over its sample."""
+        settings = self.eval_settings
+        if settings is None:
+            return EvaluationWork()
+        rows = TokenRows.load(settings.validation_path)
+        return EvaluationWork(forward_tokens=float(rows.lengths()[settings.sample(rows)].sum()))
 
     def _eval_during_training_each(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
-        """One evaluation during training (phase1a/training_eval.py): the forward pass over its sample at the
-        validate stage's speed and, with early stopping, a write of the trainable weights to best/ (their share
-        of a checkpoint, which also holds the optimizer state), counted at every evaluation: an upper bound."""
+        """One evaluation during training at the validate stage's speed and, with early stopping, a write of the
+        trainable weights to best/ (their share of a checkpoint, which also holds the optimizer state), counted
+        at every evaluation: an upper bound."""
         settings = self.eval_settings
         if settings is None:
             return 0.0
-        rows = TokenRows.load(settings.validation_path)
-        forward = float(rows.lengths()[settings.sample(rows)].sum()) * speed.forward_seconds_per_token
+        forward = self._eval_during_training_work().seconds(speed)
         if settings.patience is None:
             return forward
         weights_share = 4 / (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])  # fp32 weights beside their state
@@ -412,7 +438,7 @@ class _Planner:
             checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
-            total_seconds=uninterrupted + interrupted.extra_seconds)
+            total_seconds=uninterrupted + interrupted.extra_seconds).with_range(throughput.footing)
 
     def _expected(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit,
                   through_train_seconds: float) -> Expected:
@@ -484,9 +510,18 @@ class _Planner:
         weigh the same checkpoint, store and restart at each option's speed and its kind's interruption rate."""
         hardware, policy, (flops, memory) = self.config.hardware, self.policy, sized
         reference = hardware.target if hardware.target in CATALOGUE else "h100"
-        reference_tps = (1.0 / throughput.seconds_per_token if reference == hardware.target
+        own = reference == hardware.target  # the target's rows: its own measured (or assumed) speeds
+        reference_tps = (1.0 / throughput.seconds_per_token if own
                          else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops)
-        outside_train = estimate.startup_seconds + estimate.evaluation_seconds
+        speed = (self._validation_speed(throughput, fit.max_seq_length) if own else self._modelled_validation_speed(
+            1.0 / reference_tps, CATALOGUE["h100"], throughput.chosen.gradient_checkpointing, fit.max_seq_length))
+        startup = (1 + self._validation_loads()) * (estimate.startup_seconds if own else self._assumed_startup())
+        evaluation = self._validation_work() + self._eval_during_training_work() * estimate.evaluations_during_training
+        other = OtherWork(
+            host_seconds=startup + (estimate.warmup_seconds if own else 0.0) + estimate.checkpoint_seconds,
+            forward_tokens=evaluation.forward_tokens, decode_steps=evaluation.decode_steps,
+            reference_forward_seconds_per_token=speed.forward_seconds_per_token,
+            reference_decode_seconds_per_step=speed.decode_seconds_per_step)
         configured = None if checkpoints.rule != "configured" else self._exposure(
             checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
             fit.max_seq_length).interval_seconds
@@ -495,10 +530,9 @@ class _Planner:
             reference=reference, reference_tokens_per_second=reference_tps,
             memory_needed_bytes_per_gpu=memory.total_gib * GIB,
             weights_and_state_bytes=(memory.weights_gib + memory.trainable_gib) * GIB,
-            global_batch=self.method.batch_size, learning_rate=self.method.learning_rate,
-            fixed_overhead_seconds=estimate.total_seconds - estimate.steady_seconds - estimate.interruption_seconds,
+            global_batch=self.method.batch_size, learning_rate=self.method.learning_rate, other=other,
             spot=SpotJob(checkpoint_seconds=checkpoints.cost.seconds, restart_seconds=checkpoints.restart_seconds,
-                         outside_train_seconds=outside_train, interval_seconds=configured, store=checkpoints.store))
+                         startup_seconds=startup, interval_seconds=configured, store=checkpoints.store))
         return option_rows(job, OptionsPolicy(
             scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
             memory_headroom=hardware.memory_headroom, **_overrides(hardware)))
@@ -630,16 +664,26 @@ def format_plan(plan: Plan) -> str:
              f"{e.evaluations_during_training} evaluations {e.eval_during_training_seconds:.0f} s) + evaluation "
              f"{e.evaluation_seconds:.0f} s"
              + (f" + interruptions {e.interruption_seconds:.0f} s" if e.interruption_seconds else "")
-             + f" = {e.total_seconds / 3600:.3f} h"
+             + f" = {e.total_seconds / 3600:.3f} h" + _range(e)
              + (f", ${plan.estimated_cost_usd:.2f}" if plan.estimated_cost_usd is not None else ""),
              *_interruption_lines(plan),
              f"fits window: {'n/a' if plan.fits_in_window is None else plan.fits_in_window}"]
     lines += [f"adjusted {a.step}: {a.before} -> {a.after} ({a.estimated_hours:.2f} h)" for a in plan.adjustments]
     if plan.calibration:
         calibration = plan.calibration
-        lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget):")
+        needed = ("" if calibration.needed_seconds is None else
+                  f"; a whole measurement needs ~{calibration.needed_seconds:.0f} s (plan.calibration_budget)")
+        lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"
+                     f"{needed}):")
         lines += [f"  {t.candidate.label()}: {_trial_result(t)}" for t in plan.calibration.trials]
     return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options)])
+
+
+def _range(estimate: Estimate) -> str:
+    if estimate.footing is None:
+        return ""
+    return (f" ({estimate.low_total_seconds / 3600:.3f}-{estimate.high_total_seconds / 3600:.3f} h: "
+            f"{estimate.footing.words})")
 
 
 def _interruption_lines(plan: Plan) -> list[str]:

@@ -8,6 +8,7 @@ from phase1a.options import (
     OptionsJob,
     OptionSpec,
     OptionsPolicy,
+    OtherWork,
     format_options,
     option_rows,
     scaling_factor,
@@ -38,7 +39,7 @@ def test_scaling_efficiency_per_doubling():
 
 
 def test_hours_and_dollars_arithmetic():
-    rows = by_label(priced({"fixed_overhead_seconds": 600}, options=H100x))
+    rows = by_label(priced({"other": OtherWork(host_seconds=600)}, options=H100x))
     one, four = rows["1x H100"], rows["4x H100"]
     assert one.tokens_per_second == pytest.approx(10_000)
     assert one.hours == pytest.approx(TOKENS / 10_000 / 3600 + 600 / 3600)
@@ -47,6 +48,25 @@ def test_hours_and_dollars_arithmetic():
     assert four.hours == pytest.approx(TOKENS / (10_000 * 4 * 0.81) / 3600 + 600 / 3600)
     assert four.dollars == pytest.approx(4 * CATALOGUE["h100"].price_per_hour * four.hours)
     assert one.mfu == pytest.approx(10_000 * 6e9 / 989e12)
+
+
+def test_evaluation_is_priced_at_each_options_own_speed():
+    """Forward tokens at the option's peak FLOP/s, greedy steps at its memory bandwidth, on one GPU however
+    many train: the reference's evaluation speed scaled, never the host's."""
+    other = OtherWork(host_seconds=60, forward_tokens=2e6, decode_steps=5_000,
+                      reference_forward_seconds_per_token=1e-5, reference_decode_seconds_per_step=2e-3)
+    specs = [*H100x, OptionSpec(label="1x H200", gpus=1, kind="h200", strategy="single"),
+             OptionSpec(label="4x A100", gpus=4, kind="a100-40gb", strategy="zero3")]
+    rows = by_label(priced({"other": other}, options=specs))
+    on_h100 = 2e6 * 1e-5 + 5_000 * 2e-3
+    assert rows["1x H100"].evaluation_seconds == pytest.approx(on_h100)
+    assert rows["4x H100"].evaluation_seconds == pytest.approx(on_h100)  # the validate stage runs on one GPU
+    h100, h200 = CATALOGUE["h100"], CATALOGUE["h200"]
+    assert rows["1x H200"].evaluation_seconds == pytest.approx(
+        2e6 * 1e-5 * h100.peak_flops / h200.peak_flops + 5_000 * 2e-3 * h100.memory_bandwidth / h200.memory_bandwidth)
+    assert rows["1x H200"].evaluation_seconds < on_h100 < rows["4x A100"].evaluation_seconds
+    one = rows["1x H100"]
+    assert one.hours * 3600 == pytest.approx(TOKENS / one.tokens_per_second + 60 + on_h100)
 
 
 def test_throughput_scales_by_peak_flops_between_kinds():

@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config import Phase1aConfig
+from phase1a.lengths import right_size
 from phase1a.window import WindowError
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -65,6 +67,26 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
         planned(config_tree, data)
 
 
+def test_a_cpu_plans_gpu_rows_price_evaluation_at_the_gpus_speed(tmp_path, config_tree):
+    """The options table's H100 row: its training and evaluation tokens at the H100's rate (within 2x: a
+    forward token costs a third of a training token), never this CPU's measured evaluation seconds."""
+    from phase1a.evaluation import validation_work
+    from phase1a.packing import TokenRows
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(200)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=40), tmp_path / "cache" / "fp")
+    config_tree["validation"] = {"max_examples": 40, "tolerances": {"loss": 0.05}}
+    plan = planned(config_tree, data)
+    assert plan.calibrated and plan.target == "cpu"
+    h100 = next(row for row in plan.options if row.label == "1x H100")
+    rows = TokenRows.load(data.validation_path)
+    evaluation = validation_work(rows, np.arange(40), Phase1aConfig.model_validate(config_tree).validation, 2)
+    at_h100_rate = (plan.train_tokens + evaluation.forward_tokens + evaluation.decode_steps) / h100.tokens_per_second
+    on_the_gpu = h100.hours * 3600 - h100.host_seconds
+    assert at_h100_rate / 2 <= on_the_gpu <= 2 * at_h100_rate, (on_the_gpu, at_h100_rate)
+    assert h100.evaluation_seconds < plan.estimate.evaluation_seconds / 100  # not the CPU's seconds
+
+
 def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(tiny_model_dir, tmp_path, config_tree,
                                                                               caplog):
     records = date_records(1500)
@@ -73,13 +95,15 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
     with caplog.at_level("WARNING", logger="phase1a"):
         data = tokenize_dataset(path, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache" / "fp")
     assert data.outliers and data.outliers.count == 1 and data.outliers.longest[0][0] == f"{path}:701"
-    assert f"the longest {data.outliers.longest[0][1]} tokens at {path}:701" in caplog.text
+    assert f"{path}:701 ({data.outliers.longest[0][1]} tokens)" in caplog.text
     assert data.max_seq_length == 256  # tokenize sizes for it (length_percentile 100), up to the model's positions
+    others = right_size(np.delete(np.load(data.lengths_path), 700), 100.0, 256, None)  # every example is kept
+    assert data.outliers.others_length == others < 256
 
     balanced = planned(config_tree, data)
-    assert balanced.max_seq_length == 64
-    noted = "balanced: max_seq_length 64 (the p99.9 length) instead of 256"
-    assert any(note.startswith(noted) and f"{path}:701" in note
+    assert balanced.max_seq_length == others
+    noted = f"balanced: max_seq_length {others} (sized from the examples other than the 1 outlier(s)"
+    assert any(note.startswith(noted) and f"{path}:701) instead of 256" in note
                and "1 training example(s) truncated" in note for note in balanced.notes), balanced.notes
 
     config_tree["plan"] = {"profile": "quality"}

@@ -18,7 +18,7 @@ from phase1a.interruptions import (
     interval_text,
     young_daly_seconds,
 )
-from phase1a.options import OptionsJob, OptionSpec, OptionsPolicy, SpotJob, format_options, option_rows
+from phase1a.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
 from phase1a.results import Pulled, StartPoint, StoreTraining, TrainResult, interruptions_outcome
 from phase1a.store import LocalStore
 from phase1a.window import WindowError
@@ -240,8 +240,9 @@ def test_auto_on_demand_takes_the_bounded_interval_and_costs_nothing(tmp_path, c
 def test_the_options_spot_columns_equal_the_formula():
     job = OptionsJob(train_tokens=36_000_000, flops_per_token=6e9, reference="h100",
                      reference_tokens_per_second=10_000.0, memory_needed_bytes_per_gpu=1e9,
-                     weights_and_state_bytes=5e8, global_batch=16, learning_rate=1e-4, fixed_overhead_seconds=600.0,
-                     spot=SpotJob(checkpoint_seconds=20.0, restart_seconds=100.0, outside_train_seconds=300.0))
+                     weights_and_state_bytes=5e8, global_batch=16, learning_rate=1e-4,
+                     other=OtherWork(host_seconds=600.0),
+                     spot=SpotJob(checkpoint_seconds=20.0, restart_seconds=100.0, startup_seconds=300.0))
     specs = [OptionSpec(label="1x H100", gpus=1, kind="h100", strategy="single"),
              OptionSpec(label="4x H200 DDP", gpus=4, kind="h200", strategy="ddp")]
     for row in option_rows(job, OptionsPolicy(options=specs)):

@@ -4,7 +4,13 @@ import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config import ValidationConfig
-from phase1a.evaluation import ValidationSpeed, time_validation, validation_seconds
+from phase1a.evaluation import (
+    TimingAllowance,
+    ValidationSpeed,
+    time_validation,
+    validation_seconds,
+    validation_timing_seconds,
+)
 from phase1a.generation import GenerationExample, decode_steps, generation_examples
 from phase1a.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -40,11 +46,38 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
     assert validation_seconds(speed, rows, indices, settings, models=2) == pytest.approx(2 * expected)
 
 
-def test_time_validation_measures_both_costs_on_a_model(rows, tiny_model_dir):
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
     import torch
 
     from phase1a.models import load_model
 
-    model = load_model(tiny_model_dir, torch.float32)
-    speed = time_validation(model, rows, np.arange(20), ValidationConfig(generation_batch_size=8, batch_size=8))
+    return load_model(tiny_model_dir, torch.float32)
+
+
+SETTINGS = ValidationConfig(generation_batch_size=8, batch_size=8)
+
+
+def test_time_validation_measures_both_costs_on_a_model(rows, model):
+    import torch
+
+    with torch.no_grad():
+        speed = time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(seconds=600, forward_guess=1e-4))
+    assert speed.forward_seconds_per_token > 0 and speed.decode_seconds_per_step > 0
+    assert speed.source == "measured"
+
+
+def test_time_validation_keeps_to_its_allowance(rows, model):
+    """Half of what the whole timing would take at the guessed speed: fewer rows, their step scaled by rows on
+    a CPU; nothing left: not timed at all (the plan derives validation's speed from training's)."""
+    import torch
+
+    guess, indices = 1e-3, np.arange(20)
+    allowance = TimingAllowance(seconds=validation_timing_seconds(rows, indices, SETTINGS, guess) / 2,
+                                forward_guess=guess)
+    with torch.no_grad():
+        speed = time_validation(model, rows, indices, SETTINGS, allowance)
+        assert time_validation(model, rows, indices, SETTINGS, TimingAllowance(0.0, guess)) is None
+    timed = int(speed.source.split(" timed on ")[1].split(" of ")[0])
+    assert 1 <= timed < 8 and speed.source.endswith("of 8 rows, scaled by rows")
     assert speed.forward_seconds_per_token > 0 and speed.decode_seconds_per_step > 0

@@ -1,0 +1,50 @@
+"""How sure a time estimate is: what its speed rests on, and the range that follows (docs/stages.md, "The
+estimate's footing"). The range multiplies the seconds that scale with the speed: training and evaluation."""
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel
+
+FIRM_STEPS = 4  # measured steps below which an estimate says it rests on few
+_STEADY_SPREAD = 0.05  # the least relative range of a firm measurement: a shared host moves a few per cent
+_THIN_SPREAD = 0.10  # the same for one measured step, widened by sqrt(FIRM_STEPS / steps) below FIRM_STEPS
+_WARMUP_ONLY = (0.5, 1.0)  # warm-up steps carry first-call costs: an upper bound, as much as twice the truth
+_ASSUMED = (0.5, 2.0)  # a peak-FLOP/s fraction: realised MFU varies about 2x either way between models and kernels
+_HISTORY_SPREAD = 0.10  # past runs on this hardware: the upper median of the last few, which moves this much
+
+
+class Footing(BaseModel):
+    """What the speed rests on, in words, and the estimate's range as multiples of its speed-bound seconds."""
+
+    source: str  # measured, history or assumed
+    words: str
+    low: float
+    high: float
+    firm: bool  # enough measured steps of whole shape: no caveat to print
+
+
+def measured(steps: int, micro_batches: float, step_micro_batches: float, spread: float) -> Footing:
+    """From calibration: `steps` measured steps of `micro_batches` micro-batches (a whole step has
+    `step_micro_batches` on average) whose seconds per token spread by `spread` (half range over mean)."""
+    if steps == 0:
+        return Footing(source="measured", words="warm-up steps only: an upper bound", low=_WARMUP_ONLY[0],
+                       high=_WARMUP_ONLY[1], firm=False)
+    shortened = micro_batches < step_micro_batches
+    floor = _STEADY_SPREAD if steps >= FIRM_STEPS and not shortened else _THIN_SPREAD
+    relative = max(spread, floor) * math.sqrt(max(1.0, FIRM_STEPS / steps))
+    words = f"{steps} measured step{'s' if steps != 1 else ''}"
+    if shortened:
+        words += f" cut to {micro_batches:.3g} of ~{step_micro_batches:.3g} micro-batches"
+    return Footing(source="measured", words=words + f", ±{relative:.0%}", low=1 - relative, high=1 + relative,
+                   firm=steps >= FIRM_STEPS and not shortened)
+
+
+def history(runs: int) -> Footing:
+    return Footing(source="history", words=f"{runs} past run{'s' if runs != 1 else ''}, ±{_HISTORY_SPREAD:.0%}",
+                   low=1 - _HISTORY_SPREAD, high=1 + _HISTORY_SPREAD, firm=True)
+
+
+def assumed(mfu: float) -> Footing:
+    return Footing(source="assumed", words=f"assumed at {mfu:.0%} MFU, not measured: {_ASSUMED[0]:g}x to "
+                                           f"{_ASSUMED[1]:g}x", low=_ASSUMED[0], high=_ASSUMED[1], firm=False)
