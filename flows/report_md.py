@@ -212,6 +212,7 @@ def _plan(report: dict) -> list[str]:
             ("estimated training", _seconds(plan["estimated_train_seconds"])),
             ("estimated total", _seconds(plan["estimated_total_seconds"])),
             ("estimated cost", "-" if plan["estimated_cost_usd"] is None else f"${plan['estimated_cost_usd']:,.2f}")]
+    rows += _footing(plan)
     if plan.get("window_seconds"):
         rows.append(("window", f"{_seconds(plan['window_seconds'])}; fits: {plan['fits_in_window']}"))
     train, validation = report.get("estimate_vs_actual") or {}, report.get("validation_estimate_vs_actual") or {}
@@ -227,6 +228,21 @@ def _plan(report: dict) -> list[str]:
         lines += ["Estimate against actual (a stage that was cached is not compared):", "",
                   *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
     return lines + _interruptions(plan, report.get("interruptions_vs_actual"))
+
+
+def _footing(plan: dict) -> list[tuple[str, str]]:
+    """How sure the estimate is, and what calibration spent of its budget (plans written before: nothing)."""
+    estimate, calibration = plan.get("estimate") or {}, plan.get("calibration")
+    rows = []
+    if estimate.get("footing"):
+        rows.append(("estimated total, range", f"{_seconds(estimate['low_total_seconds'])} to "
+                                               f"{_seconds(estimate['high_total_seconds'])} "
+                                               f"({estimate['footing']['words']})"))
+    if calibration and calibration.get("footing"):
+        needed = calibration.get("needed_seconds")
+        rows.append(("calibration", f"{calibration['seconds']:.0f} s of a {calibration['budget_seconds']:.0f} s budget"
+                                    + (f"; a whole measurement needs ~{needed:.0f} s" if needed else "")))
+    return rows
 
 
 def _interruptions(plan: dict, outcome: dict | None) -> list[str]:

@@ -40,7 +40,11 @@ def _plan() -> dict:
             "gradient_accumulation": 2, "gradient_checkpointing": False, "compile": False, "dataloader_workers": 0,
             "max_seq_length": 64, "epochs": 1.0, "steps": 30, "train_tokens": 26_880, "tokens_per_second": 900.0,
             "throughput_source": "measured", "estimated_train_seconds": 31.0, "estimated_total_seconds": 45.0,
-            "estimated_cost_usd": None, "window_seconds": None, "fits_in_window": None, "adjustments": [], "notes": []}
+            "estimated_cost_usd": None, "window_seconds": None, "fits_in_window": None, "adjustments": [], "notes": [],
+            "estimate": {"low_total_seconds": 40.0, "high_total_seconds": 52.0,
+                         "footing": {"words": "2 measured steps, ±14%"}},
+            "calibration": {"seconds": 12.4, "budget_seconds": 10.0, "needed_seconds": 55.0,
+                            "footing": {"words": "2 measured steps, ±14%"}}}
 
 
 def _train(output_dir: Path) -> dict:
@@ -117,6 +121,8 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path):
     assert "| stage | Cached | 0.1 s | 0 | yes |" in text and "| train | Completed | 31.2 s | 0 | no |" in text
     assert "| examples | 480 train, 120 held out |" in text and "no assistant turn: 2" in text
     assert "| micro-batch x accumulation | 8 x 2 |" in text
+    assert "| estimated total, range | 40.0 s to 52.0 s (2 measured steps, ±14%) |" in text
+    assert "| calibration | 12 s of a 10 s budget; a whole measurement needs ~55 s |" in text
     assert "| training | 36.0 s | 29.5 s | 1.22x (+22%, outside ±10%) |" in text
     assert "| validation | 6.3 s | 6.0 s | 1.05x (+5%, within ±10%) |" in text
     assert "| tokens/s | 911 |" in text and "| MFU | 12.3% |" in text and "| peak memory | 1.25 GiB |" in text
