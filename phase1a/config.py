@@ -236,10 +236,12 @@ class PlanConfig(_Section):
         ["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"],
         description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global "
                     "batch.")
-    calibration_budget: Duration = Field("10m", description="Most wall time the calibration sweep may spend.")
+    calibration_budget: Duration = Field("10m", description=(
+        "Most wall time calibration may spend: loading the model, the trials, and timing a checkpoint and "
+        "validation. Steps that do not fit are shortened; the plan says what a whole measurement needs."))
     calibration_share: float = Field(0.05, ge=0.0, le=1.0,
-                                     description="The calibration sweep also spends at most this share of the first "
-                                                 "estimate of training time.")
+                                     description="Trials beyond the first candidate also end within this share of "
+                                                 "the first estimate of training time.")
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
     scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
                                       description="Options table: throughput kept per GPU doubling.")
