@@ -291,8 +291,8 @@ class _Session:
         size, guess = self._checkpoint_guess()
         left = self.end - time.perf_counter()
         if guess > left / 2:  # half at most: validation's timing needs the rest
-            self.notes.append(f"checkpoint not timed: ~{guess:.0f} s at the assumed speeds, {left:.0f} s of the "
-                              f"budget left")
+            self.notes.append(f"checkpoint not timed: ~{guess:.1f} s at the assumed speeds, {max(0.0, left):.0f} s "
+                              f"of the budget left")
             return _CheckpointTiming(None, size)
         return _time_checkpoint(self.model, self.optimizer, self.job.work_dir, self.job.upload_to)
 

@@ -9,7 +9,9 @@ from pydantic import BaseModel
 FIRM_STEPS = 4  # measured steps below which an estimate says it rests on few
 _STEADY_SPREAD = 0.05  # the least relative range of a firm measurement: a shared host moves a few per cent
 _THIN_SPREAD = 0.10  # the same for one measured step, widened by sqrt(FIRM_STEPS / steps) below FIRM_STEPS
-_WARMUP_ONLY = (0.5, 1.0)  # warm-up steps carry first-call costs: an upper bound, as much as twice the truth
+# Warm-up steps carry first-call costs (lazy set-up, allocator growth, kernel selection): an upper bound. On this
+# project's CPU host a first one-example step took 3-10x a steady step's time per token.
+_WARMUP_ONLY = (0.1, 1.0)
 _ASSUMED = (0.5, 2.0)  # a peak-FLOP/s fraction: realised MFU varies about 2x either way between models and kernels
 _HISTORY_SPREAD = 0.10  # past runs on this hardware: the upper median of the last few, which moves this much
 
@@ -22,6 +24,7 @@ class Footing(BaseModel):
     low: float
     high: float
     firm: bool  # enough measured steps of whole shape: no caveat to print
+    warmup_only: bool = False  # no step was measured past the warm-up
 
 
 def measured(steps: int, micro_batches: float, step_micro_batches: float, spread: float) -> Footing:
@@ -29,7 +32,7 @@ def measured(steps: int, micro_batches: float, step_micro_batches: float, spread
     `step_micro_batches` on average) whose seconds per token spread by `spread` (half range over mean)."""
     if steps == 0:
         return Footing(source="measured", words="warm-up steps only: an upper bound", low=_WARMUP_ONLY[0],
-                       high=_WARMUP_ONLY[1], firm=False)
+                       high=_WARMUP_ONLY[1], firm=False, warmup_only=True)
     shortened = micro_batches < step_micro_batches
     floor = _STEADY_SPREAD if steps >= FIRM_STEPS and not shortened else _THIN_SPREAD
     relative = max(spread, floor) * math.sqrt(max(1.0, FIRM_STEPS / steps))

@@ -672,7 +672,8 @@ def format_plan(plan: Plan) -> str:
     if plan.calibration:
         calibration = plan.calibration
         needed = ("" if calibration.needed_seconds is None else
-                  f"; a whole measurement needs ~{calibration.needed_seconds:.0f} s (plan.calibration_budget)")
+                  f"; a whole measurement needs {'up to ' if calibration.footing.warmup_only else ''}"
+                  f"~{calibration.needed_seconds:.0f} s (plan.calibration_budget)")
         lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"
                      f"{needed}):")
         lines += [f"  {t.candidate.label()}: {_trial_result(t)}" for t in plan.calibration.trials]
