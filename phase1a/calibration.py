@@ -274,7 +274,9 @@ class _Session:
         validation = self._validation(per_token)
         return Calibration(
             chosen=best.candidate, seconds_per_token=per_token,
-            warmup_excess_seconds=best.warmup_excess_seconds or 0.0, startup_seconds=self.startup,
+            # The run pays its first calls as the first trial did, and its candidate's own warm-up (compilation).
+            warmup_excess_seconds=max(first.warmup_excess_seconds or 0.0, best.warmup_excess_seconds or 0.0),
+            startup_seconds=self.startup,
             checkpoint_seconds=checkpoint.write_seconds, checkpoint_bytes=checkpoint.bytes,
             checkpoint_upload_seconds=checkpoint.upload_seconds, peak_memory_gib=best.peak_memory_gib,
             trials=self.trials, budget_seconds=self.budget, seconds=self.elapsed(), validation=validation,
