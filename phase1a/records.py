@@ -4,7 +4,9 @@ Every record becomes a `Conversation`: chat messages ending in an assistant turn
 trained text), plus the record's tool schemas if it has any. `RECORD_FORMATS` is the one list of shapes: the
 config's choices, auto-detection, the documentation and the tests all read it. A bad record raises `RecordError`
 naming where it is (file and line, or array index) and the field path; the caller decides whether that fails
-the run or is skipped and counted under the error's `reason`.
+the run or is skipped and counted under the error's `reason`. One rule for every format: an empty or blank turn
+(a chat turn, a prompt, an instruction, a completion, an output, a text; not an assistant turn that only calls
+tools) is a bad record, `empty_turn`.
 """
 from __future__ import annotations
 
@@ -145,6 +147,20 @@ def _text(record: dict, field: str, where: str, optional: bool = False) -> str:
     return value
 
 
+def _turn_text(record: dict, field: str, where: str, role: str) -> str:
+    """A field that is a whole turn (a prompt, a completion, a text): empty is a bad record, as an empty turn of a
+    chat is (`_turn`): one rule for every format, counted as `empty_turn` when bad records are skipped."""
+    value = _text(record, field, where)
+    _require_content(value, f"field {field!r}", where, role)
+    return value
+
+
+def _require_content(text: str, path: str, where: str, role: str) -> None:
+    """An empty or blank turn has nothing to train on (an assistant's) or to answer (a user's)."""
+    if not text.strip():
+        raise RecordError(f"{where}: {path}: empty {role} turn", "empty_turn")
+
+
 def _chat(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
     messages = _turns(record.get("messages"), "messages", where, role_map, role_key="role", content_key="content")
     return _checked(messages, where, lambda index: f"messages[{index}]")
@@ -169,13 +185,15 @@ def _alpaca(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str
                 if not isinstance(text, str):
                     raise RecordError(f"{where}: history[{index}][{turn}]: must be a string "
                                       f"({type(text).__name__})", "non_string_content")
+                _require_content(text, f"history[{index}][{turn}]", where, role)
                 messages.append({"role": role, "content": text})
     prompt = _text(record, "instruction", where)
     extra = _text(record, "input", where, optional=True)
     if extra.strip():
         prompt = f"{prompt}\n\n{extra}"
+    _require_content(prompt, "field 'instruction'", where, "user")
     return messages + [{"role": "user", "content": prompt},
-                       {"role": "assistant", "content": _text(record, "output", where)}]
+                       {"role": "assistant", "content": _turn_text(record, "output", where, "assistant")}]
 
 
 def _prompt_completion(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
@@ -190,13 +208,13 @@ def _prompt_completion(record: dict, where: str, role_map: dict[str, str]) -> li
         # Only the completion is trained (TRL's semantics): assistant turns of the prompt are context.
         context = [{**m, "train": False} if m["role"] == "assistant" else m for m in context]
         return _checked(context + answer, where, path_of)
-    return [{"role": "user", "content": _text(record, "prompt", where)},
-            {"role": "assistant", "content": _text(record, "completion", where)}]
+    return [{"role": "user", "content": _turn_text(record, "prompt", where, "user")},
+            {"role": "assistant", "content": _turn_text(record, "completion", where, "assistant")}]
 
 
 def _plain_text(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:
     """All of it is trained: one assistant message the renderer writes without a template."""
-    return [{"role": "assistant", "content": _text(record, "text", where)}]
+    return [{"role": "assistant", "content": _turn_text(record, "text", where, "assistant")}]
 
 
 @dataclass(frozen=True)
@@ -271,8 +289,8 @@ def _turn(turn: Any, path: str, where: str, role_map: dict[str, str], role_key: 
     if content is not None and not isinstance(content, str):
         raise RecordError(f"{where}: {path}.{content_key}: must be a string ({type(content).__name__})",
                           "non_string_content")
-    if not calls and not (content or "").strip():
-        raise RecordError(f"{where}: {path}.{content_key}: empty {role} turn", "empty_turn")
+    if not calls:
+        _require_content(content or "", f"{path}.{content_key}", where, role)
     message["content"] = content or ""  # a tool-call turn may have no text
     message.update(extras)
     return message
