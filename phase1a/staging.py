@@ -39,7 +39,7 @@ from phase1a.atomic import atomic_path, write_atomically
 from phase1a.datasource import DataLocation, download_hub_dataset, is_json_array
 from phase1a.errors import DataError
 from phase1a.fingerprint import READ_CHUNK, FileHashes, hash_json
-from phase1a.locators import file_format, is_data_file, looks_like_hub_id
+from phase1a.locators import DATA_FILE_FORMATS, file_format, is_data_file, looks_like_hub_id
 from phase1a.logs import run_logger
 from phase1a.meter import Meter, stage_meter
 from phase1a.s3 import (
@@ -68,6 +68,8 @@ class StagedData(DataLocation):
     file_sha256: dict[str, str] = {}  # a directory's files (relative path -> sha256): tokenize keys each shard on it
     files_copied: int = 0  # files downloaded or copied this time
     files_reused: int = 0  # files already staged (this listing, or an earlier one that shared them)
+    files_ignored: int = 0  # a directory's or prefix's files that are not data files by suffix (README, NOTES.txt)
+    ignored_files: list[str] = []  # the first SHOWN_IGNORED of those, named as the user names them
 
 
 class StageManifest(BaseModel):
@@ -79,6 +81,22 @@ class StageManifest(BaseModel):
     size_bytes: int = 0
     file_sha256: dict[str, str] = {}  # model directory: relative path -> sha256
     deferred: dict[str, bool] = {}  # keys not downloaded (their sha256 came from the store) -> JSON array
+
+
+SHOWN_IGNORED = 5  # ignored files named in the stage result and the report; every one is counted
+
+
+def _ignoring(staged: StagedData, names: list[str]) -> StagedData:
+    """`staged` with the files of `names` (relative to the source) that are not data files counted and the first
+    few named, and logged: a file the reader passes over is said, not skipped without a word."""
+    ignored = sorted(name for name in names if not is_data_file(name))
+    if not ignored:
+        return staged
+    shown = [f"{staged.origin.rstrip('/')}/{name}" if staged.origin else name for name in ignored[:SHOWN_IGNORED]]
+    more = f" and {len(ignored) - len(shown)} more" if len(ignored) > len(shown) else ""
+    run_logger().warning("%s: %d file(s) ignored, not data files by their suffix (%s): %s%s", staged.source,
+                         len(ignored), ", ".join(sorted(DATA_FILE_FORMATS)), ", ".join(shown), more)
+    return staged.model_copy(update={"files_ignored": len(ignored), "ignored_files": shown})
 
 
 @dataclass(frozen=True)
@@ -420,7 +438,8 @@ def _stage_local(source: str, staging_dir: Path) -> StagedData:
         return _stage_local_tree(source, base, files, staging_dir, explicit=True)
     path = local_source_path(source)
     if path.is_dir():
-        return _stage_local_tree(source, path, _local_files(path), staging_dir, explicit=False)
+        files = _local_files(path)
+        return _ignoring(_stage_local_tree(source, path, files, staging_dir, explicit=False), files)
     return _stage_local_file(source, path, staging_dir)
 
 
@@ -549,11 +568,13 @@ def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, options:
     staged = _stage_s3_prefix(source, url, client, objects, staging_dir, options)
     files = [_relative_file(url, item.key).as_posix() for item in data]  # key order: the shards' order
     shas = {name: staged.shas[item.key] for name, item in zip(files, data)}
-    return StagedData(source=source, path=str(staged.target), origin=source, files=files,
+    listed = [_relative_file(url, item.key).as_posix() for item in objects]
+    return _ignoring(StagedData(source=source, path=str(staged.target), origin=source, files=files,
                       fingerprint=_content_fingerprint(list(shas.items())), size_bytes=sum(item.size for item in data),
                       copied=bool(staged.downloaded), objects=objects, file_sha256=shas,
                       files_copied=staged.downloaded, files_reused=staged.reused,
-                      deferred={_relative_file(url, key).as_posix(): shape for key, shape in staged.deferred.items()})
+                      deferred={_relative_file(url, key).as_posix(): shape for key, shape in staged.deferred.items()}),
+                     listed)
 
 
 def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:

@@ -31,6 +31,21 @@ def test_a_corrupted_staged_copy_is_replaced(tmp_path, dataset):
     assert again.copied and open(again.path, "rb").read() == dataset.read_bytes()
 
 
+def test_files_beside_the_shards_that_are_not_data_are_counted_and_named(tmp_path, dataset):
+    shards = tmp_path / "shards"
+    (shards / "notes").mkdir(parents=True)
+    (shards / "part-0.jsonl").write_bytes(dataset.read_bytes())
+    ignored = ["NOTES.txt", "checksums.sha256", *(f"notes/{day:02d}.md" for day in range(1, 6))]
+    for name in ignored:
+        (shards / name).write_text("not data\n")
+    staged = stage_dataset(str(shards), tmp_path / "staging")
+    assert staged.files_ignored == len(ignored)
+    assert staged.ignored_files == [f"{shards}/{name}" for name in sorted(ignored)][: len(staged.ignored_files)]
+    assert 0 < len(staged.ignored_files) < len(ignored)  # the first few named, every one counted
+    only_data = stage_dataset(str(dataset), tmp_path / "staging")
+    assert only_data.files_ignored == 0 and only_data.ignored_files == []
+
+
 def test_missing_empty_and_unsupported_sources(tmp_path):
     with pytest.raises(DataError, match=r"data.source: no such file: .*nope.jsonl"):
         stage_dataset(str(tmp_path / "nope.jsonl"), tmp_path / "staging")
