@@ -57,7 +57,9 @@ def sdpa_packed_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if position_ids is None:
-        position_ids = torch.arange(query.shape[2])[None].expand(query.shape[0], -1)
+        position_ids = torch.arange(query.shape[2])[None]
+    if position_ids.shape[0] != query.shape[0]:  # one row of positions for a whole batch: generation's prefill
+        position_ids = position_ids.expand(query.shape[0], -1)
     rows = []
     with sdpa_kernel(_BACKENDS, set_priority=True):
         for row, spans in enumerate(segments(position_ids)):

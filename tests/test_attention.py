@@ -24,6 +24,16 @@ def test_each_example_attends_causally_to_itself_only():
     torch.testing.assert_close(output, torch.cat(expected, dim=2).transpose(1, 2))
 
 
+def test_a_batch_of_unpadded_rows_with_one_row_of_positions_keeps_every_row():
+    """Generation's prefill of equal-length prompts: no padding mask, and transformers passes the positions as one
+    row for the whole batch."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(3, 2, 6, 8) for _ in range(3))
+    output, _ = sdpa_packed_forward(torch.nn.Module(), query, key, value, None, position_ids=torch.arange(6)[None])
+    expected = F.scaled_dot_product_attention(query, key, value, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(output, expected)
+
+
 def test_the_calls_stay_off_cudnn_attention_and_leave_the_settings_as_they_were(monkeypatch):
     """cuDNN attention builds a graph for every new sequence length, and every example length is one."""
     seen = []
