@@ -187,14 +187,38 @@ def _data(report: dict) -> list[str]:
                        + (f", {data['shards_uploaded']} uploaded" if data.get("shards_uploaded") else "") + ")"),
             ("staged files", f"{staged.get('files_copied', 0)} copied, {staged.get('files_reused', 0)} reused"
              if staged.get("files") else ("copied" if staged.get("copied") else "reused")),
+            *_ignored(report),
             ("skipped", ", ".join(f"{reason}: {count}" for reason, count in data["skipped"].items()) or "none"),
             ("duplicates", f"{data['duplicates']} ({data['duplicates_dropped']} dropped)"),
+            ("train/validation overlap", f"{data.get('validation_overlap', 0)} held-out example(s) also in train"),
+            *_outliers(data.get("outliers")),
             ("truncated", data["truncated_examples"]), ("dropped overlong", data["dropped_overlong"]),
             ("dropped without labels", data["dropped_without_labels"])]
     if report.get("replay"):
         rows.append(("replay", ", ".join(f"{k}: {v}" for k, v in report["replay"].items())))
     rows += [("corrupt in the store", problem) for problem in data.get("shards_corrupt", [])]
     return ["## Data", "", *_table(("", ""), rows)]
+
+
+def _ignored(report: dict) -> list[tuple[str, str]]:
+    """The files of the sources that were not read as data (a NOTES.txt beside the shards): counted, the first few
+    named."""
+    rows = []
+    for stage, label in (("stage", "ignored files"), ("stage_validation", "ignored validation files")):
+        staged = _result(report, stage)
+        if staged.get("files_ignored"):
+            named = ", ".join(f"`{name}`" for name in staged["ignored_files"])
+            more = staged["files_ignored"] - len(staged["ignored_files"])
+            rows.append((label, f"{staged['files_ignored']}: {named}" + (f" and {more} more" if more else "")))
+    return rows
+
+
+def _outliers(outliers: dict | None) -> list[tuple[str, str]]:
+    if not outliers:
+        return [("outliers", "none")]
+    named = ", ".join(f"`{where}` ({tokens:,} tokens)" for where, tokens in outliers["longest"])
+    return [("outliers", f"{outliers['count']} longer than {outliers['threshold']:,} tokens: {named}; the other "
+                         f"examples size to {outliers['others_length']:,} (the plan's profile decides)")]
 
 
 def _plan(report: dict) -> list[str]:

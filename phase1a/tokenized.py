@@ -40,6 +40,7 @@ class TokenizedData(BaseModel):
     skipped: dict[str, int]
     skipped_examples: list[str]
     duplicates: int
+    validation_overlap: int = 0  # held-out examples whose exact content is also in train (a shared validation_source)
     duplicates_dropped: int
     truncated_examples: int
     dropped_overlong: int

@@ -6,7 +6,7 @@ time and cost, fit the time window (`phase1a/window.py`) and price the other har
 The recipe, `make_plan`, in named phases:
   1. setup        the model's shape, the target hardware and whether it is the one present, the precision,
                   the attention, the memory model
-  2. truncation   the profile's max_seq_length (fast, and balanced with outliers, cut at the p99.9 length)
+  2. truncation   the profile's max_seq_length (fast cut at the p99.9 length; fast and balanced cut outliers)
   3. throughput   best first: the last whole runs of this model and method on this hardware (the history:
                   the latest run's knobs when they still fit, the upper median speed of the last few runs with
                   those knobs, so one run slowed by a neighbour does not set the plan); a calibration sweep
@@ -85,7 +85,7 @@ from phase1a.interruptions import (
     interval_text,
     overhead_share,
 )
-from phase1a.lengths import OUTLIER_FACTOR, Outliers, right_size
+from phase1a.lengths import Outliers, right_size
 from phase1a.logs import run_logger
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
@@ -181,16 +181,17 @@ class _Planner:
     # ---- 2. truncation -----------------------------------------------------------------------------------
 
     def truncation(self) -> int:
-        """fast: the longest 0.1 % of examples are truncated rather than sizing every batch; balanced: only
-        when a few far-out examples would size every row."""
+        """fast: the longest 0.1 % of examples are truncated rather than sizing every batch; fast and balanced: an
+        outlier (phase1a/lengths.py) never sizes the run, it is cut to the length the other examples size to."""
         data, profile = self.data, self.policy.profile
-        if not (profile == "fast" or (profile == "balanced" and data.outliers)):
-            return data.max_seq_length
-        capped = min(data.max_seq_length, right_size(self.lengths, FAST_PERCENTILE, data.model_max_length, None))
-        if profile == "balanced":
-            truncated = int((self.lengths > capped).sum())
-            self.notes.append(_outlier_note(data.outliers, data.max_seq_length, capped, truncated))
-        return capped
+        length = data.max_seq_length
+        if profile == "fast":
+            length = min(length, right_size(self.lengths, FAST_PERCENTILE, data.model_max_length, None))
+        if profile in ("fast", "balanced") and data.outliers and data.outliers.others_length < length:
+            length = data.outliers.others_length
+            self.notes.append(_outlier_note(profile, data.outliers, data.max_seq_length,
+                                            int((self.lengths > length).sum())))
+        return length
 
     # ---- 3. throughput -----------------------------------------------------------------------------------
 
@@ -617,11 +618,12 @@ def _peak_flops(accelerator: Accelerator) -> float:
     return accelerator.peak_flops
 
 
-def _outlier_note(outliers: Outliers, max_seq_length: int, capped: int, truncated: int) -> str:
+def _outlier_note(profile: str, outliers: Outliers, max_seq_length: int, truncated: int) -> str:
     where, tokens = outliers.longest[0]
-    return (f"balanced: max_seq_length {capped} (the p{FAST_PERCENTILE:g} length) instead of {max_seq_length}: "
-            f"{outliers.count} example(s) beyond {OUTLIER_FACTOR:g}x p{FAST_PERCENTILE:g} (the longest {tokens} "
-            f"tokens at {where}); {truncated} training example(s) truncated. plan.profile quality keeps them")
+    return (f"{profile}: max_seq_length {outliers.others_length} (sized from the examples other than the "
+            f"{outliers.count} outlier(s), longer than {outliers.threshold} tokens; the longest {tokens} tokens at "
+            f"{where}) instead of {max_seq_length}; {truncated} training example(s) truncated. plan.profile quality "
+            "keeps them")
 
 
 # ---- reading a plan ------------------------------------------------------------------------------------------

@@ -166,8 +166,8 @@ class _Sources:
         return fetch
 
     def name(self) -> str:
-        first = self.shards[0].path
-        return str(first) if len(self.shards) == 1 else f"{len(self.shards)} shards ({first}, ...)"
+        first = self.shards[0].label  # the user's name for it, not the staged copy's
+        return first if len(self.shards) == 1 else f"{len(self.shards)} shards ({first}, ...)"
 
     def where(self, place: np.ndarray) -> str:
         """file:line (or row) of an example, from its (shard, line) place."""
@@ -243,10 +243,16 @@ class _Decisions:
 
 def _decide(encoded: _Encoded, sources: _Sources, model_max_length: int, options: TokenizeOptions) -> _Decisions:
     lengths = encoded.lengths
-    outliers = find_outliers(lengths, lambda index: sources.where(encoded.places[index]))
+
+    def size_for(some: np.ndarray) -> int:
+        return right_size(some, options.length_percentile, model_max_length, options.max_seq_length)
+
+    # Found over every example, sized for all of them here: the plan's profile decides whether outliers size the
+    # run (quality) or are cut to what the others size (balanced, fast), on this one tokenized dataset.
+    outliers = find_outliers(lengths, lambda index: sources.where(encoded.places[index]), size_for)
     if outliers:
         run_logger().warning("%s", describe_outliers(outliers))
-    max_seq_length = right_size(lengths, options.length_percentile, model_max_length, options.max_seq_length)
+    max_seq_length = size_for(lengths)
     overlong = lengths > max_seq_length
     if options.overlong == "fail" and overlong.any():
         first = int(np.argmax(overlong))
@@ -258,28 +264,31 @@ def _decide(encoded: _Encoded, sources: _Sources, model_max_length: int, options
     if options.drop_duplicates:
         keep &= first_seen
     labelled = encoded.first_label < max_seq_length  # a label survives truncation
-    validation = (_validation_mask(encoded.keys, options) if sources.first_validation is None
+    validation = (_validation_mask(encoded.keys, options, sources.name()) if sources.first_validation is None
                   else encoded.places[:, 0] >= sources.first_validation)
     return _Decisions(max_seq_length, overlong, first_seen, keep, keep & labelled, int((keep & ~labelled).sum()),
                       validation, outliers)
 
 
-def _validation_mask(keys: np.ndarray, options: TokenizeOptions) -> np.ndarray:
-    """Held-out by content hash. A fraction keeps each example on its side as the data grows (its hash alone
-    decides); a count takes the lowest hashes, so new data can move the boundary."""
-    if keys.size < 2:
-        raise DataError(f"need at least 2 examples for a train and a validation split, got {keys.size}")
-    unit = keys.astype(np.float64) / 2.0**64
+def _validation_mask(keys: np.ndarray, options: TokenizeOptions, name: str) -> np.ndarray:
+    """Held-out by content hash, decided per distinct content, so exact duplicates are all on one side (else a
+    held-out example would also be trained on). A fraction keeps each example on its side as the data grows (its
+    hash alone decides); a count takes the lowest hashes, as many whole groups of duplicates as fit, so new data
+    can move the boundary."""
+    distinct, group, sizes = np.unique(keys, return_inverse=True, return_counts=True)  # ascending hashes
+    if distinct.size < 2:
+        what = f"all {keys.size} examples are the same" if keys.size > 1 else f"{keys.size} example"
+        raise DataError(f"{name}: {what}: nothing distinct to hold out for validation; add distinct examples or give "
+                        "data.validation_source")
     if options.validation_count is None:
-        mask = unit < options.validation_fraction
+        held = distinct.astype(np.float64) / 2.0**64 < options.validation_fraction
     else:
-        mask = np.zeros(keys.size, dtype=bool)
-        mask[np.argsort(keys, kind="stable")[: options.validation_count]] = True
-    if not mask.any():  # a tiny dataset: hold out the lowest hash rather than nothing
-        mask[np.argmin(keys)] = True
-    if mask.all():
-        mask[np.argmax(keys)] = False
-    return mask
+        held = np.cumsum(sizes) <= options.validation_count
+    if not held.any():  # a tiny dataset: hold out the lowest hash rather than nothing
+        held[0] = True
+    if held.all():
+        held[-1] = False
+    return held[group.reshape(-1)]
 
 
 # ---- 3. split ----------------------------------------------------------------------------------------------
@@ -347,6 +356,10 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
     stats = length_stats(lengths, run.split.supervised)
     np.save(work / "lengths.npy", lengths.astype(np.int32), allow_pickle=False)  # the run report draws them
     duplicates = int((~decided.first_seen).sum())
+    overlap = _overlap(run.encoded.keys, decided)
+    if overlap:
+        run_logger().warning("%d held-out example(s) are also in the training data (the same content): validation "
+                             "scores them as seen examples", overlap)
     return TokenizedData(
         fingerprint=out_dir.name, dir=str(out_dir), train_path=str(out_dir / "train.json"),
         validation_path=str(out_dir / "validation.json"), lengths_path=str(out_dir / "lengths.npy"),
@@ -359,11 +372,19 @@ def _describe(work: Path, out_dir: Path, run: _Described) -> TokenizedData:
         model_max_length=run.model_max_length,
         waste=waste_table(run.encoded.lengths, options.max_seq_length or run.model_max_length, decided.max_seq_length),
         skipped=dict(run.encoded.skipped), skipped_examples=run.encoded.shown, duplicates=duplicates,
+        validation_overlap=overlap,
         duplicates_dropped=duplicates if options.drop_duplicates else 0,
         truncated_examples=int((decided.overlong & decided.keep).sum()) if options.overlong == "truncate" else 0,
         dropped_overlong=int(decided.overlong.sum()) if options.overlong == "drop" else 0,
         dropped_without_labels=decided.without_labels,
     )
+
+
+def _overlap(keys: np.ndarray, decided: _Decisions) -> int:
+    """Held-out examples whose exact content (content hash) is also trained on: none from a split of one source
+    (duplicates stay on one side), possible with a validation_source that shares examples with the source."""
+    held_out = decided.kept & decided.validation
+    return int(np.isin(keys[held_out], keys[decided.kept & ~decided.validation]).sum())
 
 
 # ---- the task ----------------------------------------------------------------------------------------------

@@ -90,7 +90,10 @@ def test_one_far_longer_example_is_named_and_the_balanced_plan_truncates_it(conf
     done = plan(config_tree, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     output = done.stdout + done.stderr
-    assert re.search(rf"1 example\(s\) longer than 2x the p99.9 length \([\d.]+ tokens\), the longest \d+ tokens at "
-                     rf"{re.escape(str(data))}:701", output), output[-3000:]
-    assert re.search(rf"note: balanced: max_seq_length 64 \(the p99.9 length\) instead of 256: .*{re.escape(str(data))}"
-                     r":701\); 1 training example\(s\) truncated", done.stdout), done.stdout[-3000:]
+    assert re.search(rf"1 outlier example\(s\), longer than \d+ tokens .*: {re.escape(str(data))}:701 \(\d+ tokens\)",
+                     output), output[-3000:]
+    outliers = report_of(done)["stages"]["tokenize"]["result"]["outliers"]
+    assert outliers["count"] == 1 and outliers["others_length"] < 256  # the dates size to a fraction of the model's
+    assert re.search(rf"note: balanced: max_seq_length {outliers['others_length']} \(sized from the examples other "
+                     rf"than the 1 outlier\(s\), .*{re.escape(str(data))}:701\) instead of 256; 1 training "
+                     r"example\(s\) truncated", done.stdout), done.stdout[-3000:]
