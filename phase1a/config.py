@@ -221,10 +221,11 @@ class HardwareConfig(_Section):
 
 class PlanConfig(_Section):
     profile: Literal["fast", "balanced", "quality", "memory_efficient", "custom"] = Field(
-        "balanced", description="fast: truncate at the p99.9 length; balanced: truncate there only when an example is "
-                                "over 2x that length (an outlier); quality: never truncate; memory_efficient: one "
-                                "example a row with gradient checkpointing; custom: the knobs below. memory_efficient "
-                                "and custom fix their knobs: no calibration sweep.")
+        "balanced", description="fast: truncate at the p99.9 length, and outliers; balanced: truncate only outliers "
+                                "(far longer than all the others: docs/stages.md#tokenize), sizing the run from the "
+                                "other examples; quality: never truncate; memory_efficient: one example a row with "
+                                "gradient checkpointing; custom: the knobs below. memory_efficient and custom fix "
+                                "their knobs: no calibration sweep.")
     min_epochs: float = Field(1.0, gt=0.0, description="Fitting a time window never cuts epochs below this.")
     micro_batch_size: int | None = Field(None, ge=1, description=(
         "custom profile only, required there: examples per packed row; must divide method.batch_size."))
