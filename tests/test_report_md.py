@@ -136,6 +136,22 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path):
     assert "[plan.json](plan.json)" in text and "candidate_metrics.json" not in text  # only the files there
 
 
+def test_the_data_section_names_ignored_files_the_overlap_and_the_outliers(tmp_path):
+    report, run_dir = report_json(tmp_path)
+    assert "| ignored files |" not in write_report(report, run_dir).read_text()  # none ignored: no row
+    assert "| outliers | none |" in write_report(report, run_dir).read_text()
+    notes = [f"/data/shards/notes/{day:02d}.md" for day in range(1, 6)]
+    report["stages"]["stage"]["result"].update(files_ignored=7, ignored_files=notes)
+    report["stages"]["tokenize"]["result"].update(validation_overlap=3, outliers={
+        "count": 1, "threshold": 172, "reference": 43, "others_length": 64,
+        "longest": [["/data/shards/part-1.jsonl:12", 20037]]})
+    text = write_report(report, run_dir).read_text()
+    assert f"| ignored files | 7: {', '.join(f'`{name}`' for name in notes)} and 2 more |" in text
+    assert "| train/validation overlap | 3 held-out example(s) also in train |" in text
+    assert ("| outliers | 1 longer than 172 tokens: `/data/shards/part-1.jsonl:12` (20,037 tokens); the other "
+            "examples size to 64 (the plan's profile decides) |") in text
+
+
 def test_an_early_stop_and_an_s3_pointer_read_as_they_are(tmp_path):
     report, run_dir = report_json(tmp_path)
     report["config"]["validation"] = {"promote_to": "s3://models/dates/", "early_stopping": 1}
