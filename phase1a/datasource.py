@@ -170,6 +170,107 @@ def iter_records(shards: list[Shard], offset: int = 0) -> Iterator[SourceRecord]
             yield SourceRecord(offset + number, index, raw)
 
 
+# ---- runs: a shard's records a few thousand at a time, for another process to decode ----------------------
+# Reading stays in one process (a shard is one stream, decompressed in order), but a run is cheap to hand over:
+# one bytes object or one Arrow buffer, not a Python object per record. The process that encodes it turns it
+# into records (`records()`); the run's numbers are the same lines and rows iter_records gives.
+
+
+class LineRun(NamedTuple):
+    """Consecutive records of a JSON Lines shard: their line numbers, and those lines (each with its newline,
+    blank lines left out, undecoded) joined into one bytes object."""
+
+    shard: int
+    numbers: list[int]
+    data: bytes
+
+    def records(self) -> list[SourceRecord]:
+        return [SourceRecord(self.shard, number, _decoded(line))
+                for number, line in zip(self.numbers, io.BytesIO(self.data))]
+
+
+class RowRun(NamedTuple):
+    """Consecutive rows of a columnar shard (Parquet, Arrow, CSV/TSV), the first numbered `first`, as an Arrow
+    IPC stream: only these rows' bytes, where pickling a slice of a batch would copy the whole batch."""
+
+    shard: int
+    first: int
+    data: pa.Buffer
+    source: Shard  # for the message when a row cannot be read
+
+    def records(self) -> list[SourceRecord]:
+        try:
+            rows = pa.ipc.open_stream(self.data).read_all().to_pylist()
+        except _UNREADABLE as error:
+            raise _unreadable(self.source, error) from None
+        return [SourceRecord(self.shard, self.first + index, row) for index, row in enumerate(rows)]
+
+
+class ItemRun(NamedTuple):
+    """Consecutive items of a JSON array shard (read whole, as it must be), the first numbered `first`."""
+
+    shard: int
+    first: int
+    items: list
+
+    def records(self) -> list[SourceRecord]:
+        return [SourceRecord(self.shard, self.first + index, item) for index, item in enumerate(self.items)]
+
+
+RecordRun = LineRun | RowRun | ItemRun
+
+
+def record_runs(shards: list[Shard], numbers: list[int], size: int) -> Iterator[RecordRun]:
+    """The records of `shards[number]` for each of `numbers`, in order, in runs of `size` (a shard's last run
+    may be shorter); a run never spans two shards."""
+    for number in numbers:
+        shard = shards[number]
+        if shard.format != "json":
+            yield from _row_runs(number, shard, size)
+        elif shard.json_array:
+            items = _json_array(shard)
+            yield from (ItemRun(number, first, items[first:first + size]) for first in range(0, len(items), size))
+        else:
+            yield from _line_runs(number, shard, size)
+
+
+def _line_runs(number: int, shard: Shard, size: int) -> Iterator[LineRun]:
+    numbers: list[int] = []
+    lines: list[bytes] = []
+    with open_binary(shard.path) as handle:
+        for lineno, line in _record_lines(handle):
+            numbers.append(lineno)
+            lines.append(line)
+            if len(lines) == size:
+                yield LineRun(number, numbers, b"".join(lines))
+                numbers, lines = [], []
+    if lines:
+        yield LineRun(number, numbers, b"".join(lines))
+
+
+def _row_runs(number: int, shard: Shard, size: int) -> Iterator[RowRun]:
+    first, held, count = 0, [], 0
+    for batch in _checked_batches(shard):
+        while batch.num_rows:
+            taken = batch.slice(0, size - count)
+            held.append(taken)
+            count += taken.num_rows
+            batch = batch.slice(taken.num_rows)
+            if count == size:
+                yield RowRun(number, first, _ipc_stream(held), shard)
+                first, held, count = first + count, [], 0
+    if held:
+        yield RowRun(number, first, _ipc_stream(held), shard)
+
+
+def _ipc_stream(batches: list[pa.RecordBatch]) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    return sink.getvalue()
+
+
 _MAGIC = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ", lzma.open))
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _SAMPLE = 8 * MIB  # bytes of a text shard read to estimate its record count
@@ -251,15 +352,24 @@ def iter_lines(shard: Shard) -> Iterator[tuple[int, str | Any]]:
         yield from enumerate(_json_array(shard))
         return
     with open_binary(shard.path) as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if lineno == 1:
-                line = line.removeprefix(_BOM)
-            if not line.strip():
-                continue
-            try:
-                yield lineno, line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield lineno, UndecodableLine(error.start + 1, line[error.start])
+        for lineno, line in _record_lines(handle):
+            yield lineno, _decoded(line)
+
+
+def _record_lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of every line that holds a record: a blank line holds none; line 1 loses a BOM."""
+    for lineno, line in enumerate(handle, start=1):
+        if lineno == 1:
+            line = line.removeprefix(_BOM)
+        if line.strip():
+            yield lineno, line
+
+
+def _decoded(line: bytes) -> str | UndecodableLine:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return UndecodableLine(error.start + 1, line[error.start])
 
 
 def _json_array(shard: Shard) -> list:
@@ -283,12 +393,26 @@ def _json_array(shard: Shard) -> list:
     return items
 
 
+_UNREADABLE = (ValueError, OSError)  # pyarrow's ArrowInvalid is a ValueError
+
+
+def _unreadable(shard: Shard, error: Exception) -> DataError:
+    return DataError(f"{shard.label}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}")
+
+
 def _columnar_rows(shard: Shard) -> Iterator[dict]:
     try:
         for batch in _record_batches(shard):
             yield from batch.to_pylist()
-    except (ValueError, OSError) as error:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"{shard.label}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}") from None
+    except _UNREADABLE as error:
+        raise _unreadable(shard, error) from None
+
+
+def _checked_batches(shard: Shard) -> Iterator[pa.RecordBatch]:
+    try:
+        yield from _record_batches(shard)
+    except _UNREADABLE as error:
+        raise _unreadable(shard, error) from None
 
 
 def _record_batches(shard: Shard) -> Iterator[pa.RecordBatch]:

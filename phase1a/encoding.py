@@ -3,13 +3,15 @@ time, in this process or in a pool of worker processes.
 
 Why a pool: per record, parsing the JSON, reading the record's shape, assembling the chat template and
 hashing the content are Python. The Rust tokenizer threads by itself, but the Python part holds one core, so
-one process cannot fill a 16-core GPU host: on 50k chat examples with SmolLM2's tokenizer one process spends
-10.6 CPU-s in 7.0 s of wall time on 2 cores, about 4 of them in single-threaded Python. Chunks are
-independent: N worker processes encode N chunks at once, each with one tokenizer thread, so the stage's wall
-time is about (CPU per example x examples) / N. What does not divide is the parent's share, reading lines and
-writing Arrow batches: 0.27 CPU-s of those 10.6, so the design scales to ~40 processes before the parent
-limits it. The parent takes results in source order, so the output is byte for byte the same as with one
-process; at most two chunks per worker are in flight, so RAM does not grow with the data.
+one process cannot fill a 16-core GPU host. Chunks are independent: N worker processes encode N chunks at
+once, each with one tokenizer thread, so the stage's wall time is about (CPU per example x examples) / N.
+
+What does not divide is the parent's share, so the parent does as little as it can: it reads each shard as
+one stream (it must: a compressed file decompresses in order) and cuts it into runs of CHUNK records, each
+one bytes object or Arrow buffer (phase1a/datasource.py's record runs), never a Python object per record. A
+worker decodes its run, encodes it and readies its part of the shard's output (the job, phase1a/shards.py);
+the parent takes results in source order, so the output is byte for byte the same for any worker count. At
+most two chunks per worker are in flight, so RAM does not grow with the data. Measured: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -18,24 +20,24 @@ import hashlib
 import os
 import sys
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import groupby, islice
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
-from phase1a.datasource import Shard, SourceRecord, describe
+from phase1a.datasource import RecordRun, Shard, SourceRecord, describe, record_runs
 from phase1a.hardware import usable_cores
 from phase1a.records import RecordError, parse_json_record, to_conversation
 from phase1a.render import Renderer, TokenizedChunk, tokenize_conversations
 from phase1a.units import MIB
 
-CHUNK = 4096  # records per batched tokenizer call, and per task of a worker
+CHUNK = 4096  # records per batched tokenizer call, per task of a worker, and per record batch of a shard's tokens
 SHOWN_SKIPS = 5  # skipped records quoted in the report; every skip is counted
 # auto: one worker per 8 MiB of input (~14k chat records, ~3 s of one core's work at the 200 us a record
 # measured on 500k): a worker's start-up, its fork and first render of each template (~0.5 s), stays small.
@@ -118,19 +120,27 @@ def auto_workers(shards: list[Shard], requested: int | None) -> int:
     return max(1, min(usable_cores(), size // BYTES_PER_WORKER))
 
 
-def encode_chunks(records: Iterable[SourceRecord], encoder: ChunkEncoder, workers: int) -> Iterator[EncodedChunk]:
-    """Encoded chunks of `records` in source order; a bad record raises its RecordError (with `bad_records: fail`)."""
-    chunks = _chunks(records)
+def chunk_runs(shards: list[Shard], numbers: list[int]) -> Iterator[RecordRun]:
+    """The records of each of `shards[number]`, in runs of CHUNK: one chunk each."""
+    return record_runs(shards, numbers, CHUNK)
+
+
+Result = TypeVar("Result")
+
+
+def encode_chunks(runs: Iterable[RecordRun], job: Callable[[RecordRun], Result], workers: int) -> Iterator[Result]:
+    """`job(run)` for every run, in source order, in this process or in `workers` processes; a bad record raises
+    its RecordError (with `bad_records: fail`)."""
     if workers <= 1:
-        yield from map(encoder, chunks)
+        yield from map(job, runs)
         return
+    _import_pandas()
     with _frozen_heap():
-        pool = ProcessPoolExecutor(workers, mp_context=_START, initializer=_start_worker,
-                                   initargs=(encoder.tokenizer, encoder.shards, encoder.settings))
+        pool = ProcessPoolExecutor(workers, mp_context=_START, initializer=_start_worker, initargs=(job,))
         try:
-            pending: deque[Future[EncodedChunk]] = deque()
-            for chunk in chunks:
-                pending.append(pool.submit(_encode_in_worker, chunk))
+            pending: deque[Future[Result]] = deque()
+            for run in runs:
+                pending.append(pool.submit(_run_in_worker, run))
                 if len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
                     yield _result(pending.popleft(), workers)
             while pending:
@@ -139,18 +149,21 @@ def encode_chunks(records: Iterable[SourceRecord], encoder: ChunkEncoder, worker
             pool.shutdown(cancel_futures=True)
 
 
-def _chunks(records: Iterable[SourceRecord]) -> Iterator[list[SourceRecord]]:
-    """Up to CHUNK records at a time, a new chunk at each shard's start."""
-    for _, shard_records in groupby(records, key=lambda record: record.shard):
-        yield from iter(lambda: list(islice(shard_records, CHUNK)), [])
-
-
-def _result(future: Future[EncodedChunk], workers: int) -> EncodedChunk:
+def _result(future: Future, workers: int):
     try:
         return future.result()
     except BrokenProcessPool as error:
         raise RuntimeError(f"a tokenize worker process ended without a result (of {workers}; killed for memory?): "
                            "set data.tokenize_workers lower, or 1 to tokenize in this process") from error
+
+
+def _import_pandas() -> None:
+    """pyarrow imports pandas (when installed) the first time it converts a Python list, 0.35 s of CPU: once
+    here, before the fork, rather than once in every worker."""
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        pass
 
 
 @contextmanager
@@ -165,15 +178,15 @@ def _frozen_heap():
         gc.unfreeze()
 
 
-_worker_encoder: ChunkEncoder | None = None
+_worker_job: Callable[[RecordRun], object] | None = None
 
 
-def _start_worker(tokenizer, shards: list[Shard], settings: EncodeSettings) -> None:
-    global _worker_encoder
+def _start_worker(job: Callable[[RecordRun], object]) -> None:
+    global _worker_job
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes fill the cores
-    _worker_encoder = ChunkEncoder(tokenizer, shards, settings)
+    _worker_job = job
 
 
-def _encode_in_worker(records: list[SourceRecord]) -> EncodedChunk:
-    assert _worker_encoder is not None, "the pool's initializer did not run"
-    return _worker_encoder(records)
+def _run_in_worker(run: RecordRun):
+    assert _worker_job is not None, "the pool's initializer did not run"
+    return _worker_job(run)

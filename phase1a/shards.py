@@ -11,13 +11,18 @@ module's code with everything it imports. Its directory, `<root>/<key>/`:
   tokens.arrow    input_ids and labels, full length (truncation is decided over the union, applied at read)
   examples.arrow  per example: line (or row), content key, length, first supervised position, supervised tokens
   summary.json    examples written, and the bad records skipped (counted, the first few quoted)
+Encoded in worker processes (phase1a/encoding.py), a chunk's token batch comes back as a file in a scratch
+directory beside the shards (`<root>/.parts-*/`), appended to the shard's tokens.arrow in source order: the bytes
+one process writes, for any count.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -26,8 +31,15 @@ import numpy as np
 import pyarrow as pa
 
 from phase1a.atomic import atomic_path
-from phase1a.datasource import Shard, SourceRecord, estimate_records, iter_records
-from phase1a.encoding import SHOWN_SKIPS, ChunkEncoder, EncodedChunk, EncodeSettings, auto_workers, encode_chunks
+from phase1a.datasource import RecordRun, Shard, estimate_records
+from phase1a.encoding import (
+    SHOWN_SKIPS,
+    ChunkEncoder,
+    EncodeSettings,
+    auto_workers,
+    chunk_runs,
+    encode_chunks,
+)
 from phase1a.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.labels import IGNORE_INDEX
 from phase1a.meter import Meter, stage_meter
@@ -139,23 +151,23 @@ class ShardStore:
         return [EncodedShard.read(directory, origin) for directory, origin in zip(dirs, origins)]
 
     def _encode_pending(self, shards: list[Shard], pending: list[int], dirs: list[Path]) -> None:
-        encoder = ChunkEncoder(self.tokenizer, shards, self.settings)
-        records = _records_of(shards, pending)
         writer: _ShardWriter | None = None
         # Progress in the parent, once per chunk of records: examples and tokens, against an estimate of the
         # records that each shard corrects as it ends.
         estimates = {number: estimate_records(shards[number]) for number in pending}
         total = None if None in estimates.values() else sum(estimates.values())
         what = f"{len(pending)} of {len(shards)} shards to encode in {self.workers} process(es)"
-        with stage_meter("tokenize", total, "examples", what=what) as meter:
+        with stage_meter("tokenize", total, "examples", what=what) as meter, self._parts() as parts:
+            job = _ChunkJob(ChunkEncoder(self.tokenizer, shards, self.settings), parts)
             try:
-                for chunk in encode_chunks(records, encoder, self.workers):
-                    if writer is None or writer.number != chunk.shard:
-                        if writer is not None:
-                            self._finish(writer, meter, estimates)
-                        writer = _ShardWriter(chunk.shard, dirs[chunk.shard])
-                    writer.add(chunk)
-                    meter.advance(chunk.records, tokens=chunk.token_count)
+                with closing(encode_chunks(chunk_runs(shards, pending), job, self.workers)) as outputs:
+                    for output in outputs:
+                        if writer is None or writer.number != output.shard:
+                            if writer is not None:
+                                self._finish(writer, meter, estimates)
+                            writer = _ShardWriter(output.shard, dirs[output.shard])
+                        writer.add(output)
+                        meter.advance(output.records, tokens=output.tokens)
             except BaseException:  # a bad record: the shards finished before it stay cached, this one goes
                 if writer is not None:
                     writer.abort()
@@ -165,6 +177,14 @@ class ShardStore:
         for number in pending:  # a shard with no records at all produced no chunk: it is cached empty
             if not (dirs[number] / "summary.json").is_file():
                 self._finish(_ShardWriter(number, dirs[number]), None, {})
+
+    def _parts(self):
+        """Where workers leave each chunk's tokens for this process to append (closed only after the pool has
+        stopped: `encode_chunks` ends inside it); none when the chunks are encoded in this process."""
+        if self.workers <= 1:
+            return nullcontext(None)
+        self.root.mkdir(parents=True, exist_ok=True)
+        return _scratch_directory(self.root)
 
     def _finish(self, writer: "_ShardWriter", meter: Meter | None, estimates: dict[int, int | None]) -> None:
         """Close a shard's output (and share it); its records are now counted, so the meter's total loses that
@@ -177,10 +197,54 @@ class ShardStore:
             meter.total += writer.records - estimate
 
 
-def _records_of(shards: list[Shard], numbers: list[int]):
-    for number in numbers:
-        for record in iter_records([shards[number]]):
-            yield SourceRecord(number, record.index, record.raw)
+@dataclass
+class _ChunkOutput:
+    """One chunk's share of its shard's files, as the job leaves it for the process that writes them."""
+
+    shard: int
+    records: int  # read from the source: examples and skipped records
+    tokens: int
+    columns: dict[str, np.ndarray]  # EXAMPLES_SCHEMA's, one value per example
+    batch: pa.RecordBatch | Path | None  # TOKENS_SCHEMA's rows, or the file a worker wrote them to; None: no examples
+    skipped: Counter[str]
+    shown: list[str]
+
+
+@dataclass
+class _ChunkJob:
+    """What is done to a chunk where it is encoded (a worker, or this process): its records decoded and
+    encoded, its examples' scalars and its token batch made, and, in a worker, that batch written to a file in
+    `parts`, so that only the scalars travel back to the parent."""
+
+    encoder: ChunkEncoder
+    parts: Path | None
+
+    def __call__(self, run: RecordRun) -> _ChunkOutput:
+        chunk = self.encoder(run.records())
+        columns: dict[str, np.ndarray] = {}
+        batch: pa.RecordBatch | Path | None = None
+        if chunk.tokens is not None:
+            offsets = chunk.tokens.offsets
+            first, supervised = label_scalars(chunk.tokens.labels, offsets)
+            columns = {"line": chunk.places[:, 1], "key": chunk.keys, "length": np.diff(offsets),
+                       "first_label": first, "supervised": supervised}
+            batch = pa.record_batch([pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
+                                     pa.ListArray.from_arrays(offsets, chunk.tokens.labels)], schema=TOKENS_SCHEMA)
+            if self.parts is not None:  # named by the shard and its first example's line or row: one chunk's
+                batch = _write_part(self.parts / f"{chunk.shard}-{chunk.places[0, 1]}.arrow", batch)
+        return _ChunkOutput(chunk.shard, chunk.records, chunk.token_count, columns, batch, chunk.skipped, chunk.shown)
+
+
+@contextmanager
+def _scratch_directory(parent: Path) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix=".parts-", dir=parent) as name:
+        yield Path(name)
+
+
+def _write_part(path: Path, batch: pa.RecordBatch) -> Path:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, TOKENS_SCHEMA) as writer:
+        writer.write_batch(batch)
+    return path
 
 
 class _ShardWriter:
@@ -198,19 +262,19 @@ class _ShardWriter:
         self.shown: list[str] = []
         self.records = 0  # read from the source: examples and skipped records
 
-    def add(self, chunk: EncodedChunk) -> None:
+    def add(self, chunk: _ChunkOutput) -> None:
         self.records += chunk.records
         self.skipped.update(chunk.skipped)
         self.shown += chunk.shown[: SHOWN_SKIPS - len(self.shown)]
-        if chunk.tokens is None:
+        if chunk.batch is None:
             return
-        offsets = chunk.tokens.offsets
-        self._tokens.write_batch(pa.record_batch(
-            [pa.ListArray.from_arrays(offsets, chunk.tokens.input_ids),
-             pa.ListArray.from_arrays(offsets, chunk.tokens.labels)], schema=TOKENS_SCHEMA))
-        first, supervised = label_scalars(chunk.tokens.labels, offsets)
-        for name, values in (("line", chunk.places[:, 1]), ("key", chunk.keys), ("length", np.diff(offsets)),
-                             ("first_label", first), ("supervised", supervised)):
+        if isinstance(chunk.batch, Path):  # a worker's file: its batch appended as it is mapped, then removed
+            with pa.memory_map(str(chunk.batch)) as source:
+                self._tokens.write_batch(pa.ipc.open_stream(source).read_next_batch())
+            chunk.batch.unlink()
+        else:
+            self._tokens.write_batch(chunk.batch)
+        for name, values in chunk.columns.items():
             self.columns[name].append(values)
 
     def abort(self) -> None:

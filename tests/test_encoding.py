@@ -2,6 +2,7 @@
 read-ahead, and the worker count's rule."""
 import os
 import pickle
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a import encoding
-from phase1a.datasource import DataLocation, SourceRecord, resolve_shards
+from phase1a.datasource import DataLocation, resolve_shards
 from phase1a.errors import DataError
 from phase1a.records import RecordError
 from phase1a.tokenized import split_digest as digest
@@ -69,13 +70,13 @@ def test_a_bad_record_in_a_worker_fails_with_its_file_and_line(tmp_path, tokeniz
     assert pooled.value.reason == serial.value.reason
 
 
-def _die(records):
+def _die(run):
     os._exit(9)
 
 
 def test_a_worker_that_dies_gives_an_error_that_says_what_to_do(tmp_path, tokenizer, small_chunks, monkeypatch):
     """A worker killed (the kernel's OOM killer, say) ends the stage with advice, not a bare BrokenProcessPool."""
-    monkeypatch.setattr(encoding, "_encode_in_worker", _die)  # forked workers inherit the patched module
+    monkeypatch.setattr(encoding, "_run_in_worker", _die)  # forked workers inherit the patched module
     data = write_jsonl(tmp_path / "data.jsonl", date_records(200))
     with pytest.raises(RuntimeError, match=r"a tokenize worker process ended without a result \(of 2; killed for "
                                            r"memory\?\): set data.tokenize_workers lower, or 1"):
@@ -95,17 +96,27 @@ def test_read_ahead_is_bounded_by_the_workers(tmp_path, tokenizer, small_chunks)
     read = count()
 
     def counted():
-        for index, line in enumerate(data.read_text().splitlines(), start=1):
+        for run in encoding.chunk_runs(shards, [0]):
             next(read)
-            yield SourceRecord(0, index, line)
+            yield run
 
     encoder = encoding.ChunkEncoder(tokenizer, shards, encoding.EncodeSettings())
-    chunks = encoding.encode_chunks(counted(), encoder, workers=2)
+    chunks = encoding.encode_chunks(counted(), _Encode(encoder), workers=2)
     first = next(chunks)
     assert len(first.keys) == 64
-    assert next(read) <= 64 * (2 * 2 + 1) + 1  # two per worker in flight, plus the one being cut
+    assert next(read) <= 2 * 2 + 1 + 1  # two per worker in flight, plus the one being cut
     assert sum(len(chunk.keys) for chunk in chunks) == 64 * 39
     chunks.close()
+
+
+@dataclass
+class _Encode:
+    """The plainest job: a run's records encoded (the stage's own job also writes its part of the shard)."""
+
+    encoder: encoding.ChunkEncoder
+
+    def __call__(self, run):
+        return self.encoder(run.records())
 
 
 def test_auto_workers_follow_the_input_size_up_to_the_cores(tmp_path, monkeypatch):
