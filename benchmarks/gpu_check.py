@@ -40,6 +40,7 @@ sys.path.insert(1, str(ROOT))
 # Neither imports a third-party package at the top: the host's bare python runs this before installing the wheels.
 from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json
 
+from phase1a.hardware import usable_cores
 from phase1a.units import GIB, MIB
 
 GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, installed packages, results kept between commands
@@ -120,10 +121,17 @@ def _plan(run: Run) -> list[str]:
                    "--out", str(run.results / "plan-smollm2.json"))
 
 
+def process_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... and the core count itself: 1 2 4 8 16 on a 16-core host, 1 2 4 8 16 20 on a 20-core one."""
+    counts = [1 << power for power in range(cores.bit_length()) if 1 << power <= cores]
+    return counts if counts[-1] == cores else [*counts, cores]
+
+
 def _tokenize(run: Run) -> list[str]:
-    """The tokenize stage at 1 to 16 worker processes (and one process on one core) on a host's many cores."""
+    """The tokenize stage at 1 worker process up to one per usable core (and one process on one core)."""
+    counts = [str(count) for count in process_counts(usable_cores())]
     sizes = (["--examples", "6000", "--workers", "1", "2"] if run.dry_run
-             else ["--tokenizer", str(TOKENIZER), "--examples", "200000", "--workers", "1", "2", "4", "8", "16"])
+             else ["--tokenizer", str(TOKENIZER), "--examples", "200000", "--workers", *counts])
     return _python("benchmarks/tokenize_throughput.py", *sizes, "--one-core", "--formats", "jsonl", "--map", "0",
                    "--onthefly", "0", "--work", str(run.work / "tokenize"),
                    "--out", str(run.results / "tokenize-scaling.json"))
@@ -137,8 +145,8 @@ PARTS = [
       for config in BENCH_CONFIGS],
     Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
          "plan-smollm2.json"),
-    Part("tokenize-scaling", "the tokenize stage at 1, 2, 4, 8 and 16 processes, 200k chat examples", 240, _tokenize,
-         "tokenize-scaling.json"),
+    Part("tokenize-scaling", "the tokenize stage at 1, 2, 4, ... processes up to the host's cores, 200k chat examples",
+         240, _tokenize, "tokenize-scaling.json"),
 ]
 
 
@@ -430,12 +438,12 @@ def _tokenize_section(scaling: dict | None) -> list[str]:
     runs = {key: value for key, value in scaling.items() if key.startswith("stage_") and isinstance(value, dict)}
     one_core = next((v for k, v in runs.items() if k.endswith("_1core")), None)
     lines = ["", f"## Tokenize at 1 to N processes ({scaling['cpus']} usable cores)", "",
-             "| run | processes | cores | seconds | tokens/s | vs one core | peak PSS, all processes (MiB) |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | processes | cores | seconds | tokens/s | vs one core | CPU s: parent, workers | peak PSS, all "
+             "processes (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for key, r in runs.items():
         ratio = f"{r['tokens_per_s'] / one_core['tokens_per_s']:.2f}x" if one_core else "n/a"
         lines.append(f"| {key} | {r['workers']} | {r['cores']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
-                     f"{ratio} | {r['peak_tree_pss_mib']:.0f} |")
+                     f"{ratio} | {r['parent_cpu_s']:.1f}, {r['workers_cpu_s']:.1f} | {r['peak_tree_pss_mib']:.0f} |")
     return lines
 
 

@@ -8,6 +8,14 @@ training DataLoader.
 Each measurement runs in its own process so its peak RSS is its own. Data: generated chat examples with an
 Alpaca-like, long-tailed length spread (lognormal word counts), the same records as JSONL and as Parquet
 (row groups of 10k); tokenizer: SmolLM2-135M-Instruct's. Prints a JSON summary; --out writes it too.
+
+A change against the code before it, in the same run (the stage alone, JSONL, the largest --examples):
+
+    git worktree add /tmp/before REV
+    uv run python benchmarks/tokenize_throughput.py --examples 500000 --workers 2 --against /tmp/before --rounds 3
+
+runs the stage of /tmp/before's checkout and of this one in turn (the order alternating by round), at each
+--workers count, and records each round's ratio of throughputs and that both wrote the same bytes.
 """
 from __future__ import annotations
 
@@ -22,10 +30,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from phase1a.labels import IGNORE_INDEX
-from phase1a.units import KIB, MIB
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# No project import at the top: a measurement process may import another checkout's code (--against).
 
 WORDS = ("the of and to in is was for on that with as by at from this are be or an it which have not has "
          "model data train value result answer question number list write explain describe example first "
@@ -56,6 +63,8 @@ def to_parquet(jsonl: Path, target: Path) -> None:
 def _peak_rss_mib() -> float:
     """This process's own high-water mark. Not getrusage's ru_maxrss: Linux carries that over from the parent
     across fork and exec, so every spawned measurement would report at least the parent's peak."""
+    from phase1a.units import KIB, MIB
+
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * KIB / MIB  # the kernel counts in KiB
@@ -94,26 +103,37 @@ class _TreeMemory:
         self._thread.join()
 
 
-def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, cores: int | None, queue) -> None:
-    """The tokenize stage with `workers` processes (None: its own rule), on the first `cores` cores (None: all)."""
+def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, cores: int | None, code: str,
+                  queue) -> None:
+    """The tokenize stage with `workers` processes (None: its own rule), on the first `cores` cores (None: all),
+    with the code of the checkout at `code`. parent_cpu_s is this process's CPU time, workers_cpu_s its worker
+    processes' (ended by then, so counted)."""
     import os
 
+    sys.path.insert(0, code)
+    import phase1a
+
+    assert phase1a.__file__.startswith(str(Path(code).resolve())), f"imported {phase1a.__file__}, not {code}'s"
     from phase1a.models import load_tokenizer
     from phase1a.tokenized import split_digest
+    from phase1a.units import MIB
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     if cores:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))  # the Rust tokenizer's threads follow
     tokenizer = load_tokenizer(Path(model_dir))
     began, cpu = time.perf_counter(), time.process_time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with _TreeMemory() as tree:
         result = tokenize_dataset(Path(data), tokenizer, 8192, TokenizeOptions(tokenize_workers=workers),
                                   Path(cache) / "bench")
     assert result.skipped == {} and result.lengths.count == result.train_examples + result.validation_examples
     seconds = time.perf_counter() - began
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,
                "tokens_per_s": result.lengths.total_tokens / seconds, "workers": result.workers,
                "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu,
+               "workers_cpu_s": ended.ru_utime + ended.ru_stime - children.ru_utime - children.ru_stime,
                "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / MIB,
                "train_sha256": split_digest(result.train_path),
                "validation_sha256": split_digest(result.validation_path)})
@@ -125,6 +145,7 @@ def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:
     tokenizes both, and labels the tokens after the prompt's. Counted from the load on, like ours."""
     from datasets import load_dataset
 
+    from phase1a.labels import IGNORE_INDEX
     from phase1a.models import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_dir))
@@ -207,10 +228,32 @@ def measure_scaling(args, kind: str, data: Path, model_dir: str, summary: dict, 
     for workers, cores in runs:
         key = f"{largest}_w{workers}" + (f"_{cores}core" if cores else "")
         cache = args.work / f"cache_{key}_{time.time_ns()}"
-        record(key, _in_process(measure_stage, str(data), model_dir, str(cache), workers, cores))
+        record(key, _in_process(measure_stage, str(data), model_dir, str(cache), workers, cores, str(ROOT)))
         for part in ("train_sha256", "validation_sha256"):
             assert summary[key][part] == summary[largest][part], f"{key}: {part} differs from {largest}'s"
         summary[f"{key}_vs_default"] = summary[key]["tokens_per_s"] / summary[largest]["tokens_per_s"]
+
+
+def measure_against(args, data: Path, model_dir: str, summary: dict, record) -> None:
+    """The stage of `--against`'s checkout ("before") and of this one ("after") at each `--workers` count, in turn,
+    `--rounds` times, the order alternating so that a drift in the machine's speed favours neither: each round's
+    ratio after/before, and the same bytes from both."""
+    summary["against"] = str(args.against)
+    for workers in args.workers:
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        for round_number in range(args.rounds):
+            order = [("before", args.against), ("after", ROOT)]
+            for name, code in order if round_number % 2 == 0 else order[::-1]:
+                cache = args.work / f"cache_{name}_w{workers}_{time.time_ns()}"
+                result = _in_process(measure_stage, str(data), model_dir, str(cache), workers, None, str(code))
+                runs[name].append(result)
+                print(json.dumps({f"{name}_w{workers}_round{round_number + 1}": result}), flush=True)
+        for before, after in zip(runs["before"], runs["after"]):
+            assert (before["train_sha256"], before["validation_sha256"]) == \
+                (after["train_sha256"], after["validation_sha256"]), "the two checkouts wrote different bytes"
+        ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for b, a in zip(runs["before"], runs["after"]))
+        record(f"against_w{workers}", {**runs, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2],
+                                       "same_bytes": True})
 
 
 def main() -> None:
@@ -225,6 +268,10 @@ def main() -> None:
                         help="also measure one process pinned to one core: the per-core baseline of the scaling")
     parser.add_argument("--tokenizer", type=Path,
                         help="a folder with SmolLM2's tokenizer files (a GPU host); default: the built-in model's")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout (a worktree of the code before a change): only the stage, JSONL, at "
+                             "each --workers count, it and this checkout in turn")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --against, the order alternating")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-bench"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -253,11 +300,15 @@ def main() -> None:
         summary[key] = result
         print(json.dumps({key: result}), flush=True)
 
+    if args.against:
+        measure_against(args, data_file(max(args.examples), "jsonl"), model_dir, summary, record)
+        args.formats, args.map, args.onthefly = [], 0, 0
     for kind in args.formats:
         for count in args.examples:
             cache = args.work / f"cache_{count}_{time.time_ns()}"
             record(f"stage_{kind}_{count}",
-                   _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache), None, None))
+                   _in_process(measure_stage, str(data_file(count, kind)), model_dir, str(cache), None, None,
+                              str(ROOT)))
         measure_scaling(args, kind, data_file(max(args.examples), kind), model_dir, summary, record)
     if args.map:
         for kind in args.formats:
