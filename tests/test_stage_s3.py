@@ -114,6 +114,7 @@ def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_pat
     staged = stage_dataset(source, staging, endpoint)
     assert staged.copied and Path(staged.path).name == "shards" and Path(staged.path).is_dir()
     assert staged.files == ["part-000.jsonl", "part-001.jsonl", "part-002.jsonl"]  # key order
+    assert staged.files_ignored == 1 and staged.ignored_files == [f"{source}_SUCCESS"]  # said, not passed over
     for name in staged.files:
         assert (Path(staged.path) / name).read_bytes() == shards[f"shards/{name}"]
     records = list(iter_records(resolve_shards(staged, None, "train")))
