@@ -36,11 +36,13 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from phase1a.units import GIB
+
 BOUNDED_PARTS = 4
 BOUNDED_MAX_SECONDS = 1800.0
 BOUNDED_MIN_COST_MULTIPLE = 10.0
 ASSUMED_STORE_BYTES_PER_SECOND = 100e6  # one upload stream to S3 from a cloud host, roughly; flagged where used
-ASSUMED_DISK_BYTES_PER_SECOND = 2**30  # a local disk, for hardware that is not here to measure; flagged too
+ASSUMED_DISK_BYTES_PER_SECOND = GIB  # a local disk, for hardware that is not here to measure; flagged too
 
 IntervalRule = Literal["young-daly", "bounded", "configured"]
 

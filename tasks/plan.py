@@ -639,8 +639,10 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
     nested = {"model", "memory", "estimate", "calibration", "options", "interruptions"}
     rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude=nested).items()]
     for section in ("memory", "estimate"):
-        rows += [{"setting": f"{section}.{key}", "value": f"{value:.3f}"}
-                 for key, value in getattr(plan, section).model_dump().items()]
+        rows += [{"setting": f"{section}.{key}", "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
+                 for key, value in getattr(plan, section).model_dump(exclude={"footing"}).items()]
+    if plan.estimate.footing:
+        rows.append({"setting": "estimate.footing", "value": plan.estimate.footing.words})
     if plan.interruptions:
         rows += [{"setting": f"interruptions.{key}", "value": str(value)}
                  for key, value in plan.interruptions.model_dump().items()]
