@@ -7,24 +7,9 @@ import numpy as np
 from pydantic import BaseModel
 
 SEQ_MULTIPLE = 64  # right-sized lengths round up to this, a friendly shape for GPU kernels
-# An outlier is an example that would size the run alone: sized for, it sets the length of every packed row and
-# every memory estimate. The rule has to work on 60 examples as on 500k, where a percentile of all the examples
-# cannot (below 1,000 examples the p99.9 length is the longest example itself), and must not fire on ordinary
-# long-tailed data. An example is an outlier when it is both
-#   - over OUTLIER_FACTOR x the p99.9 length of the others, the p99.9 taken at an example at or below it
-#     (`method="lower"`): below 1,001 examples that is the second longest, so one example is measured against the
-#     rest; at 500k it is the p99.9 length itself (up to 0.1 % of the examples can be outliers, at least one), and
-#   - over OUTLIER_SPREAD robust standard deviations above the median, on a log scale (lengths spread by factors):
-#     log length > median + OUTLIER_SPREAD x 1.4826 x the median absolute deviation.
-# The first alone fires on chance gaps at the top of a small long-tailed sample (a lognormal sample of 60 with
-# sigma 1 has its longest over twice its second longest about one time in six); the second alone fires on a
-# second mode of the data (a few long documents among short chats). Together, at 4x and 4 deviations, they fired
-# on under 1 % of 2,000 samples of 30 to 1,000 lengths drawn like benchmarks/tokenize_throughput.py's Alpaca-like
-# data (lognormal word counts), on none of 100 samples of 20,000 nor of 5 of 500,000, while one 20,000-token
-# example among 60 question-answer examples was found every time when their log lengths spread by sigma 0.7 (9
-# times in 10 at sigma 1: broader data hides it better). The demo data has none (tests/test_data_edge_cases.py).
-# The `balanced` (default) and `fast` profiles size the run from the other examples (`Outliers.others_length`),
-# `quality` keeps them; the log and the report name them either way.
+# An outlier would size the run alone (every packed row, every memory estimate). It is both over OUTLIER_FACTOR x
+# the p99.9 length of the others (the second longest below 1,001 examples) and OUTLIER_SPREAD robust deviations
+# above the median log length: either alone misfires (docs/stages.md, tokenize: why, and how it was checked).
 OUTLIER_FACTOR = 4.0
 OUTLIER_SPREAD = 4.0
 OUTLIER_PERCENTILE = 99.9
