@@ -85,6 +85,7 @@ from phase1a.interruptions import (
     interval_text,
     overhead_share,
 )
+from phase1a.labels import IGNORE_INDEX
 from phase1a.lengths import Outliers, right_size
 from phase1a.logs import run_logger
 from phase1a.modeling import attention_implementation, release_device_memory
@@ -189,9 +190,17 @@ class _Planner:
             length = min(length, right_size(self.lengths, FAST_PERCENTILE, data.model_max_length, None))
         if profile in ("fast", "balanced") and data.outliers and data.outliers.others_length < length:
             length = data.outliers.others_length
-            self.notes.append(_outlier_note(profile, data.outliers, data.max_seq_length,
-                                            int((self.lengths > length).sum())))
+            truncated = np.flatnonzero(self.lengths > length)
+            self.notes.append(_outlier_note(profile, data.outliers, data.max_seq_length, truncated.size,
+                                            self._left_without_labels(truncated, length)))
         return length
+
+    def _left_without_labels(self, truncated: np.ndarray, length: int) -> int:
+        """Of the truncated training examples, those with no trained token left within `length` (an answer past the
+        cut): they train as nothing, and the note says how many."""
+        rows = TokenRows.load(self.data.train_path)
+        return sum(not np.any(rows.labels[rows.offsets[i] + 1 : rows.offsets[i] + length] != IGNORE_INDEX)
+                   for i in truncated)
 
     # ---- 3. throughput -----------------------------------------------------------------------------------
 
@@ -618,12 +627,12 @@ def _peak_flops(accelerator: Accelerator) -> float:
     return accelerator.peak_flops
 
 
-def _outlier_note(profile: str, outliers: Outliers, max_seq_length: int, truncated: int) -> str:
+def _outlier_note(profile: str, outliers: Outliers, max_seq_length: int, truncated: int, unlabelled: int) -> str:
     where, tokens = outliers.longest[0]
     return (f"{profile}: max_seq_length {outliers.others_length} (sized from the examples other than the "
             f"{outliers.count} outlier(s), longer than {outliers.threshold} tokens; the longest {tokens} tokens at "
-            f"{where}) instead of {max_seq_length}; {truncated} training example(s) truncated. plan.profile quality "
-            "keeps them")
+            f"{where}) instead of {max_seq_length}; {truncated} training example(s) truncated, {unlabelled} of them "
+            "left with no trained token. plan.profile quality keeps them")
 
 
 # ---- reading a plan ------------------------------------------------------------------------------------------

@@ -104,7 +104,13 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
     assert balanced.max_seq_length == others
     noted = f"balanced: max_seq_length {others} (sized from the examples other than the 1 outlier(s)"
     assert any(note.startswith(noted) and f"{path}:701) instead of 256" in note
-               and "1 training example(s) truncated" in note for note in balanced.notes), balanced.notes
+               and "1 training example(s) truncated, 0 of them left with no trained token" in note
+               for note in balanced.notes), balanced.notes  # its answer starts within the cut
+
+    records[700]["messages"][1]["content"] = " ".join(["1999-12-31"] * 25)  # now the answer starts past the cut
+    moved = tokenize_dataset(write_jsonl(tmp_path / "e.jsonl", records), make_tokenizer(), 256, TokenizeOptions(),
+                             tmp_path / "cache" / "fq")
+    assert any("truncated, 1 of them left with no trained token" in note for note in planned(config_tree, moved).notes)
 
     config_tree["plan"] = {"profile": "quality"}
     quality = planned(config_tree, data)
