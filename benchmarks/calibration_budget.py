@@ -1,10 +1,11 @@
 """Calibration against its budget, and the estimate it gives against the training it estimates.
 
-    uv run python benchmarks/calibration_budget.py [--jobs demo qa300] [--budgets 10m 60s 10s] [--train]
+    uv run python benchmarks/calibration_budget.py [--jobs demo qa300 qa300-512] [--budgets 10m 60s 10s] [--train]
         [--out FILE]
 
 Jobs: `demo` is configs/demo.yaml as it is (480 date-rewriting chats, SmolLM2-135M-Instruct, LoRA r16, batch 8);
-`qa300` is the same settings on 300 generated question-answer chats of about 500 tokens. For each job and budget
+`qa300` is the same settings on 300 generated question-answer chats of about 200 tokens, `qa300-512` of about
+500. For each job and budget
 a fresh plan calibrates (no history): the calibration's wall time over its budget. With `--train`, the plan at
 the first budget (the default, 10m) is trained by the train stage itself, and its training estimate is set
 against the seconds training took (the run report's `time_accuracy`: estimated / actual).
@@ -39,19 +40,22 @@ def demo_records() -> list[dict]:
     return [module.example(rng) for _ in range(480)]
 
 
-def qa_records(count: int = 300, seed: int = 3) -> list[dict]:
-    """Question-answer chats of about 500 tokens: a question of ~120 words, an answer of ~250."""
+def qa_records(count: int = 300, question: int = 50, answer: int = 100, seed: int = 3) -> list[dict]:
+    """Question-answer chats: a question of `question` words, an answer of `answer` (with SmolLM2's tokenizer and
+    chat template, 50/100 words make ~185-token examples, 150/310 ~510)."""
     rng = random.Random(seed)
 
     def text(words: int) -> str:
         return " ".join(rng.choice(_WORDS) for _ in range(max(1, int(rng.gauss(words, words / 5)))))
 
-    return [{"messages": [{"role": "user", "content": text(120).capitalize() + "?"},
-                          {"role": "assistant", "content": text(250).capitalize() + "."}]} for _ in range(count)]
+    return [{"messages": [{"role": "user", "content": text(question).capitalize() + "?"},
+                          {"role": "assistant", "content": text(answer).capitalize() + "."}]} for _ in range(count)]
 
 
+_QA_VALIDATION = {"validation.max_examples": 30, "validation.generation_batch_size": 16}
 JOBS = {"demo": (demo_records, {}),
-        "qa300": (qa_records, {"validation.max_examples": 30, "validation.generation_batch_size": 16})}
+        "qa300": (qa_records, _QA_VALIDATION),
+        "qa300-512": (lambda: qa_records(question=150, answer=310), _QA_VALIDATION)}
 
 
 def job_config(name: str, work: Path, budget: str):
