@@ -73,18 +73,21 @@ def _peak_rss_mib() -> float:
 
 class _TreeMemory:
     """Peak proportional set size (PSS) of this process and its children, sampled: forked workers share pages
-    with the parent, so summing their RSS would count those pages once per process."""
+    with the parent, so summing their RSS would count those pages once per process. A sample walks every
+    process's page tables in the kernel (tens of ms on this VM), so once a second, and the sampling's own CPU
+    seconds (`cpu_s`) are kept apart from the stage's."""
 
-    def __init__(self, every: float = 0.25) -> None:
+    def __init__(self, every: float = 1.0) -> None:
         import threading
 
-        self.peak, self._every, self._stop = 0, every, threading.Event()
+        self.peak, self.cpu_s, self._every, self._stop = 0, 0.0, every, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         import psutil
 
         me = psutil.Process()
+        began = time.thread_time()
         while not self._stop.wait(self._every):
             total = 0
             for process in [me, *me.children(recursive=True)]:
@@ -93,6 +96,7 @@ class _TreeMemory:
                 except psutil.Error:  # a worker that ended between the listing and the read
                     pass
             self.peak = max(self.peak, total)
+            self.cpu_s = time.thread_time() - began
 
     def __enter__(self) -> "_TreeMemory":
         self._thread.start()
@@ -106,8 +110,8 @@ class _TreeMemory:
 def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, cores: int | None, code: str,
                   queue) -> None:
     """The tokenize stage with `workers` processes (None: its own rule), on the first `cores` cores (None: all),
-    with the code of the checkout at `code`. parent_cpu_s is this process's CPU time, workers_cpu_s its worker
-    processes' (ended by then, so counted)."""
+    with the code of the checkout at `code`. parent_cpu_s is this process's CPU time (less the memory
+    sampling's), workers_cpu_s its worker processes' (ended by then, so counted)."""
     import os
 
     sys.path.insert(0, code)
@@ -132,7 +136,8 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     ended = resource.getrusage(resource.RUSAGE_CHILDREN)
     queue.put({"examples": result.lengths.count, "tokens": result.lengths.total_tokens, "seconds": seconds,
                "tokens_per_s": result.lengths.total_tokens / seconds, "workers": result.workers,
-               "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu,
+               "cores": cores or len(os.sched_getaffinity(0)), "parent_cpu_s": time.process_time() - cpu - tree.cpu_s,
+               "sampling_cpu_s": tree.cpu_s,
                "workers_cpu_s": ended.ru_utime + ended.ru_stime - children.ru_utime - children.ru_stime,
                "peak_rss_mib": _peak_rss_mib(), "peak_tree_pss_mib": tree.peak / MIB,
                "train_sha256": split_digest(result.train_path),
