@@ -20,7 +20,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a fresh database migrates slowly on 2 cores
 os.environ.pop("PREFECT_API_URL", None)
 
-from helpers import date_records, make_tiny_model_dir, write_jsonl  # noqa: E402 - after the isolation above
+from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl  # noqa: E402 - after the isolation above
 
 _SERVER = []  # the session's Prefect server, once started
 
@@ -58,6 +58,21 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny word-level tokenizer with a ChatML template (helpers.make_tokenizer)."""
+    return make_tokenizer()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 64 records, so a few hundred records make several chunks for several workers, some across a
+    Parquet row group's end."""
+    from phase1a import encoding
+
+    monkeypatch.setattr(encoding, "CHUNK", 64)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_bad_input import plan, report_of
 
-from helpers import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, write_jsonl
 from phase1a.errors import DataError
 from phase1a.lengths import find_outliers, right_size
 from phase1a.tokenized import split_table
@@ -23,11 +23,6 @@ from tasks.tokenize import TokenizeOptions, tokenize_dataset
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_MAX = 8192  # a model's positions, for the rule's own tests (the tiny test model has 256)
 LONG_TOKENS = 20_000  # the planted record of the issue
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
 
 
 def alpaca_like_lengths(count: int, seed: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
+from helpers import date_records, read_arrow, write_jsonl
 from phase1a.datasource import DataLocation, iter_records, resolve_shards
 from phase1a.errors import DataError
 from phase1a.fingerprint import hash_json
@@ -25,11 +25,6 @@ from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)
 FLAT = [{"prompt": r["messages"][1]["content"], "completion": r["messages"][2]["content"]} for r in RECORDS]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
 
 
 def tokenized(tmp_path, tokenizer, source: str, name: str, **options):

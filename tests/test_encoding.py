@@ -8,24 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import date_records, make_tokenizer, write_jsonl
+from helpers import date_records, write_jsonl
 from phase1a import encoding
 from phase1a.datasource import DataLocation, resolve_shards
 from phase1a.errors import DataError
 from phase1a.records import RecordError
 from phase1a.tokenized import split_digest as digest
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks of 64 records, so a few hundred records make several chunks for several workers."""
-    monkeypatch.setattr(encoding, "CHUNK", 64)
 
 
 def mixed_records(total: int) -> list:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
+from helpers import date_records, read_arrow, write_jsonl
 from phase1a.errors import DataError
 from phase1a.fingerprint import FileHashes
 from phase1a.replay import read_trained_on, replay_mix, write_trained_on
@@ -18,11 +18,6 @@ from phase1a.tokenized import SplitView
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 OPTIONS = TokenizeOptions(validation_fraction=0.25)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
 
 
 def write_shard(directory, number: int):

@@ -27,11 +27,6 @@ WEATHER = [{"type": "function", "function": {"name": "weather", "description": "
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
 def tokenize_records(path: Path, tokenizer, records: list, **options) -> list[dict]:
     path.mkdir(parents=True, exist_ok=True)
     result = tokenize_dataset(write_jsonl(path / "d.jsonl", records), tokenizer, 4096,

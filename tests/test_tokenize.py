@@ -12,11 +12,6 @@ from phase1a.render import IGNORE_INDEX, render_segments
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
 def run(tmp_path, tokenizer, records, **options):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = write_jsonl(tmp_path / "data.jsonl", records)

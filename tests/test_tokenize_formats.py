@@ -14,11 +14,6 @@ from phase1a.render import IGNORE_INDEX, Renderer, render_segments
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
 def run(path: Path, tokenizer, **options):
     return tokenize_dataset(path, tokenizer, 256, TokenizeOptions(**options), path.parent / "cache" / "fp")
 

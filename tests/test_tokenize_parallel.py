@@ -11,8 +11,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import date_records, make_tokenizer
-from phase1a import encoding
+from helpers import date_records
 from phase1a.tokenized import split_digest
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -25,17 +24,6 @@ BEFORE = {
     "parquet": ("82338ddb3475df00c0db096317232481568772b1a9c2ecfda26e20bffc9eb792",
                 "8ba5d14cf6ab61f0f0d40649ef21c0ea8d189b10c6a430d5be1f4ba2138997f6"),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks of 64 records: a few hundred records make several runs, some across a Parquet row group's end."""
-    monkeypatch.setattr(encoding, "CHUNK", 64)
 
 
 def chats(count: int) -> list[dict]:
