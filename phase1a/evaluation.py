@@ -186,6 +186,8 @@ class ValidationSpeed(BaseModel):
     forward_seconds_per_token: float
     decode_seconds_per_step: float
     source: str = "measured"  # how the two were found: measured, or measured on fewer rows and scaled
+    # A generation batch's prefill (left-padded rows, per prompt token); None: at the teacher-forced speed.
+    prefill_seconds_per_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -255,15 +257,18 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
     if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
     prompts = [e.prompt for e in timing.prompts]
-    step = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS).seconds_per_step
+    decode = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS)
+    step, prefill = decode.seconds_per_step, decode.prefill_seconds / sum(len(prompt) for prompt in prompts)
     if len(prompts) == len(whole.prompts):
-        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step)
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step,
+                               prefill_seconds_per_token=prefill)
     # Fewer rows than the generation batch: on a CPU a step's cost grows with its rows; on an accelerator a small
     # batch's step is bound by reading the weights, so the smaller batch's step stands (a lower bound).
     scale = len(whole.prompts) / len(prompts) if next(model.parameters()).device.type == "cpu" else 1.0
+    timed_rows = f"greedy steps timed on {len(prompts)} of {len(whole.prompts)} rows"
     return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
-                           source=f"greedy steps timed on {len(prompts)} of {len(whole.prompts)} rows"
-                                  + (", scaled by rows" if scale != 1.0 else ""))
+                           prefill_seconds_per_token=prefill,
+                           source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
 
 
 def _fitting(costs: np.ndarray, seconds: float) -> int:
@@ -275,35 +280,45 @@ class EvaluationWork(BaseModel):
     """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill) and
     greedy steps of generation batches."""
 
-    forward_tokens: float = 0.0
+    forward_tokens: float = 0.0  # teacher-forced
+    prefill_tokens: float = 0.0  # generation batches' prompts
     decode_steps: float = 0.0
 
     def seconds(self, speed: ValidationSpeed) -> float:
-        return (self.forward_tokens * speed.forward_seconds_per_token
+        prefill = speed.prefill_seconds_per_token or speed.forward_seconds_per_token
+        return (self.forward_tokens * speed.forward_seconds_per_token + self.prefill_tokens * prefill
                 + self.decode_steps * speed.decode_seconds_per_step)
 
     def __add__(self, other: "EvaluationWork") -> "EvaluationWork":
         return EvaluationWork(forward_tokens=self.forward_tokens + other.forward_tokens,
+                              prefill_tokens=self.prefill_tokens + other.prefill_tokens,
                               decode_steps=self.decode_steps + other.decode_steps)
 
     def __mul__(self, times: float) -> "EvaluationWork":
-        return EvaluationWork(forward_tokens=self.forward_tokens * times, decode_steps=self.decode_steps * times)
+        return EvaluationWork(forward_tokens=self.forward_tokens * times, prefill_tokens=self.prefill_tokens * times,
+                              decode_steps=self.decode_steps * times)
 
 
-def validation_work(rows: TokenRows, indices: np.ndarray, settings: ValidationConfig, models: int) -> EvaluationWork:
+def validation_work(rows: TokenRows, indices: np.ndarray, settings: ValidationConfig, models: int,
+                    untuned: int = 0) -> EvaluationWork:
     """Validation as `evaluate` runs it, for each of `models` models: the teacher-forced pass over the sample,
-    then per generation batch a prefill of its prompts and a greedy step per token of its longest answer."""
+    then per generation batch a prefill of its prompts and greedy steps. A fine-tuned model stops after its longest
+    answer (the reference and its stop token); `untuned` more, the base model, rarely stops where the references
+    do, so its batches run to `max_new_tokens` (the longest reference plus `new_tokens_margin`)."""
     forward = float(rows.lengths()[indices].sum())
     examples = generation_examples(rows, indices)
     if isinstance(examples, str):  # no generation: exact match is reported unavailable
-        return EvaluationWork(forward_tokens=forward) * models
+        return EvaluationWork(forward_tokens=forward) * (models + untuned)
     longest = max(len(e.reference) for e in examples)
     max_new = min(settings.max_new_tokens, longest + settings.new_tokens_margin)
     prefill = sum(len(e.prompt) for e in examples)
     steps = decode_steps(examples, max_new, settings.generation_batch_size)
-    return EvaluationWork(forward_tokens=forward + prefill, decode_steps=steps) * models
+    batches = -(-len(examples) // settings.generation_batch_size)
+    read = EvaluationWork(forward_tokens=forward, prefill_tokens=prefill)
+    return (read * (models + untuned) + EvaluationWork(decode_steps=steps) * models
+            + EvaluationWork(decode_steps=batches * max_new) * untuned)
 
 
 def validation_seconds(speed: ValidationSpeed, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
-                       models: int) -> float:
-    return validation_work(rows, indices, settings, models).seconds(speed)
+                       models: int, untuned: int = 0) -> float:
+    return validation_work(rows, indices, settings, models, untuned).seconds(speed)

@@ -105,8 +105,9 @@ def decode_steps(examples: list[GenerationExample], max_new_tokens: int, batch_s
 @torch.no_grad()
 def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8) -> DecodeTiming:
     """One prefill of this batch of prompts, then `steps` greedy steps with the KV cache, timed after one untimed
-    step: the prefill's seconds and the seconds per step. Run under no_grad."""
-    device = next(model.parameters()).device
+    step: the prefill's seconds and the seconds per step. Each step records its token's probability as
+    `generate_greedy` does (a softmax over the vocabulary per row). Run under no_grad."""
+    device, recorder = next(model.parameters()).device, _GreedyProbability()
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
     _sync(device)
     began = time.perf_counter()
@@ -114,7 +115,7 @@ def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int =
     _sync(device)
     prefill = time.perf_counter() - began
     cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
-    ones = attention_mask.new_ones((attention_mask.size(0), 1))
+    ones = attention_mask.new_ones((attention_mask.size(0), 1))  # each step attends to one more token
     for step in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
         if step == 1:
             _sync(device)
@@ -122,7 +123,7 @@ def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int =
         attention_mask = torch.cat([attention_mask, ones], dim=1)
         output = model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
                        logits_to_keep=1)
-        cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
+        cache, token = output.past_key_values, recorder(token, output.logits[:, -1]).argmax(dim=-1, keepdim=True)
     _sync(device)
     return DecodeTiming(prefill_seconds=prefill, seconds_per_step=(time.perf_counter() - began) / steps)
 

@@ -381,11 +381,12 @@ class _Planner:
         return 1 + (self.method.kind == "full") + (self.config.validation.baseline == "promoted")
 
     def _validation_work(self) -> EvaluationWork:
-        """The validate stage scores the base, the trained and a promoted baseline's model."""
+        """The validate stage scores the trained model, a promoted baseline's, and the base (untuned: its answers
+        run to max_new_tokens)."""
         settings = self.config.validation
         rows = TokenRows.load(self.data.validation_path)
         indices = np.arange(min(len(rows), settings.max_examples))
-        return validation_work(rows, indices, settings, 2 + (settings.baseline == "promoted"))
+        return validation_work(rows, indices, settings, 1 + (settings.baseline == "promoted"), untuned=1)
 
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
         """The validate stage as it will run: its loads, and its work (phase1a.evaluation.validation_work)."""
@@ -529,7 +530,7 @@ class _Planner:
         evaluation = self._validation_work() + self._eval_during_training_work() * estimate.evaluations_during_training
         other = OtherWork(
             host_seconds=startup + (estimate.warmup_seconds if own else 0.0) + estimate.checkpoint_seconds,
-            forward_tokens=evaluation.forward_tokens, decode_steps=evaluation.decode_steps,
+            forward_tokens=evaluation.forward_tokens + evaluation.prefill_tokens, decode_steps=evaluation.decode_steps,
             reference_forward_seconds_per_token=speed.forward_seconds_per_token,
             reference_decode_seconds_per_step=speed.decode_seconds_per_step)
         configured = None if checkpoints.rule != "configured" else self._exposure(

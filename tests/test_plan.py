@@ -80,8 +80,9 @@ def test_a_cpu_plans_gpu_rows_price_evaluation_at_the_gpus_speed(tmp_path, confi
     assert plan.calibrated and plan.target == "cpu"
     h100 = next(row for row in plan.options if row.label == "1x H100")
     rows = TokenRows.load(data.validation_path)
-    evaluation = validation_work(rows, np.arange(40), Phase1aConfig.model_validate(config_tree).validation, 2)
-    at_h100_rate = (plan.train_tokens + evaluation.forward_tokens + evaluation.decode_steps) / h100.tokens_per_second
+    evaluation = validation_work(rows, np.arange(40), Phase1aConfig.model_validate(config_tree).validation, 1, 1)
+    tokens = plan.train_tokens + evaluation.forward_tokens + evaluation.prefill_tokens + evaluation.decode_steps
+    at_h100_rate = tokens / h100.tokens_per_second
     on_the_gpu = h100.hours * 3600 - h100.host_seconds
     assert at_h100_rate / 2 <= on_the_gpu <= 2 * at_h100_rate, (on_the_gpu, at_h100_rate)
     assert h100.evaluation_seconds < plan.estimate.evaluation_seconds / 100  # not the CPU's seconds

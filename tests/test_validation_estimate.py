@@ -44,6 +44,16 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
     expected = (rows.lengths()[indices].sum() * 0.001 + sum(len(e.prompt) for e in examples) * 0.001
                 + decode_steps(examples, min(64, longest), 8) * 0.01)
     assert validation_seconds(speed, rows, indices, settings, models=2) == pytest.approx(2 * expected)
+    # A measured prefill speed prices the prompts; the teacher-forced pass keeps its own.
+    timed = speed.model_copy(update={"prefill_seconds_per_token": 0.003})
+    prompts = sum(len(e.prompt) for e in examples)
+    with_prefill = 2 * (expected + prompts * 0.002)
+    assert validation_seconds(timed, rows, indices, settings, models=2) == pytest.approx(with_prefill)
+    # The base model, untuned, does not stop where the references do: its batches run to max_new_tokens.
+    base = validation_seconds(speed, rows, indices, settings, models=1, untuned=1)
+    batches = -(-len(examples) // 8)
+    assert base == pytest.approx(2 * expected - decode_steps(examples, min(64, longest), 8) * 0.01
+                                 + batches * min(64, longest) * 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +74,7 @@ def test_time_validation_measures_both_costs_on_a_model(rows, model):
     with torch.no_grad():
         speed = time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(seconds=600, forward_guess=1e-4))
     assert speed.forward_seconds_per_token > 0 and speed.decode_seconds_per_step > 0
-    assert speed.source == "measured"
+    assert speed.source == "measured" and speed.prefill_seconds_per_token > 0
 
 
 def test_time_validation_keeps_to_its_allowance(rows, model):
