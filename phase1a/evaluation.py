@@ -242,9 +242,11 @@ def validation_timing_seconds(rows: TokenRows, indices: np.ndarray, settings: Va
 
 def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
                     allowance: TimingAllowance) -> ValidationSpeed | None:
-    """The teacher-forced pass on the sample's first batch and greedy steps of its first generation batch, both
-    cut to the examples the allowance holds. None when not one example fits: the plan then derives both from
-    the training speed."""
+    """The teacher-forced pass on the sample's first batch, then a prefill and greedy steps of its first generation
+    batch, within the allowance: the forward pass sized by the guessed speed, the generation batch by the speed
+    the forward pass measured, the steps by the deadline. None when not one example fits: the plan then derives
+    both from the training speed."""
+    end = time.perf_counter() + allowance.seconds
     whole = _Timing.of(rows, indices, settings, allowance.forward_guess)
     timing = whole.within(allowance.seconds)
     if not len(timing.sample) or (whole.prompts and not timing.prompts):
@@ -256,8 +258,10 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
     forward = (time.perf_counter() - began) / max(1, int(rows.lengths()[timing.sample].sum()))
     if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
-    prompts = [e.prompt for e in timing.prompts]
-    decode = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS)
+    measured = _Timing.of(rows, indices, settings, forward)  # the generation batch, sized at the measured speed
+    prompts = [e.prompt for e in whole.prompts[: max(1, _fitting(measured.generation_costs,
+                                                                 (end - time.perf_counter()) / 2))]]
+    decode = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS, deadline=end)
     step, prefill = decode.seconds_per_step, decode.prefill_seconds / sum(len(prompt) for prompt in prompts)
     if len(prompts) == len(whole.prompts):
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step,

@@ -10,6 +10,7 @@ padding and transformers derives position ids from it, so a padded row generates
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -103,10 +104,12 @@ def decode_steps(examples: list[GenerationExample], max_new_tokens: int, batch_s
 
 
 @torch.no_grad()
-def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8) -> DecodeTiming:
-    """One prefill of this batch of prompts, then `steps` greedy steps with the KV cache, timed after one untimed
-    step: the prefill's seconds and the seconds per step. Each step records its token's probability as
-    `generate_greedy` does (a softmax over the vocabulary per row). Run under no_grad."""
+def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8,
+                     deadline: float = math.inf) -> DecodeTiming:
+    """One prefill of this batch of prompts, then up to `steps` greedy steps with the KV cache, timed after one
+    untimed step, none started past `deadline` (perf_counter time) but the first timed one: the prefill's seconds
+    and the seconds per step. Each step records its token's probability as `generate_greedy` does (a softmax over
+    the vocabulary per row). Run under no_grad."""
     device, recorder = next(model.parameters()).device, _GreedyProbability()
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
     _sync(device)
@@ -116,22 +119,26 @@ def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int =
     prefill = time.perf_counter() - began
     cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
     ones = attention_mask.new_ones((attention_mask.size(0), 1))  # each step attends to one more token
-    for step in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
-        if step == 1:
-            _sync(device)
-            began = time.perf_counter()
+    durations = []
+    for _ in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
+        if len(durations) > 1 and time.perf_counter() + durations[-1] > deadline:
+            break
+        began = time.perf_counter()
         attention_mask = torch.cat([attention_mask, ones], dim=1)
         output = model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
                        logits_to_keep=1)
         cache, token = output.past_key_values, recorder(token, output.logits[:, -1]).argmax(dim=-1, keepdim=True)
-    _sync(device)
-    return DecodeTiming(prefill_seconds=prefill, seconds_per_step=(time.perf_counter() - began) / steps)
+        _sync(device)
+        durations.append(time.perf_counter() - began)
+    return DecodeTiming(prefill_seconds=prefill, seconds_per_step=float(np.mean(durations[1:])),
+                        steps=len(durations) - 1)
 
 
 @dataclass(frozen=True)
 class DecodeTiming:
     prefill_seconds: float
     seconds_per_step: float
+    steps: int  # timed
 
 
 def _sync(device: torch.device) -> None:

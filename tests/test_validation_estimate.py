@@ -78,8 +78,9 @@ def test_time_validation_measures_both_costs_on_a_model(rows, model):
 
 
 def test_time_validation_keeps_to_its_allowance(rows, model):
-    """Half of what the whole timing would take at the guessed speed: fewer rows, their step scaled by rows on
-    a CPU; nothing left: not timed at all (the plan derives validation's speed from training's)."""
+    """Half of what the whole timing would take at a guessed speed: a speed, on fewer rows where the forward pass
+    measured too little time left for all (their step scaled by rows on a CPU); nothing left: not timed at all
+    (the plan derives validation's speed from training's)."""
     import torch
 
     guess, indices = 1e-3, np.arange(20)
@@ -88,6 +89,21 @@ def test_time_validation_keeps_to_its_allowance(rows, model):
     with torch.no_grad():
         speed = time_validation(model, rows, indices, SETTINGS, allowance)
         assert time_validation(model, rows, indices, SETTINGS, TimingAllowance(0.0, guess)) is None
-    timed = int(speed.source.split(" timed on ")[1].split(" of ")[0])
-    assert 1 <= timed < 8 and speed.source.endswith("of 8 rows, scaled by rows")
     assert speed.forward_seconds_per_token > 0 and speed.decode_seconds_per_step > 0
+    if speed.source != "measured":
+        timed = int(speed.source.split(" timed on ")[1].split(" of ")[0])
+        assert 1 <= timed < 8 and speed.source.endswith("of 8 rows, scaled by rows")
+
+
+def test_greedy_steps_stop_at_the_deadline(rows, model):
+    """A deadline already past: the untimed step and one timed step, no more; none: every step asked for."""
+    import time
+
+    import torch
+
+    from phase1a.generation import time_decode_step
+
+    prompts = [e.prompt for e in generation_examples(rows, np.arange(4))]
+    with torch.no_grad():
+        assert time_decode_step(model, prompts, pad_id=0, steps=8, deadline=time.perf_counter()).steps == 1
+        assert time_decode_step(model, prompts, pad_id=0, steps=8).steps == 8
