@@ -21,9 +21,9 @@ _WORDS = ("the model reads a long passage about rivers mountains cities trains w
           "answers with a careful summary of what it found").split()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_yes():
-    """Two busy neighbours, as on a shared host."""
+    """Two busy neighbours, as on a shared host (for one test: the last test of the module runs without them)."""
     processes = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
     yield
     for process in processes:
