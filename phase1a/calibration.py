@@ -8,7 +8,7 @@ it is faster by more than the noise between repeated measurements (`_MIN_GAIN`).
 steps of the same data, spread evenly over the run so that their lengths are the run's.
 
 The budget covers everything calibration does: loading the model, the trials, and timing a checkpoint and the
-validate stage. A trial is two warm-up steps (a probe of one example, then one of the trial's shape) and up to
+validate stage. A trial is three warm-up steps (two probes of one example, then one of the trial's shape) and up to
 `calibration_steps` measured steps; no step starts that is predicted to end past the trial's deadline. A step
 too long for the budget is shortened to fewer of its micro-batches (each of the run's shape, so attention over
 a packed row costs what it will). A step's forward and backward and its update are timed apart, so a shortened
@@ -45,7 +45,9 @@ from phase1a.store import Store
 from phase1a.training_eval import evaluating
 from phase1a.units import GIB, parse_duration_seconds
 
-_WARMUP_STEPS = 2  # the probe (one example: lazy set-up, a first guess of the speed), then one of the trial's shape
+# Two probes of one example (lazy set-up, then a first guess of the speed: a first call costs several steady
+# ones), then one step of the trial's shape.
+_WARMUP_STEPS = 3
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
 _FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
 _COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
@@ -389,8 +391,11 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
                             1, batches.token_budget)[0]
         timed.append(_timed_step(model, optimizer, probe, 1, began))
         last = time.perf_counter()
+        if last + timed[-1].seconds <= steps.deadline:  # again, warm: the first guess of the speed
+            timed.append(_timed_step(model, optimizer, probe, 1, last))
+            last = time.perf_counter()
         cap, chosen = steps.cap, steps.cap is not None  # the measured steps' cap: given, or set at the first
-        for step_batch in step_loader(batches, sampler[1:], candidate.dataloader_workers, pin_memory=cuda):
+        for step_batch in step_loader(batches, sampler[2:], candidate.dataloader_workers, pin_memory=cuda):
             run = cap if chosen else _micro_batches_within(
                 step_batch, timed[-1], (steps.deadline - time.perf_counter()) / (count - len(timed)))
             if len(timed) >= _WARMUP_STEPS and not chosen:
