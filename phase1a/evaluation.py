@@ -253,14 +253,14 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
         return None
     model.eval()
     teacher_forced(model, rows, timing.sample[:1], settings.batch_size)  # warm-up: eval mode's first pass
-    began = time.perf_counter()
-    teacher_forced(model, rows, timing.sample, settings.batch_size)
-    forward = (time.perf_counter() - began) / max(1, int(rows.lengths()[timing.sample].sum()))
+    forward = _time_forward(model, rows, timing.sample, time.perf_counter() + (end - time.perf_counter()) / 3)
     if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
     measured = _Timing.of(rows, indices, settings, forward)  # the generation batch, sized at the measured speed
-    prompts = [e.prompt for e in whole.prompts[: max(1, _fitting(measured.generation_costs,
-                                                                 (end - time.perf_counter()) / 2))]]
+    fitting = _fitting(measured.generation_costs, (end - time.perf_counter()) / 2)
+    if not fitting:  # a first call in eval mode can take most of it: no generation timing fits what is left
+        return None
+    prompts = [e.prompt for e in whole.prompts[:fitting]]
     decode = time_decode_step(model, prompts, pad_id=0, steps=_DECODE_STEPS, deadline=end)
     step, prefill = decode.seconds_per_step, decode.prefill_seconds / sum(len(prompt) for prompt in prompts)
     if len(prompts) == len(whole.prompts):
@@ -273,6 +273,18 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
     return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
                            prefill_seconds_per_token=prefill,
                            source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
+
+
+def _time_forward(model, rows: TokenRows, sample: np.ndarray, deadline: float) -> float:
+    """Seconds per token of the teacher-forced pass, an example at a time until the deadline (one at least)."""
+    spent, tokens = 0.0, 0
+    for index in sample:
+        began = time.perf_counter()
+        teacher_forced(model, rows, np.array([index]), 1)
+        spent, tokens = spent + time.perf_counter() - began, tokens + int(rows.lengths()[index])
+        if time.perf_counter() + spent / tokens * int(rows.lengths()[index]) > deadline:
+            break
+    return spent / max(1, tokens)
 
 
 def _fitting(costs: np.ndarray, seconds: float) -> int:
