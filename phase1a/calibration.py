@@ -304,8 +304,10 @@ class _Session:
         if not self.job.validation_path:
             return None
         left = self.end - time.perf_counter()
-        speed = _time_validation(self.model, self.job.validation_path, self.config,
-                                 TimingAllowance(seconds=left, forward_guess=per_token / 3))
+        rows, indices = self._validation_sample()
+        with evaluating(self.model), torch.no_grad():  # uncompiled, as the validate stage loads the model
+            speed = time_validation(self.model, rows, indices, self.config.validation,
+                                    TimingAllowance(seconds=left, forward_guess=per_token / 3))
         if speed is None:
             self.notes.append(f"validation not timed: {max(0.0, left):.0f} s of the budget left; its speed is "
                               f"derived from the training speed")
@@ -317,10 +319,13 @@ class _Session:
         """The checkpoint's and validation's timing, unhurried, at a training speed."""
         validation = 0.0
         if self.job.validation_path:
-            rows = TokenRows.load(self.job.validation_path)
-            indices = np.arange(min(len(rows), self.config.validation.max_examples))
-            validation = validation_timing_seconds(rows, indices, self.config.validation, per_token / 3)
+            validation = validation_timing_seconds(*self._validation_sample(), self.config.validation, per_token / 3)
         return self._checkpoint_guess()[1] + validation
+
+    def _validation_sample(self) -> tuple[TokenRows, np.ndarray]:
+        """The held-out rows and the sample the validate stage scores."""
+        rows = TokenRows.load(self.job.validation_path)
+        return rows, np.arange(min(len(rows), self.config.validation.max_examples))
 
     def _needed(self, first: Trial, per_token: float, validation: ValidationSpeed | None) -> float | None:
         """What a whole calibration of the first candidate would take, when this one was cut short: loading, the
@@ -331,15 +336,6 @@ class _Session:
             return None
         steps = (1 + self.config.hardware.calibration_steps) * self.step_tokens * per_token
         return self.startup + (first.warmup_excess_seconds or 0.0) + steps + self._final_seconds(per_token)
-
-
-def _time_validation(model, validation_path: str, config: Phase1aConfig,
-                     allowance: TimingAllowance) -> ValidationSpeed | None:
-    """Validation's costs on this model, uncompiled as the validate stage loads it."""
-    rows = TokenRows.load(validation_path)
-    indices = np.arange(min(len(rows), config.validation.max_examples))
-    with evaluating(model), torch.no_grad():
-        return time_validation(model, rows, indices, config.validation, allowance)
 
 
 def _outcome(trial: Trial) -> str:
