@@ -130,7 +130,8 @@ def process_counts(cores: int) -> list[int]:
 def _tokenize(run: Run) -> list[str]:
     """The tokenize stage at 1 worker process up to one per usable core (and one process on one core)."""
     counts = [str(count) for count in process_counts(usable_cores())]
-    sizes = (["--examples", "6000", "--workers", "1", "2"] if run.dry_run
+    # The dry run: the default run (one process at this size), two processes and one core, the same bytes.
+    sizes = (["--examples", "6000", "--workers", "2"] if run.dry_run
              else ["--tokenizer", str(TOKENIZER), "--examples", "200000", "--workers", *counts])
     return _python("benchmarks/tokenize_throughput.py", *sizes, "--one-core", "--formats", "jsonl", "--map", "0",
                    "--onthefly", "0", "--work", str(run.work / "tokenize"),

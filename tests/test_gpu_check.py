@@ -60,7 +60,7 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     assert 0.2 < plan["train_time_accuracy"] < 5.0  # a calibrated estimate, not a guess by orders of magnitude
 
     scaling = summary["tokenize-scaling"]
-    runs = [scaling[key] for key in ("stage_jsonl_6000_w1", "stage_jsonl_6000_w2", "stage_jsonl_6000_w1_1core")]
+    runs = [scaling[key] for key in ("stage_jsonl_6000", "stage_jsonl_6000_w2", "stage_jsonl_6000_w1_1core")]
     assert [(r["workers"], r["cores"] == 1) for r in runs] == [(1, False), (2, False), (1, True)]
     assert len({r["train_sha256"] for r in runs}) == 1  # every process count wrote the same bytes
 

@@ -6,6 +6,7 @@ in tests/test_cli_signals.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from botocore.exceptions import ClientError
 from safetensors.torch import load_file
 
 from helpers import date_records, make_tiny_model_dir, write_jsonl
@@ -198,8 +200,15 @@ def test_a_cut_upload_never_becomes_the_latest_and_the_resume_takes_the_one_befo
 
 
 def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its_throughput(job, store, tmp_path):
-    hosts = [Host.fresh(tmp_path / name, {**job, "method": {**job["method"], "epochs": 2}}) for name in "ab"]
+    # The lease lives long enough to pause its holder until the other host has seen it held (a run of 20 steps
+    # ends in about a second: which host comes second, and when, is up to the machine's load).
+    tree = {**job, "method": {**job["method"], "epochs": 2}, "store": {**job["store"], "lease_ttl": "120s"}}
+    hosts = [Host.fresh(tmp_path / name, tree) for name in "ab"]
     processes = [host.start_cli() for host in hosts]
+    holder = pause_the_first_holder(store, processes)
+    other = hosts[1 - processes.index(holder)]
+    wait_until(lambda: "waiting for it" in other.log(), "the other host waiting for the lease", timeout=50)
+    os.killpg(holder.pid, signal.SIGCONT)
     for process, host in zip(processes, hosts):
         assert process.wait(timeout=600) == 0, host.log()[-4000:]
     trains = [host.report()["stages"]["train"]["result"] for host in hosts]
@@ -223,6 +232,20 @@ def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its
                             cwd=ROOT, env=third.env(), capture_output=True, text=True, check=True).stdout
     names = [Path(host.report()["run_dir"]).name for host in (*hosts, third)]
     assert all(name in listed for name in names), listed
+
+
+def pause_the_first_holder(store: StoreView, processes: list[subprocess.Popen]) -> subprocess.Popen:
+    """SIGSTOP to the host that took the lease first, as soon as the store shows it; that host's process."""
+    def holder_pid() -> int | None:
+        try:
+            return (store.lease() or {}).get("holder", {}).get("pid")
+        except ClientError:  # released between the listing and the read: the run was faster than the poll
+            return None
+
+    pid = wait_until(holder_pid, "a host holding the lease", timeout=300, every=0.02)
+    [holder] = [process for process in processes if os.getpgid(pid) == process.pid]
+    os.killpg(holder.pid, signal.SIGSTOP)
+    return holder
 
 
 def test_a_fresh_host_encodes_only_the_new_shard_and_redoes_a_corrupt_one(aws_env, config_tree, tmp_path, endpoint,
