@@ -148,6 +148,7 @@ class CalibrationJob:
 def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Calibration:
     with stage_meter("calibration", planned_trials(config, job), "trials",
                      what=f"budget {config.plan.calibration_budget}") as meter:
+        meter.ends_by = meter.clock() + parse_duration_seconds(config.plan.calibration_budget)
         session = _Session(config, model_dir, job, meter)  # 1. the model and optimizer as training builds them
         first = session.run(job.start, session.first_deadline())  # 2. the memory model's pick
         if first.status != "measured":

@@ -80,6 +80,7 @@ class Meter:
         self.clock = settings.clock
         self.began = self.line_at = self.artifact_at = self.postfix_at = self.clock()
         self.note_text = ""
+        self.ends_by: float | None = None  # a budget's end on `clock`: the time left never reads past it
         self._lock = threading.Lock()
         self.active = count.total != 0
         display = resolved_display(settings)
@@ -171,7 +172,10 @@ class Meter:
         parts = [done, *_rates(count, elapsed)]
         rate = (count.done - count.carried) / elapsed if elapsed > 0 else 0.0
         if count.total is not None and rate > 0:
-            parts.append(f"{duration(max(0.0, count.total - count.done) / rate)} left")
+            left = (count.total - count.done) / rate
+            if self.ends_by is not None:
+                left = min(left, self.ends_by - (self.clock() if now is None else now))
+            parts.append(f"{duration(max(0.0, left))} left")
         line = f"{self.name}: " + ", ".join(parts)
         return f"{line}; {self.note_text}" if self.note_text else line
 

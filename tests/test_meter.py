@@ -49,6 +49,17 @@ def test_log_lines_give_done_rate_and_time_left_at_most_once_an_interval(info_li
     ]
 
 
+def test_the_time_left_never_reads_past_a_budgets_end(info_lines):
+    """Calibration's trials: the first took 20 s of a 30 s budget, seven more would take 140 s at that rate, but
+    the budget ends in 10 s and so does the calibration."""
+    clock = FakeClock()
+    with stage_meter("calibration", 8, "trials", settings=MeterSettings("lines", 10.0, clock)) as meter:
+        meter.ends_by = clock.now + 30
+        clock.now += 20
+        meter.advance(1)
+    assert info_lines()[1] == "calibration: 1 of 8 trials (12.5 %), 0.1 trials/s, 10s left"
+
+
 def test_bytes_in_mib_a_note_and_resumed_bytes_left_out_of_the_rate(info_lines):
     clock = FakeClock()
     with stage_meter("stage", 64 * MIB, "bytes", settings=MeterSettings("lines", 30.0, clock)) as meter:
