@@ -193,9 +193,27 @@ class HardwareConfig(_Section):
     num_gpus: int = Field(1, ge=1, description=(
         "GPUs on one host. Above 1 the train stage runs one rank a GPU under torchrun, the global batch split "
         "across them (see `strategy`); the cost counts every GPU."))
-    strategy: Literal["ddp", "fsdp"] = Field(
+    num_nodes: int = Field(1, ge=1, description=(
+        "Hosts of `num_gpus` GPUs each. Above 1 the train stage starts one torchrun agent a node, joined by a c10d "
+        "rendezvous: on `nodes`, or with srun inside a Slurm allocation (docs/operations.md#several-nodes). The "
+        "run's work_dir and cache_dir must be on a filesystem every node mounts at the same path."))
+    nodes: list[str] = Field(default_factory=list, description=(
+        "The hosts to train on, one torchrun agent each: this machine's name (or localhost) runs here, another "
+        "host over ssh in the same directory (the same checkout and venv there); the first hosts the rendezvous. "
+        "`num_nodes` is their count."))
+    network: Literal["infiniband-400", "ethernet-100"] = Field("infiniband-400", description=(
+        "Between the nodes, for the plan's estimate of a step's transfers: 400 Gb/s InfiniBand a GPU (8 NICs a "
+        "node), or one 100 Gb/s Ethernet port a node (phase1a/communication.py)."))
+    rendezvous_port: int = Field(29400, ge=1, le=65535, description=(
+        "The c10d rendezvous' port on the first node, with several nodes."))
+    max_restarts: int = Field(3, ge=0, description=(
+        "With several nodes: how many times the ranks start again after a failure (a rank's, or a node's agent "
+        "lost and started again); each start resumes from the latest checkpoint."))
+    strategy: Literal["ddp", "fsdp", "hsdp"] = Field(
         "ddp", description="With several GPUs. ddp: every GPU holds the whole model (fastest when it fits); fsdp: "
-                           "weights, gradients and optimizer state are sharded across the GPUs (bigger models).")
+                           "weights, gradients and optimizer state are sharded across all the GPUs (bigger "
+                           "models); hsdp: sharded across a node's GPUs and replicated across nodes, so the "
+                           "per-layer gathers stay inside a node (a model that fits a node's GPUs together).")
     price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue's on-demand price.")
     spot: bool = Field(False, description=(
         "The run uses spot / preemptible / interruptible instances: the plan prices it at the spot price, expects "
@@ -210,6 +228,15 @@ class HardwareConfig(_Section):
         "`checkpoint.interval: auto` takes its bounded default)."))
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
     calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")
+
+    @model_validator(mode="after")
+    def _nodes_counted(self) -> "HardwareConfig":
+        if self.nodes and self.num_nodes not in (1, len(self.nodes)):
+            raise ValueError(f"num_nodes is {self.num_nodes} and nodes names {len(self.nodes)} hosts: one agent a "
+                             "host, so leave num_nodes out or make them agree")
+        if self.nodes:
+            self.num_nodes = len(self.nodes)
+        return self
 
     @model_validator(mode="after")
     def _spot_rate_known(self) -> "HardwareConfig":
@@ -244,8 +271,10 @@ class PlanConfig(_Section):
                                      description="Trials beyond the first candidate also end within this share of "
                                                  "the first estimate of training time.")
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
-    scaling_efficiency: float = Field(0.9, gt=0.0, le=1.0,
-                                      description="Options table: throughput kept per GPU doubling.")
+    scaling_efficiency: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Options table: the share of throughput kept per doubling of GPUs, where you have measured it. None: "
+        "computed for each option from the step's transfers between GPUs and what compute hides of them "
+        "(phase1a/communication.py)."))
     lr_rule: Literal["sqrt", "linear", "none"] = Field(
         "sqrt", description="Options table: LR for a larger global batch.")
 

@@ -14,14 +14,11 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +29,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1  # ranks on this node: the size of an HSDP shard group
 
     @property
     def main(self) -> bool:
@@ -43,7 +41,8 @@ def init_world() -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return World()
-    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")),
+                  int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)
     if not dist.is_initialized():
@@ -55,14 +54,16 @@ def wrap(model: torch.nn.Module, world: World, strategy: str = "ddp") -> torch.n
     """Before the optimizer is made: FSDP replaces the parameters with their shards."""
     if world.size == 1:
         return model
-    if strategy == "fsdp":
-        return _shard(model, world)
+    if strategy in ("fsdp", "hsdp"):
+        return _shard(model, world, hybrid=strategy == "hsdp")
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[world.local_rank] if torch.cuda.is_available() else None)
 
 
-def _shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, world: World, hybrid: bool = False) -> torch.nn.Module:
+    """FSDP over every rank, or `hybrid` (HSDP): sharded over a node's ranks, replicated across the nodes, so the
+    per-layer gathers stay inside a node and only gradients cross the network."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -72,7 +73,12 @@ def _shard(model: torch.nn.Module, world: World) -> torch.nn.Module:
     if not layers:
         raise ValueError(f"FSDP needs the model's decoder layer class; {type(base).__name__} names none "
                          "(_no_split_modules)")
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world.size,))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if hybrid:
+        mesh = init_device_mesh(device, (world.size // world.local_size, world.local_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device, (world.size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)  # embeddings, final norm and head: the root unit
@@ -105,12 +111,15 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
     return nullcontext()
 
 
-def sum_over_ranks(value: int, world: World) -> int:
+def step_totals(loss: float, tokens: int, world: World) -> tuple[float, int]:
+    """A step's loss and tokens over every rank: each rank's loss is its share of the step's (normalised by the
+    whole step's supervised tokens), so their sum is the step's loss."""
     if world.size == 1:
-        return value
-    total = torch.tensor([value], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(total)
-    return int(total.item())
+        return loss, tokens
+    totals = torch.tensor([loss, float(tokens)], dtype=torch.float64,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(totals)
+    return float(totals[0].item()), int(totals[1].item())
 
 
 def any_rank(flag: bool, world: World) -> bool:
@@ -165,17 +174,3 @@ def run_rank(entry: Callable[[], object]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def torchrun_command(processes: int, settings_path: Path) -> list[str]:
-    """`torchrun` for one node and `processes` ranks, running this project's train entry point."""
-    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    base = [launcher] if launcher else [sys.executable, "-m", "torch.distributed.run"]
-    return [*base, "--standalone", f"--nproc_per_node={processes}", "-m", "tasks.train", str(settings_path)]
-
-
-def launch(processes: int, settings_path: Path, cwd: Path) -> None:
-    """Run the ranks and wait; a failed rank fails the launch with its exit code (torchrun prints its log)."""
-    done = subprocess.run(torchrun_command(processes, settings_path), cwd=cwd)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun with {processes} processes exited with {done.returncode}")

@@ -22,6 +22,7 @@ Imports without Prefect, so the same loop runs on a bare GPU host.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ from phase1a.cost_model import significant
 from phase1a.fingerprint import hash_json
 from phase1a.hardware import detect
 from phase1a.history import history_path, share_record
+from phase1a.launch import Launch, LaunchError, launch_for, run_agents
 from phase1a.lease import LeaseLost
 from phase1a.locks import exclusive
 from phase1a.logs import run_logger
@@ -86,8 +88,8 @@ class TrainSettings(BaseModel):
     # The config's `progress` section: torchrun ranks are other processes, where the flow's `configure` never
     # ran. None: this process's settings.
     progress: ProgressConfig | None = None
-    num_processes: int = 1  # >1: torchrun, one process a GPU
-    strategy: Literal["ddp", "fsdp"] = "ddp"  # with several processes
+    launch: Launch = Launch()  # one process, or torchrun agents: ranks a node, nodes (phase1a/launch.py)
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"  # with several processes
     model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
@@ -141,7 +143,7 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, progress=config.progress,
-        num_processes=config.hardware.num_gpus, strategy=config.hardware.strategy,
+        launch=launch_for(config.hardware, f"train-{run_key}"), strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
         planned_seconds=plan.estimated_train_seconds, evaluation=evaluation,
     )
@@ -220,7 +222,7 @@ class TrainRecipe:
         self.epochs_per_step = self.method.batch_size / len(rows)
         self.micro = settings.micro_batch_size
         self.total_steps = len(self._batches(self.micro))
-        self.sharded = settings.strategy == "fsdp" and self.world.size > 1
+        self.sharded = settings.strategy in ("fsdp", "hsdp") and self.world.size > 1
         evaluation = settings.evaluation
         self.evaluator = Evaluator(evaluation, self.output_dir, self.world, self.max_length) if evaluation else None
         self.eval_interval = evaluation.interval(settings.checkpoint_interval) if evaluation else None
@@ -372,6 +374,7 @@ class TrainRecipe:
 
     def _record(self, loss: float, tokens: int, grad_norm: float) -> None:
         progress = self.progress
+        loss, tokens = distributed.step_totals(loss, tokens, self.world)  # the step's, not rank 0's share
         self.scheduler.step()
         progress.step += 1
         progress.tokens += tokens
@@ -425,7 +428,7 @@ class TrainRecipe:
     def save(self) -> TrainResult:
         progress, world = self.progress, self.world
         wall = time.perf_counter() - progress.started
-        tokens = distributed.sum_over_ranks(progress.tokens, world)
+        tokens = progress.tokens  # every rank's: summed at each step
         final_dir = self.output_dir / "final"
         result = TrainResult(
             adapter_dir=str(final_dir), output_dir=str(self.output_dir), steps=self.total_steps,
@@ -483,28 +486,35 @@ def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, we
 # ---- several processes ---------------------------------------------------------------------------------------
 
 def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainResult:
-    """One process, or `num_processes` ranks under torchrun; the result is rank 0's, read from the run. `stop`
+    """One process, or the launch's ranks under torchrun; the result is rank 0's, read from the run. `stop`
     reaches one process only (train's)."""
-    if settings.num_processes <= 1:
+    if not settings.launch.several:
         return train(settings, stop=stop)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings_path = output_dir / "settings.json"
     _out_of_memory_notes(output_dir)  # a crashed launcher's leftovers do not count for this launch
-    backoffs = 0
+    backoffs, restarts, launch = 0, 0, settings.launch
     while True:
         write_atomically(settings_path, settings.model_dump_json(indent=2))
-        try:
-            distributed.launch(settings.num_processes, settings_path, cwd=Path(__file__).resolve().parents[1])
+        try:  # each launch its own rendezvous: a lost node's stale state never joins the next group
+            run_agents(launch.model_copy(update={"run_id": f"{launch.run_id}-{backoffs + restarts}"}), settings_path,
+                       cwd=Path(__file__).resolve().parents[1])
             break
-        except RuntimeError:
+        except LaunchError as failed:
             notes = _out_of_memory_notes(output_dir)
-            if not notes or settings.micro_batch_size == 1:
+            if notes and settings.micro_batch_size > 1:
+                micro = settings.micro_batch_size // 2
+                settings, backoffs = settings.model_copy(update={"micro_batch_size": micro}), backoffs + 1
+                # The ranks are gone: the launcher records it.
+                append_event(output_dir, "out_of_memory", step=min(notes), micro_batch_size=micro, relaunched=True)
+            elif launch.nodes > 1 and restarts < launch.max_restarts:  # a node lost: the group from its checkpoint
+                restarts += 1
+                append_event(output_dir, "group_restarted", failure=str(failed), restart=restarts)
+                run_logger().warning(f"{failed}: starting every node's agent again from the latest checkpoint "
+                                     f"({restarts} of {launch.max_restarts} restarts)")
+            else:
                 raise
-            micro = settings.micro_batch_size // 2
-            settings, backoffs = settings.model_copy(update={"micro_batch_size": micro}), backoffs + 1
-            # The ranks are gone: the launcher records it.
-            append_event(output_dir, "out_of_memory", step=min(notes), micro_batch_size=micro, relaunched=True)
     result_path = output_dir / "final" / "result.json"
     result = TrainResult.model_validate_json(result_path.read_text())
     if backoffs:
@@ -594,5 +604,14 @@ def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
     return result.model_copy(update={"recorded": record})
 
 
+def rank_settings(path: Path) -> TrainSettings:
+    """A rank's settings, written by the launcher into the run's directory: a node that cannot see it does not
+    share the launching host's filesystem."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{socket.gethostname()}: {path} is not here: training on several nodes needs the "
+                                "run's work_dir and cache_dir on a filesystem every node mounts at the same path")
+    return TrainSettings.model_validate_json(path.read_text())
+
+
 if __name__ == "__main__":  # a torchrun rank: python -m tasks.train SETTINGS.json
-    distributed.run_rank(lambda: train(TrainSettings.model_validate_json(Path(sys.argv[1]).read_text())))
+    distributed.run_rank(lambda: train(rank_settings(Path(sys.argv[1]))))

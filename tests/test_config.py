@@ -122,6 +122,9 @@ def test_shipped_example_jobs():
     qlora = load_config(CONFIGS / "llama3-8b-qlora-h100.yaml")
     assert qlora.method.base_precision == "4bit"
     assert qlora.method.model_copy(update={"base_precision": "16bit"}) == lora.method  # only the base differs
+    nodes = load_config(CONFIGS / "llama3-8b-full-2x8-h100.yaml")
+    assert (nodes.hardware.num_nodes, nodes.hardware.num_gpus, nodes.hardware.strategy) == (2, 8, "hsdp")
+    assert nodes.method.kind == "full" and nodes.cache_dir == CONFIGS.parent / "cache"
     parquet = load_config(CONFIGS / "parquet-s3.yaml")
     assert parquet.data.source.startswith("s3://") and parquet.data.source.endswith("/")
     for name in ("h100", "h200"):

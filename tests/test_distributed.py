@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.checkpoints import list_checkpoints
 from phase1a.config import MethodConfig
-from phase1a.distributed import torchrun_command
+from phase1a.launch import Launch, torchrun_command
 from phase1a.results import TrainResult
 from phase1a.training_eval import EvalSettings
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -39,7 +39,7 @@ def one_process(tiny_model_dir, tmp_path_factory) -> tuple[callable, TrainResult
         # from the shards at each improvement, and the weights stay those of a run without it.
         evaluation = EvalSettings(validation_path=data.validation_path, patience=100) if evaluate else None
         return TrainSettings(model_dir=str(tiny_model_dir), train_path=data.train_path,
-                             output_dir=str(root / name), num_processes=processes, strategy=strategy,
+                             output_dir=str(root / name), launch=Launch(processes=processes), strategy=strategy,
                              method=MethodConfig(learning_rate=5e-3, batch_size=8, epochs=1, lora={"r": 4, "alpha": 8}),
                              micro_batch_size=2, gradient_checkpointing=False, checkpoint_interval="2steps",
                              keep_last=3, show_progress=False, evaluation=evaluation)
@@ -59,7 +59,8 @@ def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(one_process, strategy):
     settings, one = one_process
-    assert torchrun_command(2, Path("s.json"))[-4:] == ["--nproc_per_node=2", "-m", "tasks.train", "s.json"]
+    command = torchrun_command(Launch(processes=2), Path("s.json"))
+    assert command[-5:] == ["--standalone", "--nproc_per_node=2", "-m", "tasks.train", "s.json"]
     two = run(settings(f"two-{strategy}", 2, strategy, evaluate=True))
     assert two.steps == one.steps == 6 and two.train_tokens == one.train_tokens  # tokens summed over ranks
     assert two.checkpoints_written == one.checkpoints_written == 2
