@@ -40,6 +40,7 @@ class Accelerator:
     memory_bandwidth: float | None = None  # data-sheet memory bandwidth, bytes/s; None where not catalogued
     spot_price_per_hour: float | None = None  # typical spot / interruptible rental per GPU-hour, USD
     spot_interruptions_per_hour: float | None = None  # expected interruptions per hour of a spot host
+    link_bandwidth: float | None = None  # a GPU's bandwidth to the others in its node, bytes/s each direction
 
 
 def interrupted_per_day(share: float) -> float:
@@ -47,28 +48,38 @@ def interrupted_per_day(share: float) -> float:
     return -math.log(1.0 - share) / 24.0
 
 
+# link_bandwidth: NVLink 4 (H100/H200 SXM) 900 GB/s and NVLink 3 (A100 SXM) 600 GB/s both ways; PCIe 5.0 x16 (H100
+# PCIe) 64 GB/s, PCIe 4.0 x16 32 GB/s, each way.
 CATALOGUE: dict[str, Accelerator] = {
     # Spot: RunPod H100 SXM $0.81; AWS Advisor p5: 10-20 %.
-    "h100": Accelerator("NVIDIA H100 80GB SXM", 80 * GIB, 989e12, 2.50, 3.35e12, 0.81, interrupted_per_day(0.20)),
+    "h100": Accelerator("NVIDIA H100 80GB SXM", 80 * GIB, 989e12, 2.50, 3.35e12, 0.81,
+                        interrupted_per_day(0.20), link_bandwidth=450e9),
     # Spot: RunPod H100 PCIe $0.72; no Advisor band (no AWS PCIe H100): the SXM's.
-    "h100-pcie": Accelerator("NVIDIA H100 80GB PCIe", 80 * GIB, 756e12, 2.00, 2.0e12, 0.72, interrupted_per_day(0.20)),
+    "h100-pcie": Accelerator("NVIDIA H100 80GB PCIe", 80 * GIB, 756e12, 2.00, 2.0e12, 0.72,
+                             interrupted_per_day(0.20), link_bandwidth=64e9),
     # Spot: RunPod H200 $1.65 ("newer, less stable"); AWS p5e/p5en: taken as the H100's band.
-    "h200": Accelerator("NVIDIA H200 141GB SXM", 141 * GIB, 989e12, 3.50, 4.8e12, 1.65, interrupted_per_day(0.20)),
+    "h200": Accelerator("NVIDIA H200 141GB SXM", 141 * GIB, 989e12, 3.50, 4.8e12, 1.65,
+                        interrupted_per_day(0.20), link_bandwidth=450e9),
     # Spot: RunPod A100 SXM 80GB $0.59; Advisor p4d: 5-10 %.
-    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * GIB, 312e12, 1.60, 2.0e12, 0.59, interrupted_per_day(0.10)),
+    "a100-80gb": Accelerator("NVIDIA A100 80GB", 80 * GIB, 312e12, 1.60, 2.0e12, 0.59,
+                             interrupted_per_day(0.10), link_bandwidth=300e9),
     # Spot: RunPod A100 PCIe $0.42 (a 40 GB card rents for no more); Advisor p4d (A100 40GB): 5-10 %.
-    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * GIB, 312e12, 1.20, 1.555e12, 0.42, interrupted_per_day(0.10)),
+    "a100-40gb": Accelerator("NVIDIA A100 40GB", 40 * GIB, 312e12, 1.20, 1.555e12, 0.42,
+                             interrupted_per_day(0.10), link_bandwidth=300e9),
     # Spot: GCP's Spot VM discount of at least 60 % on the on-demand price (no per-card figure found); Advisor L4: <5 %.
-    "l4": Accelerator("NVIDIA L4 24GB", 24 * GIB, 121e12, 0.70, 0.3e12, 0.28, interrupted_per_day(0.05)),
+    "l4": Accelerator("NVIDIA L4 24GB", 24 * GIB, 121e12, 0.70, 0.3e12, 0.28,
+                      interrupted_per_day(0.05), link_bandwidth=32e9),
     # Spot: AWS g5.12xlarge (4x A10G) us-east-1 spot $1.99-2.73 an instance by zone, about $0.55 a GPU;
     # g5: no band found, taken as <5 %.
-    "a10g": Accelerator("NVIDIA A10G 24GB", 24 * GIB, 70e12, 1.00, 0.6e12, 0.55, interrupted_per_day(0.05)),
+    "a10g": Accelerator("NVIDIA A10G 24GB", 24 * GIB, 70e12, 1.00, 0.6e12, 0.55,
+                        interrupted_per_day(0.05), link_bandwidth=32e9),
     # Spot: RunPod L40S $0.34; AWS g6e: no band found, taken as 5-10 %.
-    "l40s": Accelerator("NVIDIA L40S 48GB", 48 * GIB, 362e12, 1.00, 0.864e12, 0.34, interrupted_per_day(0.10)),
+    "l40s": Accelerator("NVIDIA L40S 48GB", 48 * GIB, 362e12, 1.00, 0.864e12, 0.34,
+                        interrupted_per_day(0.10), link_bandwidth=32e9),
     # 165 TFLOP/s is bf16 with fp32 accumulate (training); the often-quoted 330 accumulates in fp16.
     # Spot: RunPod RTX 4090 $0.22 ("volatile"); a marketplace card is taken back when outbid: the >20 % band's floor.
     "rtx4090": Accelerator("NVIDIA GeForce RTX 4090 24GB", 24 * GIB, 165e12, 0.40, 1.008e12, 0.22,
-                           interrupted_per_day(0.20)),
+                           interrupted_per_day(0.20), link_bandwidth=32e9),
 }
 CPU = "cpu"  # this machine's own CPU: a target whose memory and cores are read, not catalogued
 HARDWARE_KINDS = (CPU, *CATALOGUE)  # the config's hardware.target choices

@@ -53,6 +53,7 @@ class RunRecord(BaseModel):
     device_name: str
     precision: str
     method_kind: str = "lora"  # records written before this field were all LoRA runs
+    world_size: int = 1  # the run's GPUs (ranks) on all its nodes: its tokens/s is theirs together
     micro_batch_size: int
     gradient_checkpointing: bool
     compile: bool = False
@@ -143,10 +144,12 @@ class Remembered(BaseModel):
     runs: int  # the latest runs with the record's knobs, at most RECENT_RUNS
 
 
-def remembered(path: Path, model_fingerprint: str, hardware: str, method_kind: str) -> Remembered | None:
-    """The latest run of this model, method and hardware (whatever its knobs: a plan may reuse them), with the
-    upper median throughput of the recent runs that used the same knobs."""
-    matches = [r for r in matching_runs(path, model_fingerprint, hardware) if r.method_kind == method_kind]
+def remembered(path: Path, model_fingerprint: str, hardware: str, method_kind: str,
+               world_size: int = 1) -> Remembered | None:
+    """The latest run of this model, method and hardware on as many GPUs (whatever its knobs: a plan may reuse
+    them), with the upper median throughput of the recent runs that used the same knobs."""
+    matches = [r for r in matching_runs(path, model_fingerprint, hardware)
+               if r.method_kind == method_kind and r.world_size == world_size]
     if not matches:
         return None
     latest = matches[-1]

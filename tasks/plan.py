@@ -53,6 +53,7 @@ from pydantic import BaseModel
 from phase1a import footing
 from phase1a.atomic import write_atomically
 from phase1a.calibration import Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives, no_alternatives
+from phase1a.communication import StepTraffic, step_communication
 from phase1a.config import HardwareConfig, Phase1aConfig
 from phase1a.cost_model import (
     OPTIMIZER_STATE_BYTES,
@@ -90,7 +91,16 @@ from phase1a.lengths import Outliers, right_size
 from phase1a.logs import run_logger
 from phase1a.modeling import attention_implementation, release_device_memory
 from phase1a.models import ResolvedModel
-from phase1a.options import OptionRow, OptionsJob, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
+from phase1a.options import (
+    OptionRow,
+    OptionsJob,
+    OptionsPolicy,
+    OtherWork,
+    SpotJob,
+    format_options,
+    more_nodes,
+    option_rows,
+)
 from phase1a.packing import TokenRows
 from phase1a.results import Estimate, Plan
 from phase1a.stores import open_store
@@ -169,7 +179,7 @@ class _Planner:
         self.shape = TrainingShape(
             full=self.method.kind == "full", weight_bytes=torch.finfo(self.dtype).bits // 8,
             base_bits=4 if self.method.base_precision == "4bit" else 16, optimizer=self.method.optimizer,
-            shards=config.hardware.num_gpus if config.hardware.strategy == "fsdp" else 1,
+            shards=shards(config.hardware),
             dense_mask=self.attention == "sdpa")
         trainable = (self.facts.parameters if self.shape.full
                      else lora_parameters(self.facts, self.method.lora.r, self.method.lora.target_modules))
@@ -209,21 +219,50 @@ class _Planner:
         sweeps = self.policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
         config = self.config
         past = remembered(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
-                          self.method.kind)
+                          self.method.kind, config.hardware.num_gpus * config.hardware.num_nodes)
         if past and self._fits(candidate := _candidate_of(past.record), max_seq_length) and (
                 sweeps or candidate == start):
             self.notes.append(_history_note(past, config.hardware.target))
-            return self._from_history(past, candidate)
+            return self._from_history(past, candidate)  # a run on as many GPUs: its whole speed
         if self.present and config.hardware.calibration_steps > 0:
-            return self._calibrated(start, max_seq_length, sweeps)
+            return self._on_every_rank(self._calibrated(start, max_seq_length, sweeps), max_seq_length)
         flops = flops_per_token(self.facts, self.shape.full, start.gradient_checkpointing,
                                 _mean(self.lengths, max_seq_length))
         self.notes.append(f"throughput assumed at {self.policy.assumed_mfu:.0%} MFU of {self.target.name}'s peak, "
                           f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
-        return _Throughput(chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
-                           warmup_seconds=0.0, startup_seconds=self._assumed_startup(),
-                           checkpoint=self._checkpoint_cost(None, None), source="assumed",
-                           footing=footing.assumed(self.policy.assumed_mfu))
+        return self._on_every_rank(_Throughput(
+            chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
+            warmup_seconds=0.0, startup_seconds=self._assumed_startup(), checkpoint=self._checkpoint_cost(None, None),
+            source="assumed", footing=footing.assumed(self.policy.assumed_mfu)), max_seq_length)
+
+    def _on_every_rank(self, one: _Throughput, max_seq_length: int) -> _Throughput:
+        """One GPU's speed (measured or assumed) as the run's on every GPU of every node: each takes its share of
+        a step, and the step's transfers between them cost what compute does not hide (phase1a/communication.py)."""
+        hardware = self.config.hardware
+        ranks = hardware.num_gpus * hardware.num_nodes
+        if ranks == 1:
+            return one
+        if hardware.target not in CATALOGUE:
+            self.notes.append(f"{ranks} processes on {self.target.name}: they share its cores and no interconnect is "
+                              "catalogued for it; the estimate keeps one process's speed")
+            return one
+        traffic = self._traffic(one.seconds_per_token, one.chosen.micro_batch_size, max_seq_length, ranks)
+        moved = step_communication(traffic, hardware.strategy, hardware.target, hardware.num_gpus,
+                                   hardware.num_nodes, hardware.network)
+        self.notes.append(f"{ranks} GPUs ({hardware.num_nodes} x {hardware.num_gpus}, {hardware.strategy}): a step "
+                          f"moves {moved.seconds:.2f} s of transfers, {moved.exposed_seconds:.2f} s of them not "
+                          f"hidden by compute: scaling {moved.efficiency:.1%} of {ranks}x")
+        return one.model_copy(update={"seconds_per_token": one.seconds_per_token / (ranks * moved.efficiency)})
+
+    def _traffic(self, seconds_per_token: float, micro_batch_size: int, max_seq_length: int,
+                 ranks: int = 1) -> StepTraffic:
+        """One step on one of `ranks` GPUs, each with its share of the global batch, at one GPU's speed."""
+        step_tokens = self.method.batch_size * _mean(self.lengths, max_seq_length)
+        weight_bytes = self.facts.parameters * (4 if self.shape.full else self.shape.weight_bytes)
+        return StepTraffic(weight_bytes=weight_bytes, gradient_bytes=self.memory.trainable * 4,
+                           micro_batches=max(1, self.method.batch_size // micro_batch_size // ranks),
+                           compute_seconds=step_tokens / ranks * seconds_per_token,
+                           backward_share=2 / 3 if self.shape.full else 1 / 2)
 
     def _calibrated(self, start: Candidate, max_seq_length: int, sweeps: bool) -> _Throughput:
         config = self.config
@@ -492,7 +531,8 @@ class _Planner:
             steps=self._steps(fit.epochs), train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length),
             estimate=estimate, estimated_train_seconds=estimate.train_seconds,
             estimated_total_seconds=estimate.total_seconds,
-            estimated_cost_usd=None if price is None else price * hardware.num_gpus * estimate.total_seconds / 3600,
+            estimated_cost_usd=(None if price is None
+                                else price * hardware.num_gpus * hardware.num_nodes * estimate.total_seconds / 3600),
             window_seconds=fit.window, fits_in_window=None if fit.window is None else True,
             throughput_source=throughput.source, calibration=throughput.calibration,
             options=self._options(throughput, checkpoints, fit, estimate, (flops, memory)), notes=self.notes,
@@ -536,8 +576,9 @@ class _Planner:
         configured = None if checkpoints.rule != "configured" else self._exposure(
             checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
             fit.max_seq_length).interval_seconds
+        traffic = self._traffic(1.0 / reference_tps, throughput.chosen.micro_batch_size, fit.max_seq_length)
         job = OptionsJob(
-            train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length), flops_per_token=flops,
+            train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length), flops_per_token=flops, traffic=traffic,
             reference=reference, reference_tokens_per_second=reference_tps,
             memory_needed_bytes_per_gpu=memory.total_gib * GIB,
             weights_and_state_bytes=(memory.weights_gib + memory.trainable_gib) * GIB,
@@ -547,6 +588,11 @@ class _Planner:
         return option_rows(job, OptionsPolicy(
             scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
             memory_headroom=hardware.memory_headroom, **_overrides(hardware)))
+
+
+def shards(hardware: HardwareConfig) -> int:
+    """The GPUs a model's weights and state are sharded over: all (fsdp), a node's (hsdp), none (ddp)."""
+    return {"fsdp": hardware.num_gpus * hardware.num_nodes, "hsdp": hardware.num_gpus}.get(hardware.strategy, 1)
 
 
 def _interruption_rate(config: Phase1aConfig, target: Accelerator) -> tuple[float, str]:
@@ -691,7 +737,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"calibration ({calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"
                      f"{needed}):")
         lines += [f"  {t.candidate.label()}: {_trial_result(t)}" for t in plan.calibration.trials]
-    return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options)])
+    nodes = [f"more nodes: {line}" for line in more_nodes(plan.options)]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes] + ["", format_options(plan.options), *nodes])
 
 
 def _range(estimate: Estimate) -> str:

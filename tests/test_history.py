@@ -50,6 +50,10 @@ def test_the_latest_run_gives_the_knobs_and_lora_and_full_are_apart(tmp_path):
     assert (full.micro_batch_size, full.compile, full.dataloader_workers) == (2, True, 4)
     assert (full.startup_seconds, full.checkpoint_seconds_each) == (31.5, 4.2)
     assert remembered(path, "m1", "h200", "lora") is None
+    assert remembered(path, "m1", "h100", "lora", world_size=8) is None  # one GPU's speed is not eight's
+    append_run(path, record(timestamp=T0 + timedelta(hours=2), world_size=8, tokens_per_second=7000.0))
+    assert remembered(path, "m1", "h100", "lora", world_size=8).tokens_per_second == 7000.0
+    assert remembered(path, "m1", "h100", "lora").record.micro_batch_size == 4  # the one-GPU run's
 
 
 def test_one_slowed_run_does_not_set_the_remembered_throughput(tmp_path):

@@ -67,6 +67,32 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
         planned(config_tree, data)
 
 
+def test_two_nodes_of_eight_gpus_are_one_gpus_speed_times_sixteen_at_the_computed_scaling(tmp_path, config_tree):
+    """The plan for 2 x 8 H100s takes one H100's (assumed) speed 16 times at the scaling its step's transfers
+    leave, prices 16 GPUs, never takes a one-GPU run's history for it, and prints where more nodes stop paying."""
+    from phase1a.history import RunRecord, append_run, history_path
+    from tasks.plan import format_plan
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
+                            TokenizeOptions(), tmp_path / "cache" / "fp")
+    config_tree["hardware"] = {"target": "h100"}
+    one = planned(config_tree, data)
+    config = Phase1aConfig.model_validate(config_tree)
+    append_run(history_path(config.cache_dir), RunRecord(  # a one-GPU run: not the speed of sixteen
+        model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="h100", device_name="H100",
+        precision="bfloat16", micro_batch_size=one.micro_batch_size, gradient_checkpointing=one.gradient_checkpointing,
+        max_seq_length=64, tokens_per_second=5.0, estimated_train_seconds=1.0, actual_train_seconds=1.1))
+    config_tree["hardware"] = {"target": "h100", "num_gpus": 8, "num_nodes": 2, "nodes": []}
+    sixteen = planned(config_tree, data)
+    [note] = [note for note in sixteen.notes if note.startswith("16 GPUs (2 x 8, ddp)")]
+    scaling = float(note.rsplit("scaling ", 1)[1].split("%")[0]) / 100
+    assert sixteen.throughput_source == "assumed" and 0 < scaling <= 1
+    assert sixteen.tokens_per_second == pytest.approx(one.tokens_per_second * 16 * scaling, rel=0.01)
+    assert sixteen.estimated_cost_usd == pytest.approx(16 * 2.50 * sixteen.estimated_total_seconds / 3600)
+    text = format_plan(sixteen)
+    assert "2x8 H100 IB" in text and "more nodes: 8x H100 -> 2x8 H100 IB" in text and "scaling" in text
+
+
 def test_a_cpu_plans_gpu_rows_price_evaluation_at_the_gpus_speed(tmp_path, config_tree):
     """The options table's H100 row: its training and evaluation tokens at the H100's rate (within 2x: a
     forward token costs a third of a training token), never this CPU's measured evaluation seconds."""
