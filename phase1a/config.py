@@ -186,6 +186,22 @@ class MethodConfig(_Section):
         return self
 
 
+class KubernetesNodes(_Section):
+    """Several nodes as pods (phase1a/k8s_nodes.py): an Indexed Job of one pod a node beside the flow's pod."""
+
+    image: str = Field(description="The nodes' image: the flow pod's (this project, CUDA torch), its working "
+                                   "directory the project's.")
+    namespace: str = Field("default", description="Where the Job, its pods and the rendezvous Service go.")
+    volume_claim: str = Field(description=(
+        "A ReadWriteMany PersistentVolumeClaim mounted at `mount_path` in the flow's pod and in every node's pod: "
+        "work_dir and cache_dir must be under it (the run's settings, tokenized data and checkpoints)."))
+    mount_path: str = Field("/shared", description="Where the volume is mounted, the same in every pod.")
+    gpu_product: str | None = Field(None, description=(
+        "A node selector on `nvidia.com/gpu.product` (GPU feature discovery), e.g. NVIDIA-H100-80GB-HBM3."))
+    service_account: str | None = Field(None, description="The pods' service account.")
+    shm_size: str = Field("64Gi", description="/dev/shm of each pod (NCCL and DataLoader workers use it).")
+
+
 class HardwareConfig(_Section):
     target: Literal[HARDWARE_KINDS] = Field(  # type: ignore[valid-type]
         "cpu", description="What the plan sizes, prices and calibrates for: this machine's CPU or a catalogue GPU "
@@ -204,6 +220,10 @@ class HardwareConfig(_Section):
     network: Literal["infiniband-400", "ethernet-100"] = Field("infiniband-400", description=(
         "Between the nodes, for the plan's estimate of a step's transfers: 400 Gb/s InfiniBand a GPU (8 NICs a "
         "node), or one 100 Gb/s Ethernet port a node (phase1a/communication.py)."))
+    kubernetes: KubernetesNodes | None = Field(None, description=(
+        "Several nodes as Kubernetes pods: the train stage submits an Indexed Job of `num_nodes` pods of `num_gpus` "
+        "GPUs and a headless Service for the rendezvous, follows node 0's log, and deletes them when the run fails "
+        "or is cancelled."))
     rendezvous_port: int = Field(29400, ge=1, le=65535, description=(
         "The c10d rendezvous' port on the first node, with several nodes."))
     max_restarts: int = Field(3, ge=0, description=(

@@ -12,6 +12,8 @@ Where the agents run:
   ssh, in the same directory.
 - `slurm`: inside an allocation (`sbatch`), `srun` runs one agent on each of its first `num_nodes` nodes; the
   batch step's host is the rendezvous.
+- `kubernetes`: `hardware.kubernetes`, an Indexed Job of one pod a node (phase1a/k8s_nodes.py); pod 0 is the
+  rendezvous, and the shared filesystem is a ReadWriteMany volume every pod mounts.
 Both need the run's directories (work_dir, cache_dir) on a filesystem every node mounts at the same path, as a
 Slurm cluster's shared home or Lustre is: a rank that cannot see them fails, naming the directory.
 """
@@ -30,7 +32,17 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from phase1a.config import HardwareConfig
+from phase1a.config import HardwareConfig, KubernetesNodes
+from phase1a.k8s_nodes import (
+    KubernetesFailed,
+    PodGroup,
+    check_shared,
+    kubernetes_api,
+    manifests,
+    object_name,
+    rendezvous_host,
+    run_job,
+)
 
 ENTRY = ["-m", "tasks.train"]  # the rank's entry point: tasks/train.py's __main__
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -46,8 +58,9 @@ class Launch(BaseModel):
 
     processes: int = Field(1, ge=1)  # ranks a node: its GPUs
     nodes: int = Field(1, ge=1)
-    launcher: Literal["hosts", "slurm"] = "hosts"
+    launcher: Literal["hosts", "slurm", "kubernetes"] = "hosts"
     hosts: list[str] = Field(default_factory=list)  # `hosts`: one a node, the first is the rendezvous
+    kubernetes: KubernetesNodes | None = None  # `kubernetes`: the pods' image, namespace and shared volume
     rendezvous_port: int = 29400
     max_restarts: int = Field(3, ge=0)
     run_id: str = "phase1a"  # the rendezvous' name: the training key, so two runs never meet
@@ -67,10 +80,13 @@ def launch_for(hardware: HardwareConfig, run_id: str) -> Launch:
                     rendezvous_port=hardware.rendezvous_port, max_restarts=hardware.max_restarts, run_id=run_id)
     if launch.nodes == 1 or hardware.nodes:
         return launch
+    if hardware.kubernetes is not None:
+        return launch.model_copy(update={"launcher": "kubernetes", "kubernetes": hardware.kubernetes})
     if in_slurm_allocation():
         return launch.model_copy(update={"launcher": "slurm"})
-    raise LaunchError(f"hardware.num_nodes is {launch.nodes}: name the hosts in hardware.nodes, or run the flow inside "
-                      "a Slurm allocation (sbatch) (docs/operations.md#several-nodes)")
+    raise LaunchError(f"hardware.num_nodes is {launch.nodes}: name the hosts in hardware.nodes, set "
+                      "hardware.kubernetes, or run the flow inside a Slurm allocation (sbatch) "
+                      "(docs/operations.md#several-nodes)")
 
 
 def torchrun_command(launch: Launch, settings_path: Path, rendezvous_host: str | None = None) -> list[str]:
@@ -87,6 +103,8 @@ def torchrun_command(launch: Launch, settings_path: Path, rendezvous_host: str |
 def run_agents(launch: Launch, settings_path: Path, cwd: Path) -> None:
     """Every agent of the run, to its end; raises LaunchError when they did not all end with 0 (the first that
     fails stops the others: the caller starts the whole group again, tasks/train.py)."""
+    if launch.launcher == "kubernetes" and launch.nodes > 1:
+        return on_kubernetes(launch, settings_path, cwd, kubernetes_api())
     if launch.nodes == 1:
         agents = [_Agent(torchrun_command(launch, settings_path), cwd)]
     elif launch.launcher == "slurm":
@@ -95,6 +113,22 @@ def run_agents(launch: Launch, settings_path: Path, cwd: Path) -> None:
         command = torchrun_command(launch, settings_path, launch.hosts[0])
         agents = [_Agent(_on_host(host, command, cwd), cwd, host) for host in launch.hosts]
     _wait_all(agents)
+
+
+# ---- kubernetes ----------------------------------------------------------------------------------------------
+
+def on_kubernetes(launch: Launch, settings_path: Path, cwd: Path, api) -> None:
+    """One pod a node in an Indexed Job (phase1a/k8s_nodes.py), agents joining on pod 0; `api`: the client."""
+    settings = launch.kubernetes
+    check_shared(settings, settings_path)
+    name = object_name(launch.run_id)
+    agent = torchrun_command(launch, settings_path, rendezvous_host(settings, name))
+    service, job = manifests(settings, PodGroup(name=name, nodes=launch.nodes, gpus=launch.processes,
+                                                port=launch.rendezvous_port, agent=agent, cwd=cwd))
+    try:
+        run_job(api, settings, service, job)
+    except KubernetesFailed as failed:
+        raise LaunchError(str(failed)) from None
 
 
 # ---- slurm ---------------------------------------------------------------------------------------------------

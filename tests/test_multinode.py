@@ -77,7 +77,7 @@ def test_the_config_makes_the_launch_and_refuses_nodes_without_a_launcher(monkey
     with pytest.raises(ValueError, match="num_nodes is 3 and nodes names 2 hosts"):
         HardwareConfig(num_nodes=3, nodes=["a", "b"])
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    with pytest.raises(LaunchError, match="name the hosts in hardware.nodes, or run the flow inside a Slurm"):
+    with pytest.raises(LaunchError, match="hardware.nodes, set hardware.kubernetes, or run the flow inside a Slurm"):
         launch_for(HardwareConfig(num_nodes=2), "train-abc")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")
