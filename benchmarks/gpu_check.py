@@ -67,6 +67,7 @@ class Run:
     dry_run: bool
     budget: float
     retry_failed: bool
+    gpus: int = 1  # CUDA devices on this host
     began: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
@@ -87,6 +88,7 @@ class Part:
     command: Callable[[Run], list[str]]
     result: str  # the file the part writes, relative to the results folder
     cuda_only: str | None = None  # why the dry run skips it
+    gpus: int = 1  # a host with fewer skips it, saying so
 
 
 def _python(*args: str) -> list[str]:
@@ -138,6 +140,12 @@ def _tokenize(run: Run) -> list[str]:
                    "--out", str(run.results / "tokenize-scaling.json"))
 
 
+def _ranks(run: Run) -> list[str]:
+    """Two ranks on two GPUs with NCCL: DDP and FSDP train the steps of one process (tests/test_distributed.py)."""
+    return _python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={run.results / 'ranks.xml'}",
+                   "tests/test_distributed.py")
+
+
 EIGHT_B = "needs CUDA: a Llama-3-8B shape is 16 GB of bf16 weights"
 PARTS = [
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
@@ -146,6 +154,8 @@ PARTS = [
       for config in BENCH_CONFIGS],
     Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
          "plan-smollm2.json"),
+    Part("ranks-2gpu", "two ranks under torchrun on two GPUs (NCCL): DDP and FSDP against one process", 120,
+         _ranks, "ranks.xml", cuda_only="needs two CUDA GPUs (NCCL)", gpus=2),
     Part("tokenize-scaling", "the tokenize stage at 1, 2, 4, ... processes up to the host's cores, 200k chat examples",
          240, _tokenize, "tokenize-scaling.json"),
 ]
@@ -180,7 +190,8 @@ def main() -> int:
                                ROOT / "benchmarks" / "results" / f"gpu-check-{environment['slug']}")
     (results / "parts").mkdir(parents=True, exist_ok=True)
     run = Run(results=results.resolve(), work=args.work, dry_run=args.dry_run,
-              budget=args.budget - (time.monotonic() - began), retry_failed=args.retry_failed)
+              budget=args.budget - (time.monotonic() - began), retry_failed=args.retry_failed,
+              gpus=environment["gpus"])
     write_json(run.results / "environment.json", environment)
     left = [part.name for part in PARTS if (not args.parts or part.name in args.parts) and not run_part(part, run)]
     summary = collect(run.results)
@@ -204,6 +215,11 @@ def run_part(part: Part, run: Run) -> bool:
     if run.dry_run and part.cuda_only:
         write_json(status_file, {"part": part.name, "status": "skipped", "reason": part.cuda_only})
         print(f"[{part.name}] skipped: {part.cuda_only}")
+        return True
+    if not run.dry_run and run.gpus < part.gpus:
+        reason = f"needs {part.gpus} GPUs, this host has {run.gpus}"
+        write_json(status_file, {"part": part.name, "status": "skipped", "reason": reason})
+        print(f"[{part.name}] skipped: {reason}")
         return True
     if run.left() < (10 if run.dry_run else part.seconds):
         return False
@@ -306,6 +322,7 @@ def describe_environment(installed: list[str]) -> dict:
         "device": device, "cuda_available": cuda, "driver": _driver() if cuda else None,
         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / GIB, 1) if cuda else None,
+        "gpus": torch.cuda.device_count() if cuda else 0,
         "python": platform.python_version(), "machine": platform.node(), "versions": versions,
         "installed_from_wheels": installed, "commit": commit.stdout.strip() or None,
         "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",
@@ -330,6 +347,7 @@ def collect(results: Path) -> dict:
     summary = {"environment": json.loads((results / "environment.json").read_text()),
                "parts": {part.name: _status(results, part.name) for part in PARTS}}
     summary["tests"] = _junit(results / "tests.xml")
+    summary["ranks"] = _junit(results / "ranks.xml")
     for family in FAMILIES:
         files = [results / f"train-{family}" / f"{config}.json" for config in BENCH_CONFIGS]
         rows = [json.loads(path.read_text()) for path in files if path.is_file()]

@@ -38,8 +38,10 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     summary = json.loads((results / "summary.json").read_text())
     assert summary["environment"]["device"].startswith("CPU") and summary["environment"]["commit"]
     statuses = {name: status["status"] for name, status in summary["parts"].items()}
-    assert {s for name, s in statuses.items() if "llama3-8b" in name} == {"skipped"}
-    assert {s for name, s in statuses.items() if "llama3-8b" not in name} == {"ok"}
+    cuda_only = {name for name in statuses if "llama3-8b" in name or name == "ranks-2gpu"}
+    assert {statuses[name] for name in cuda_only} == {"skipped"}
+    assert {s for name, s in statuses.items() if name not in cuda_only} == {"ok"}
+    assert summary["parts"]["ranks-2gpu"]["reason"] == "needs two CUDA GPUs (NCCL)"
     assert summary["parts"]["train-llama3-8b-ours"]["reason"].startswith("needs CUDA")
 
     # Every GPU test ran to a skip that names what it needs; none failed or errored on a machine without CUDA.
