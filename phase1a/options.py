@@ -340,10 +340,16 @@ def more_nodes(rows: list[OptionRow]) -> list[str]:
         before = max(fewer, key=lambda other: other.nodes)
         if before.dollars is None:
             continue
-        lines.append(f"{before.label} -> {row.label} ({NETWORKS[row.network].name}): "
-                     f"{1 - row.hours / before.hours:.0%} less time, {row.dollars / before.dollars - 1:+.0%} cost, "
+        lines.append(f"{before.label} -> {row.label} ({NETWORKS[row.network].name}): time "
+                     f"{_change(row.hours / before.hours)}, cost {_change(row.dollars / before.dollars)}, "
                      f"scaling {before.scaling_efficiency:.0%} -> {row.scaling_efficiency:.0%}")
     return lines
+
+
+def _change(ratio: float) -> str:
+    """A ratio as a signed percentage change; under half a percent either way reads +0%."""
+    change = ratio - 1
+    return "+0%" if abs(change) < 0.005 else f"{change:+.0%}"
 
 
 def _dollars(value: float | None) -> str:

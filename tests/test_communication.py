@@ -79,7 +79,8 @@ def test_the_table_shows_computed_scaling_and_where_more_nodes_stop_paying():
     table = format_options(list(rows.values()))
     assert "scaling" in table.splitlines()[0]
     lines = more_nodes(list(rows.values()))
-    assert any(line.startswith("8x H100 -> 2x8 H100 IB (400 Gb/s InfiniBand a GPU):") for line in lines)
+    [ib] = [line for line in lines if line.startswith("8x H100 -> 2x8 H100 IB (400 Gb/s InfiniBand a GPU): time -")]
+    assert ", cost +" in ib  # twice the GPUs, a little less than half the time
     assert any(line.startswith("2x8 H100 IB -> 4x8 H100 IB") for line in lines)
     assert any(line.startswith("8x H100 -> 2x8 H100 Eth (100 Gb/s Ethernet a node)") for line in lines)
 
