@@ -253,7 +253,8 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
         return None
     model.eval()
     teacher_forced(model, rows, timing.sample[:1], settings.batch_size)  # warm-up: eval mode's first pass
-    forward = _time_forward(model, rows, timing.sample, time.perf_counter() + (end - time.perf_counter()) / 3)
+    forward = _time_forward(model, rows, timing.sample, settings.batch_size, allowance.forward_guess,
+                            time.perf_counter() + (end - time.perf_counter()) / 3)
     if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
     measured = _Timing.of(rows, indices, settings, forward)  # the generation batch, sized at the measured speed
@@ -275,15 +276,23 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
                            source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
 
 
-def _time_forward(model, rows: TokenRows, sample: np.ndarray, deadline: float) -> float:
-    """Seconds per token of the teacher-forced pass, an example at a time until the deadline (one at least)."""
-    spent, tokens, lengths = 0.0, 0, rows.lengths()[sample]
-    for index, length in zip(sample, lengths):
-        began = time.perf_counter()
-        teacher_forced(model, rows, np.array([index]), 1)
-        spent, tokens = spent + time.perf_counter() - began, tokens + int(length)
-        if time.perf_counter() + spent / tokens * int(length) > deadline:
+def _time_forward(model, rows: TokenRows, sample: np.ndarray, batch_size: int, guess: float,
+                  deadline: float) -> float:
+    """Seconds per token of the teacher-forced pass in packed batches as the validate stage runs them (an example
+    a token costs several times more on its own), batch after batch until the next would end past the deadline
+    (one at least); the batch halved while the guessed speed says it would not end by the deadline."""
+    lengths = rows.lengths()
+    while batch_size > 1 and time.perf_counter() + guess * lengths[sample[:batch_size]].sum() > deadline:
+        batch_size //= 2
+    spent, tokens = 0.0, 0
+    for start in range(0, len(sample), batch_size):
+        group = sample[start : start + batch_size]
+        cost = int(lengths[group].sum())
+        if tokens and time.perf_counter() + spent / tokens * cost > deadline:
             break
+        began = time.perf_counter()
+        teacher_forced(model, rows, group, len(group))
+        spent, tokens = spent + time.perf_counter() - began, tokens + cost
     return spent / max(1, tokens)
 
 
