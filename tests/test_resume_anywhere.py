@@ -87,8 +87,9 @@ def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 
 def trained_steps(host: Host) -> int:
-    """Steps a host running the CLI has finished (its metrics file's whole lines)."""
-    found = list((host.root / "runs").rglob("metrics.jsonl"))
+    """Steps a host running the CLI has finished (its metrics file's whole lines). Not a recursive search: it
+    would list checkpoint directories that training renames meanwhile (a .partial one gone mid-scan)."""
+    found = list((host.root / "runs" / host.tree["name"]).glob("train-*/metrics.jsonl"))
     return found[0].read_text().count("\n") if found else 0
 
 
