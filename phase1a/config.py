@@ -249,6 +249,11 @@ class HardwareConfig(_Section):
     memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
     calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")
 
+    @property
+    def world_size(self) -> int:
+        """Every GPU of every node: the run's ranks."""
+        return self.num_gpus * self.num_nodes
+
     @model_validator(mode="after")
     def _nodes_counted(self) -> "HardwareConfig":
         if self.nodes and self.num_nodes not in (1, len(self.nodes)):

@@ -216,7 +216,7 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
     record = RunRecord(
         model_fingerprint=model.fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
         device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
-        world_size=config.hardware.num_gpus * config.hardware.num_nodes,
+        world_size=config.hardware.world_size,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
         # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.

@@ -219,7 +219,7 @@ class _Planner:
         sweeps = self.policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
         config = self.config
         past = remembered(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
-                          self.method.kind, config.hardware.num_gpus * config.hardware.num_nodes)
+                          self.method.kind, config.hardware.world_size)
         if past and self._fits(candidate := _candidate_of(past.record), max_seq_length) and (
                 sweeps or candidate == start):
             self.notes.append(_history_note(past, config.hardware.target))
@@ -239,7 +239,7 @@ class _Planner:
         """One GPU's speed (measured or assumed) as the run's on every GPU of every node: each takes its share of
         a step, and the step's transfers between them cost what compute does not hide (phase1a/communication.py)."""
         hardware = self.config.hardware
-        ranks = hardware.num_gpus * hardware.num_nodes
+        ranks = hardware.world_size
         if ranks == 1:
             return one
         if hardware.target not in CATALOGUE:
@@ -532,7 +532,7 @@ class _Planner:
             estimate=estimate, estimated_train_seconds=estimate.train_seconds,
             estimated_total_seconds=estimate.total_seconds,
             estimated_cost_usd=(None if price is None
-                                else price * hardware.num_gpus * hardware.num_nodes * estimate.total_seconds / 3600),
+                                else price * hardware.world_size * estimate.total_seconds / 3600),
             window_seconds=fit.window, fits_in_window=None if fit.window is None else True,
             throughput_source=throughput.source, calibration=throughput.calibration,
             options=self._options(throughput, checkpoints, fit, estimate, (flops, memory)), notes=self.notes,
@@ -592,7 +592,7 @@ class _Planner:
 
 def shards(hardware: HardwareConfig) -> int:
     """The GPUs a model's weights and state are sharded over: all (fsdp), a node's (hsdp), none (ddp)."""
-    return {"fsdp": hardware.num_gpus * hardware.num_nodes, "hsdp": hardware.num_gpus}.get(hardware.strategy, 1)
+    return {"fsdp": hardware.world_size, "hsdp": hardware.num_gpus}.get(hardware.strategy, 1)
 
 
 def _interruption_rate(config: Phase1aConfig, target: Accelerator) -> tuple[float, str]:
