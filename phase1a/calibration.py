@@ -310,8 +310,8 @@ class _Session:
             speed = time_validation(self.model, rows, indices, self.config.validation,
                                     TimingAllowance(seconds=left, forward_guess=per_token / 3))
         if speed is None:
-            self.notes.append(f"validation not timed: {max(0.0, left):.0f} s of the budget left; its speed is "
-                              f"derived from the training speed")
+            self.notes.append(f"validation not timed within the {max(0.0, left):.0f} s of the budget left; its "
+                              f"speed is derived from the training speed")
         elif speed.source != "measured":
             self.notes.append(f"validation timed within the {left:.0f} s left: {speed.source}")
         return speed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,13 +245,22 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
                     allowance: TimingAllowance) -> ValidationSpeed | None:
     """The teacher-forced pass on the sample's first batch, then a prefill and greedy steps of its first generation
     batch, within the allowance: the forward pass sized by the guessed speed, the generation batch by the speed
-    the forward pass measured, the steps by the deadline. None when not one example fits: the plan then derives
-    both from the training speed."""
+    the forward pass measured, the steps by the deadline. None when not one example fits, or when a pass still
+    runs past the allowance (cut at a layer): the plan then derives both from the training speed."""
     end = time.perf_counter() + allowance.seconds
     whole = _Timing.of(rows, indices, settings, allowance.forward_guess)
     timing = whole.within(allowance.seconds)
     if not len(timing.sample) or (whole.prompts and not timing.prompts):
         return None
+    try:
+        with _cut_at(model, end):
+            return _timed(model, rows, indices, settings, allowance, end, whole, timing)
+    except _OutOfTime:  # a pass ran far slower than guessed (a loaded host): cut at a layer, not timed
+        return None
+
+
+def _timed(model, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig, allowance: TimingAllowance,
+           end: float, whole: _Timing, timing: _Timing) -> ValidationSpeed | None:
     model.eval()
     teacher_forced(model, rows, timing.sample[:1], settings.batch_size)  # warm-up: eval mode's first pass
     forward = _time_forward(model, rows, timing.sample, settings.batch_size, allowance.forward_guess,
@@ -274,6 +284,28 @@ def time_validation(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray
     return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
                            prefill_seconds_per_token=prefill,
                            source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+@contextmanager
+def _cut_at(model: torch.nn.Module, deadline: float):
+    """Raises _OutOfTime at the first transformer layer (a ModuleList's child) that starts past `deadline`
+    (perf_counter time): the soft deadlines size the work by a guessed or measured speed, and one call can
+    still run many times slower than either on a host whose cores are shared."""
+    def check(module, args):
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
+
+    handles = [layer.register_forward_pre_hook(check) for layers in model.modules()
+               if isinstance(layers, torch.nn.ModuleList) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _time_forward(model, rows: TokenRows, sample: np.ndarray, batch_size: int, guess: float,

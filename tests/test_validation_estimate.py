@@ -107,3 +107,31 @@ def test_greedy_steps_stop_at_the_deadline(rows, model):
     with torch.no_grad():
         assert time_decode_step(model, prompts, pad_id=0, steps=8, deadline=time.perf_counter()).steps == 1
         assert time_decode_step(model, prompts, pad_id=0, steps=8).steps == 8
+
+
+def test_a_pass_far_slower_than_guessed_is_cut_at_the_allowance(rows, model):
+    """Every layer 0.4 s (a host whose cores are taken) against a guess of microseconds: the warm-up pass alone
+    would overrun the 0.6 s allowance. It is cut at the first layer that starts past it, and validation is left
+    untimed (derived from the training speed), instead of running every pass it sized by the guess."""
+    import time
+
+    import torch
+
+    def slow(module, args):
+        time.sleep(0.4)
+
+    layers = [layer for layers in model.modules() if isinstance(layers, torch.nn.ModuleList) for layer in layers]
+    handles = [layer.register_forward_pre_hook(slow) for layer in layers]
+    try:
+        began = time.perf_counter()
+        with torch.no_grad():
+            speed = time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(0.6, forward_guess=1e-6))
+        elapsed = time.perf_counter() - began
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(layers) >= 2 and speed is None
+    assert elapsed < 0.6 + 0.4 + 0.3  # the allowance and the layer that was running
+    # The hooks are gone: the model runs and is timed as before.
+    with torch.no_grad():
+        assert time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(600, 1e-4)) is not None
