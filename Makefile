@@ -32,9 +32,9 @@ test-fast: setup
 lint: setup
 	$(UV) run --frozen ruff check .
 
-# docs/configuration.md, generated from the config schema (phase1a/config_reference.py); tests/test_docs.py checks it.
+# docs/configuration.md, generated from the config schema (phase1a/config/reference.py); tests/test_docs.py checks it.
 docs: setup
-	$(UV) run --frozen python -m phase1a.config_reference --write
+	$(UV) run --frozen python -m phase1a.config.reference --write
 
 # GPU proof (docs/gpu.md). Here, with network: the wheels and tokenizer a bare GPU host lacks, into .gpu/.
 # There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.

@@ -59,7 +59,7 @@ JOBS = {"demo": (demo_records, {}),
 
 
 def job_config(name: str, work: Path, budget: str):
-    from phase1a.config import load_config
+    from phase1a.config.schema import load_config
 
     make, overrides = JOBS[name]
     data = work / f"{name}.jsonl"
@@ -72,11 +72,11 @@ def job_config(name: str, work: Path, budget: str):
 
 
 def measure(name: str, budget: str, train: bool, work: Path) -> dict:
-    from phase1a.history import history_path
-    from phase1a.models import load_tokenizer, prepare_model
+    from phase1a.core.units import parse_duration_seconds
+    from phase1a.model.loading import load_tokenizer, prepare_model
+    from phase1a.promote.warmstart import resolve_start
     from phase1a.results import record_run
-    from phase1a.units import parse_duration_seconds
-    from phase1a.warmstart import resolve_start
+    from phase1a.train.history import history_path
     from tasks.plan import format_plan, make_plan
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import train as train_stage, train_settings
@@ -120,7 +120,7 @@ def main() -> None:
 
     import torch
 
-    from phase1a.hardware import detect
+    from phase1a.core.hardware import detect
 
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [measure(name, budget, args.train and index == 0, args.work)

@@ -83,8 +83,8 @@ class _Cpu:
 
 def measure(settings_json: str, store: dict | None, moto_pid: int | None, queue) -> None:
     """One training run, without a store (`run`) or with one (`run_with_store`); its figures and CPU split."""
-    from phase1a.config import Phase1aConfig
-    from phase1a.stores import open_store
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.config.stores import open_store
     from tasks.train import TrainSettings, run, run_with_store
 
     settings = TrainSettings.model_validate_json(settings_json)
@@ -122,7 +122,7 @@ def figures(result, cpu: dict, output_dir: Path) -> dict:
 def prepare(args: argparse.Namespace) -> tuple[str, object]:
     """The model directory and the tokenized data (made once under `--work`, reused by later invocations)."""
     from benchmarks.train_throughput import model_and_data
-    from phase1a.models import load_tokenizer
+    from phase1a.model.loading import load_tokenizer
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     model_dir, data_path = model_and_data(args.model, args.work, args.examples, args.max_answer_words)
@@ -135,7 +135,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, object]:
 
 def settings_for(args: argparse.Namespace, model_dir: str, data, output_dir: Path) -> str:
     """The train stage's settings for `--steps` steps of LoRA r16 (the epochs are what that many steps take)."""
-    from phase1a.config import MethodConfig
+    from phase1a.config.schema import MethodConfig
     from tasks.train import TrainSettings
 
     method = MethodConfig(lora={"r": 16, "alpha": 32}, batch_size=GLOBAL_BATCH,
@@ -236,7 +236,7 @@ def main() -> None:
     import pytest
 
     from helpers.servers import isolate_aws, s3_client, start_moto, stop
-    from phase1a.hardware import usable_cores
+    from phase1a.core.hardware import usable_cores
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir, data = prepare(args)

@@ -5,7 +5,7 @@ largest micro-batch that fits a memory cap, measured and as the plan's memory mo
                                                      [--out FILE]
 
 SmolLM2-135M-Instruct (its real weights, fp32, on this CPU), LoRA r=16 on every projection, `sdpa_packed`, with and
-without gradient checkpointing. "whole" is the loss before phase1a/chunked_loss.py: the model's own forward
+without gradient checkpointing. "whole" is the loss before phase1a/model/chunked_loss.py: the model's own forward
 returns the row's logits, upcast to fp32, and cross_entropy reads them. The peak is the most tensor memory alive at
 once during forward and backward (the profiler's allocation and free events, as tests/helpers measures it; weights
 and optimizer state are allocated before and stay aside). It is linear in the row's tokens (sdpa_packed has no
@@ -31,13 +31,13 @@ from train_throughput import write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import peak_tensor_bytes, whole_logits_loss  # noqa: E402 - the test suite's measure and reference
-from phase1a.units import GIB
+from phase1a.core.units import GIB
 
 
 def step_peak(model, tokens: int, loss_name: str) -> int:
     import torch
 
-    from phase1a.packing import summed_loss
+    from phase1a.train.packing import summed_loss
 
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=generator)
@@ -88,10 +88,10 @@ def main() -> None:
 
     import torch
 
-    from phase1a.config import MethodConfig, ModelConfig
-    from phase1a.cost_model import MemoryModel, TrainingShape, model_facts
-    from phase1a.modeling import build_model, set_gradient_checkpointing
-    from phase1a.models import resolve_model
+    from phase1a.config.schema import MethodConfig, ModelConfig
+    from phase1a.model.build import build_model, set_gradient_checkpointing
+    from phase1a.model.cost_model import MemoryModel, TrainingShape, model_facts
+    from phase1a.model.loading import resolve_model
 
     model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
     torch.manual_seed(0)

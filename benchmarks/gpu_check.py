@@ -40,8 +40,8 @@ sys.path.insert(1, str(ROOT))
 # Neither imports a third-party package at the top: the host's bare python runs this before installing the wheels.
 from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json
 
-from phase1a.hardware import usable_cores
-from phase1a.units import GIB, MIB
+from phase1a.core.hardware import usable_cores
+from phase1a.core.units import GIB, MIB
 
 GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, installed packages, results kept between commands
 WHEELS, TOKENIZER, SITE = GPU_DIR / "wheels", GPU_DIR / "tokenizer", GPU_DIR / "site"
@@ -285,8 +285,8 @@ def prepare(python_version: str) -> int:
                         "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(WHEELS),
                         f"{name}=={version}"], check=True)
     sys.path.insert(0, str(ROOT))
-    from phase1a.config import ModelConfig
-    from phase1a.models import load_tokenizer, resolve_model
+    from phase1a.config.schema import ModelConfig
+    from phase1a.model.loading import load_tokenizer, resolve_model
 
     load_tokenizer(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))).save_pretrained(TOKENIZER)
     carried = sum(p.stat().st_size for folder in (WHEELS, TOKENIZER) for p in folder.rglob("*") if p.is_file())
@@ -305,7 +305,7 @@ def describe_environment(installed: list[str]) -> dict:
     """Device, driver, CUDA and package versions, date, command and commit: what every result is read against."""
     import torch
 
-    from phase1a.hardware import detect
+    from phase1a.core.hardware import detect
 
     versions = {}  # by distribution: liger_kernel has no __version__
     for name in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger-kernel",

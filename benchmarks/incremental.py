@@ -26,9 +26,9 @@ from benchmarks.tokenize_throughput import _in_process, generate  # noqa: E402
 
 def night(shards: str, work: str, model_dir: str, queue) -> None:
     """One night's stage and tokenize, timed as the flow runs them (fingerprint, stage, tokenize)."""
-    from phase1a.models import load_tokenizer
-    from phase1a.staging import file_hashes, source_fingerprint, stage_dataset
-    from phase1a.tokenized import split_digest
+    from phase1a.data.staging import file_hashes, source_fingerprint, stage_dataset
+    from phase1a.data.tokenized import split_digest
+    from phase1a.model.loading import load_tokenizer
     from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     tokenizer, options, staging = load_tokenizer(Path(model_dir)), TokenizeOptions(), Path(work) / "staging"
@@ -55,9 +55,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from phase1a.config import ModelConfig
-    from phase1a.hardware import usable_cores
-    from phase1a.models import resolve_model
+    from phase1a.config.schema import ModelConfig
+    from phase1a.core.hardware import usable_cores
+    from phase1a.model.loading import resolve_model
 
     model_dir = str(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     run = args.work / f"run-{time.time_ns()}"

@@ -92,8 +92,8 @@ class Sightings:
     pointers: dict[int, float] = field(default_factory=dict)
 
     def look(self, host: BenchHost, pointer: StorePointer) -> None:
-        from phase1a import run_files
-        from phase1a.checkpoints import checkpoint_step, list_checkpoints
+        from phase1a.train import run_files
+        from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 
         now, train = time.monotonic(), host.train_dir()
         if train is not None:
@@ -164,7 +164,7 @@ def run_until_killed(host: BenchHost, pointer: StorePointer, share: float, args:
 
 def lost_work(host: BenchHost, pointer: StorePointer, seen: Sightings, killed: float) -> dict:
     """What the kill lost: finished steps' training time past the store's latest checkpoint."""
-    from phase1a import run_files
+    from phase1a.train import run_files
 
     lines = {line["step"]: line for line in run_files.read_lines(host.train_dir() / run_files.METRICS)}
     last, stored = max(lines), pointer.step()
@@ -190,7 +190,7 @@ def bounds(figures: dict, interval: float) -> dict:
 
 def confirm(root: Path, tree: dict, threads: int) -> int | None:
     """Host B (empty directories) runs the job until it resumes; the step its `resumed` event names."""
-    from phase1a import run_files
+    from phase1a.train import run_files
 
     host = BenchHost.fresh(root, tree)
     host.threads = threads
@@ -271,8 +271,8 @@ def main() -> None:
     import pytest
 
     from helpers.servers import isolate_aws, s3_client, start_moto, stop
-    from phase1a.hardware import usable_cores
-    from phase1a.units import parse_duration_seconds
+    from phase1a.core.hardware import usable_cores
+    from phase1a.core.units import parse_duration_seconds
 
     interval = parse_duration_seconds(args.interval)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,12 @@
 SmolLM2-135M-Instruct (the demo's model), LoRA r16 on every projection, batch 16, fp32, the same generated chat
 examples, in order:
 1. one process (`tasks.train.run`);
-2. two "nodes": two torchrun agents on 127.0.0.1 joined by a c10d rendezvous (`phase1a/launch.py`'s host list),
+2. two "nodes": two torchrun agents on 127.0.0.1 joined by a c10d rendezvous (`phase1a/train/launch.py`'s host list),
    one rank each (gloo), the same global batch; both runs' tokens/s over their steps after the first
    (metrics.jsonl), and the two runs' final losses (the same training, to float noise);
 3. under torchrun, two ranks time gloo all-reduces: a 64 MiB tensor (the loopback link's bandwidth) and a
    tensor the size of the LoRA gradients (fp32), 20 times each after 3 warm-ups.
-The model's time for the gradients' all-reduce (`phase1a.communication.ring` at the measured bandwidth, no
+The model's time for the gradients' all-reduce (`phase1a.plan.communication.ring` at the measured bandwidth, no
 latency term) is set against the measured one; the measured all-reduce over the two-node step time is the
 communication share. Not a speed claim: the two ranks share the machine's two cores. Prints JSON; `--out`
 writes it.
@@ -87,11 +87,11 @@ def main() -> None:
 
     from tokenize_throughput import generate
 
-    from phase1a.communication import ring
-    from phase1a.config import MethodConfig, ModelConfig
-    from phase1a.cost_model import lora_parameters, model_facts
-    from phase1a.launch import Launch
-    from phase1a.models import load_tokenizer, resolve_model
+    from phase1a.config.schema import MethodConfig, ModelConfig
+    from phase1a.model.cost_model import lora_parameters, model_facts
+    from phase1a.model.loading import load_tokenizer, resolve_model
+    from phase1a.plan.communication import ring
+    from phase1a.train.launch import Launch
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import TrainSettings, run
 

@@ -45,12 +45,12 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from phase1a.config import MethodConfig, ModelConfig
-    from phase1a.hardware import detect
-    from phase1a.modeling import build_model, make_optimizer
-    from phase1a.models import load_tokenizer, resolve_model
-    from phase1a.packing import StepBatches, token_budget
-    from phase1a.steps import optimizer_step
+    from phase1a.config.schema import MethodConfig, ModelConfig
+    from phase1a.core.hardware import detect
+    from phase1a.model.build import build_model, make_optimizer
+    from phase1a.model.loading import load_tokenizer, resolve_model
+    from phase1a.train.packing import StepBatches, token_budget
+    from phase1a.train.steps import optimizer_step
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     args.work.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ the estimate with what the train stage took.
 
 The job is the flow's own plan and train stages on a randomly initialised model of `--model`'s shape (LoRA r=16
 on every projection) and generated chat data, more than the window can hold: `window.max_duration` makes the
-plan cut the epochs to fit (`phase1a/window.py`), so the estimate is the plan's real one, start-up and
+plan cut the epochs to fit (`phase1a/plan/window.py`), so the estimate is the plan's real one, start-up and
 checkpoints included. Startup and train are compared separately, as the run report does (`record_run`).
 """
 from __future__ import annotations
@@ -40,12 +40,12 @@ def main() -> None:
 
     import torch
 
-    from phase1a.config import ModelConfig, Phase1aConfig
-    from phase1a.hardware import detect
-    from phase1a.history import history_path
-    from phase1a.models import load_tokenizer, prepare_model, resolve_model
+    from phase1a.config.schema import ModelConfig, Phase1aConfig
+    from phase1a.core.hardware import detect
+    from phase1a.model.loading import load_tokenizer, prepare_model, resolve_model
+    from phase1a.promote.warmstart import resolve_start
     from phase1a.results import record_run
-    from phase1a.warmstart import resolve_start
+    from phase1a.train.history import history_path
     from tasks.plan import format_plan, make_plan
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import train, train_settings

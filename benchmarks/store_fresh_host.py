@@ -21,7 +21,7 @@ process and timed as the flow runs it (the source's fingerprint, the stage's cac
 Before each night-2 measurement the store is put back as night 1 left it (what a measurement uploaded, the new
 shard, is deleted), so (b) always finds the old shards and not the new one. Each is repeated `--repeat` times,
 in alternating order; this VM's timings move with its neighbours' load, so the spread is reported. Checked: every
-night 2 gives the same train and validation splits (`phase1a.tokenized.split_digest`), (b) stages one object
+night 2 gives the same train and validation splits (`phase1a.data.tokenized.split_digest`), (b) stages one object
 (defers the others), encodes exactly one shard and downloads the others, (a) encodes one and reuses the others,
 (c) encodes them all.
 
@@ -89,13 +89,13 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
     """One night's stage and tokenize on `host` (its staging and cache directories under it), timed as the flow
     runs them: the source's fingerprint, the stage, the tokenize. With `store_url`, the stage defers what the
     store knows and tokenize shares shards."""
-    from phase1a.config import StoreConfig
-    from phase1a.models import load_tokenizer
-    from phase1a.s3_store import S3Store
-    from phase1a.shared_shards import SharedShards
-    from phase1a.staging import StageOptions, file_hashes, source_fingerprint, stage_dataset
-    from phase1a.stores import open_store
-    from phase1a.tokenized import split_digest
+    from phase1a.config.schema import StoreConfig
+    from phase1a.config.stores import open_store
+    from phase1a.data.shared_shards import SharedShards
+    from phase1a.data.staging import StageOptions, file_hashes, source_fingerprint, stage_dataset
+    from phase1a.data.tokenized import split_digest
+    from phase1a.model.loading import load_tokenizer
+    from phase1a.store.s3_store import S3Store
     from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     staging, tokenizer = Path(host) / "staging", load_tokenizer(Path(model_dir))
@@ -279,9 +279,9 @@ def main() -> None:
     import pytest
 
     from helpers.servers import isolate_aws, start_moto, stop
-    from phase1a.config import ModelConfig
-    from phase1a.hardware import usable_cores
-    from phase1a.models import resolve_model
+    from phase1a.config.schema import ModelConfig
+    from phase1a.core.hardware import usable_cores
+    from phase1a.model.loading import resolve_model
 
     model_dir = str(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     args.work.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ import phase1a  # noqa: E402
 
 assert phase1a.__file__.startswith(str(Path(root).resolve())), f"imported {phase1a.__file__}, not {root}'s"
 
-from phase1a.config import ModelConfig  # noqa: E402
-from phase1a.models import load_tokenizer, resolve_model  # noqa: E402
-from phase1a.staging import source_fingerprint, stage_dataset  # noqa: E402
+from phase1a.config.schema import ModelConfig  # noqa: E402
+from phase1a.data.staging import source_fingerprint, stage_dataset  # noqa: E402
+from phase1a.model.loading import load_tokenizer, resolve_model  # noqa: E402
 from tasks.tokenize import TokenizeOptions, tokenize_dataset  # noqa: E402
 
 tokenizer = load_tokenizer(Path(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))))

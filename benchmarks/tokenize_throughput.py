@@ -63,7 +63,7 @@ def to_parquet(jsonl: Path, target: Path) -> None:
 def _peak_rss_mib() -> float:
     """This process's own high-water mark. Not getrusage's ru_maxrss: Linux carries that over from the parent
     across fork and exec, so every spawned measurement would report at least the parent's peak."""
-    from phase1a.units import KIB, MIB
+    from phase1a.core.units import KIB, MIB
 
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -118,9 +118,9 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     import phase1a
 
     assert phase1a.__file__.startswith(str(Path(code).resolve())), f"imported {phase1a.__file__}, not {code}'s"
-    from phase1a.models import load_tokenizer
-    from phase1a.tokenized import split_digest
-    from phase1a.units import MIB
+    from phase1a.core.units import MIB
+    from phase1a.data.tokenized import split_digest
+    from phase1a.model.loading import load_tokenizer
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     if cores:
@@ -150,8 +150,8 @@ def measure_datasets_map(data: str, model_dir: str, cache: str, queue) -> None:
     tokenizes both, and labels the tokens after the prompt's. Counted from the load on, like ours."""
     from datasets import load_dataset
 
-    from phase1a.labels import IGNORE_INDEX
-    from phase1a.models import load_tokenizer
+    from phase1a.core.labels import IGNORE_INDEX
+    from phase1a.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_dir))
 
@@ -180,7 +180,7 @@ def measure_on_the_fly(data: str, model_dir: str, limit: int, queue) -> None:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    from phase1a.models import load_tokenizer
+    from phase1a.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_dir))
     records = [json.loads(line) for _, line in zip(range(limit), open(data))]
@@ -281,9 +281,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from phase1a.config import ModelConfig
-    from phase1a.hardware import usable_cores
-    from phase1a.models import resolve_model
+    from phase1a.config.schema import ModelConfig
+    from phase1a.core.hardware import usable_cores
+    from phase1a.model.loading import resolve_model
 
     model_dir = str(args.tokenizer or resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct")))
     args.work.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tokenize_throughput import _in_process, _peak_rss_mib, generate  # same data, same process runner
 
-from phase1a.units import GIB, MIB
+from phase1a.core.units import GIB, MIB
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the tokenizer's)
     "test": (64, 128, 2, 4, 2, None),  # the test suite's tiny Llama: the GPU check's dry run
@@ -67,8 +67,8 @@ PROFILED_STEPS = 3
 def model_and_data(model: str, work: Path, examples: int, max_answer_words: int) -> tuple[str, Path]:
     """The demo's model (SmolLM2-135M-Instruct, `model` smollm2) or the tiny Llama (`tiny`), and a generated chat
     data file, each made once under `work` (the store's benchmarks train on them)."""
-    from phase1a.config import ModelConfig
-    from phase1a.models import resolve_model
+    from phase1a.config.schema import ModelConfig
+    from phase1a.model.loading import resolve_model
 
     if model == "tiny":
         model_dir = make_model_dir("tiny", None, work / "model-tiny")
@@ -123,10 +123,10 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
     import torch
     from torch.utils.data import DataLoader
 
-    from phase1a.config import MethodConfig
-    from phase1a.labels import IGNORE_INDEX
-    from phase1a.modeling import build_model
-    from phase1a.packing import TokenRows
+    from phase1a.config.schema import MethodConfig
+    from phase1a.core.labels import IGNORE_INDEX
+    from phase1a.model.build import build_model
+    from phase1a.train.packing import TokenRows
 
     rows = TokenRows.load(train_path, length)
     method = MethodConfig(optimizer="adamw", liger="off", attention="sdpa")
@@ -174,9 +174,9 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
     import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    from phase1a.config import MethodConfig
-    from phase1a.modeling import build_model
-    from phase1a.packing import TokenRows
+    from phase1a.config.schema import MethodConfig
+    from phase1a.model.build import build_model
+    from phase1a.train.packing import TokenRows
 
     rows = TokenRows.load(train_path, length)
     model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
@@ -205,9 +205,9 @@ def measure_trl_sft(model_dir: str, data_path: str, count: int, length: int, mic
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from phase1a.config import MethodConfig
-    from phase1a.modeling import build_model
-    from phase1a.models import load_tokenizer
+    from phase1a.config.schema import MethodConfig
+    from phase1a.model.build import build_model
+    from phase1a.model.loading import load_tokenizer
 
     model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
     accumulation = GLOBAL_BATCH // micro
@@ -277,12 +277,12 @@ def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration
     import numpy as np
     import torch
 
-    from phase1a.config import Phase1aConfig
-    from phase1a.modeling import build_model, make_optimizer
-    from phase1a.models import prepare_model
-    from phase1a.packing import StepBatches, step_loader, token_budget
-    from phase1a.steps import optimizer_step
-    from phase1a.tokenized import TokenizedData
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.data.tokenized import TokenizedData
+    from phase1a.model.build import build_model, make_optimizer
+    from phase1a.model.loading import prepare_model
+    from phase1a.train.packing import StepBatches, step_loader, token_budget
+    from phase1a.train.steps import optimizer_step
     from tasks.plan import make_plan
 
     data = TokenizedData.model_validate_json(data_json)
@@ -324,7 +324,7 @@ def _profile(model, optimizer, batches) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from phase1a.steps import optimizer_step
+    from phase1a.train.steps import optimizer_step
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -365,10 +365,10 @@ class Bench:
     """What every configuration shares: the model directory, the tokenized data and the examples measured."""
 
     def __init__(self, args: argparse.Namespace):
-        from phase1a.config import ModelConfig
-        from phase1a.lengths import right_size
-        from phase1a.models import load_tokenizer, resolve_model
-        from phase1a.packing import TokenRows
+        from phase1a.config.schema import ModelConfig
+        from phase1a.data.lengths import right_size
+        from phase1a.model.loading import load_tokenizer, resolve_model
+        from phase1a.train.packing import TokenRows
         from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
         args.work.mkdir(parents=True, exist_ok=True)
@@ -421,8 +421,8 @@ def config_target() -> str:
     here), else cpu."""
     from typing import get_args
 
-    from phase1a.config import HardwareConfig
-    from phase1a.hardware import detect
+    from phase1a.config.schema import HardwareConfig
+    from phase1a.core.hardware import detect
 
     key = detect()[0]
     return key if key in get_args(HardwareConfig.model_fields["target"].annotation) else "cpu"
@@ -430,7 +430,7 @@ def config_target() -> str:
 
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a re-run trusts a result file that is there."""
-    from phase1a.atomic import write_atomically
+    from phase1a.core.atomic import write_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(value, indent=2) + "\n")
@@ -444,8 +444,8 @@ def _cuda() -> bool:
 
 def with_mfu(result: dict, model_dir: Path, mean_length: float) -> dict:
     """Model TFLOP/s of the useful tokens (4N + attention for LoRA, the same count for every configuration)."""
-    from phase1a.cost_model import flops_per_token, mfu, model_facts
-    from phase1a.hardware import detect
+    from phase1a.core.hardware import detect
+    from phase1a.model.cost_model import flops_per_token, mfu, model_facts
 
     per_token = flops_per_token(model_facts(model_dir), False, False, mean_length)
     peak = detect()[1].peak_flops
@@ -466,8 +466,8 @@ def speedups(results: list[dict]) -> dict[str, float]:
 def summarise(args: argparse.Namespace, bench: Bench, results: list[dict]) -> dict:
     import torch
 
-    from phase1a.cost_model import model_facts
-    from phase1a.hardware import detect
+    from phase1a.core.hardware import detect
+    from phase1a.model.cost_model import model_facts
 
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": detect()[1].name,

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from flows.processes import Terminated, own_processes
-from phase1a.config import ConfigError, config_from
-from phase1a.errors import DataError
-from phase1a.preemption import Preempted
+from phase1a.config.schema import ConfigError, config_from
+from phase1a.core.errors import DataError
 from phase1a.results import Plan, ValidationResult
+from phase1a.train.preemption import Preempted
 
 
 def _summary(report_path: Path) -> str:
@@ -131,7 +131,7 @@ def _print_summary(report_path: Path | None) -> None:
 def _read_back(args: argparse.Namespace, config) -> int:
     """`runs` and `show`: nothing runs, reports are read."""
     from flows.runs import find_report, format_runs, run_reports, stored_reports
-    from phase1a.stores import open_store
+    from phase1a.config.stores import open_store
 
     runs_dir = Path(config.work_dir) / config.name if config else None
     if args.command == "runs":

@@ -15,13 +15,13 @@ from prefect.runtime import flow_run
 from flows.report import RunReport
 from flows.report_md import publish_length_report
 from flows.tracking import RunTracking
-from phase1a.config import Phase1aConfig, config_from
-from phase1a.meter import configure as configure_progress
-from phase1a.models import prepare_model
-from phase1a.replay import warm_start_data
+from phase1a.config.schema import Phase1aConfig, config_from
+from phase1a.config.stores import open_store
+from phase1a.core.meter import configure as configure_progress
+from phase1a.model.loading import prepare_model
+from phase1a.promote.replay import warm_start_data
+from phase1a.promote.warmstart import lineage, resolve_start
 from phase1a.results import Plan, TrainResult, interruptions_vs_actual
-from phase1a.stores import open_store
-from phase1a.warmstart import lineage, resolve_start
 from tasks.caching import kept_in, store_records, with_retries
 from tasks.plan import format_plan, plan_task, publish_plan
 from tasks.promote import promote_task

@@ -17,13 +17,13 @@ from pydantic import BaseModel
 
 from flows.report_md import draw_plots, finish_report
 from flows.runs import share_run
-from phase1a.atomic import write_atomically
-from phase1a.config import Phase1aConfig
-from phase1a.logs import run_logger
-from phase1a.preemption import Preempted
-from phase1a.redaction import redact, redacted
+from phase1a.config.schema import Phase1aConfig
+from phase1a.config.stores import open_store
+from phase1a.core.atomic import write_atomically
+from phase1a.core.logs import run_logger
+from phase1a.core.redaction import redact, redacted
 from phase1a.results import RunOutcome
-from phase1a.stores import open_store
+from phase1a.train.preemption import Preempted
 
 
 @dataclass

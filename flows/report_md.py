@@ -18,12 +18,12 @@ from typing import Callable
 
 import numpy as np
 
-from phase1a import run_files
-from phase1a.atomic import write_atomically
-from phase1a.history import ESTIMATE_BAND, history_path
-from phase1a.logs import run_logger
-from phase1a.promotion import POINTER
-from phase1a.tokenized import TokenizedData
+from phase1a.core.atomic import write_atomically
+from phase1a.core.logs import run_logger
+from phase1a.data.tokenized import TokenizedData
+from phase1a.promote.promotion import POINTER
+from phase1a.train import run_files
+from phase1a.train.history import ESTIMATE_BAND, history_path
 
 ARTIFACT_KEY = "run-report"
 STAGES = ("stage", "stage_validation", "tokenize", "plan", "train", "validate", "promote")
@@ -341,7 +341,7 @@ def _training(report: dict) -> list[str]:
 
 
 def _store(store: dict | None) -> list[tuple[str, str]]:
-    """What training took from the store and put in it (phase1a/train_store.py)."""
+    """What training took from the store and put in it (phase1a/train/train_store.py)."""
     if not store:
         return []
     pulled = store["pulled"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from phase1a.bundles import upload_bundle
-from phase1a.errors import DataError
-from phase1a.store import Store
+from phase1a.core.errors import DataError
+from phase1a.store.base import Store
+from phase1a.store.bundles import upload_bundle
 
 _COLUMNS = ("run", "status", "wall s", "train s", "estimate", "loss", "token acc", "exact", "promoted")
 

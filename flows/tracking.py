@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
 from flows.report import RunReport
-from phase1a.config import Phase1aConfig
+from phase1a.config.schema import Phase1aConfig
 from phase1a.results import RunOutcome, TrainResult, ValidationResult
 from phase1a.tracking import Follower, RunContext, Trackers, redacted, require_packages, wanted
 from tasks.train import train_settings

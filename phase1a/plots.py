@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from phase1a.history import ESTIMATE_BAND, read_runs
-from phase1a.lengths import LengthStats
-from phase1a.run_files import read_lines
+from phase1a.data.lengths import LengthStats
+from phase1a.train.history import ESTIMATE_BAND, read_runs
+from phase1a.train.run_files import read_lines
 
 DPI = 90  # small files: the run report embeds them in a Prefect artifact
 SIZE = (8, 4)  # inches
@@ -138,7 +138,7 @@ def save_throughput(metrics_path: Path, path: Path, planned: float | None = None
 
 
 def save_estimate_vs_actual(history_path: Path, path: Path, last: int = 20) -> Path | None:
-    """estimate_vs_actual.png: the last runs of the history (phase1a/history.py), the plan's training seconds
+    """estimate_vs_actual.png: the last runs of the history (phase1a/train/history.py), the plan's training seconds
     against the measured ones on log axes, the ±10 % band around equality shaded, the newest run ringed.
     None when no run in the history has an estimate."""
     records, _ = read_runs(history_path)

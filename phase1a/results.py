@@ -1,6 +1,6 @@
 """What the plan, train and validate stages hand the next: the results the flow passes between tasks, which
 report.json records and the task caches store. Stages read each other's results from here (and the tokenized
-dataset's from phase1a/tokenized.py), never from each other's modules."""
+dataset's from phase1a/data/tokenized.py), never from each other's modules."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,19 +8,21 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
-from phase1a.calibration import Calibration
-from phase1a.cost_model import MemoryEstimate, ModelFacts
-from phase1a.evaluation import Metrics
-from phase1a.footing import Footing
-from phase1a.gate import Baseline, GateCheck
-from phase1a.history import RunRecord, append_run
-from phase1a.interruptions import InterruptionEstimate, InterruptionOutcome
-from phase1a.options import OptionRow
-from phase1a.window import Adjustment
+from phase1a.evaluate.gate import Baseline, GateCheck
+from phase1a.evaluate.metrics import Metrics
+from phase1a.model.cost_model import MemoryEstimate, ModelFacts
+from phase1a.plan.calibration import Calibration
+from phase1a.plan.footing import Footing
+from phase1a.plan.interruptions import InterruptionEstimate, InterruptionOutcome
+from phase1a.plan.options import OptionRow
+from phase1a.plan.window import Adjustment
+from phase1a.promote.warmstart import StartPoint
+from phase1a.train.history import RunRecord, append_run
+from phase1a.train.train_store import Pulled
 
 if TYPE_CHECKING:
-    from phase1a.config import Phase1aConfig
-    from phase1a.models import ResolvedModel
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.model.loading import ResolvedModel
 
 # How a flow run ended (report.json `status`): passed the gate (and promoted when asked), stopped after the plan,
 # failed (an error or a failed gate), or preempted (a signal stopped training at a checkpoint the next run
@@ -67,7 +69,7 @@ class Plan(BaseModel):
     precision: str
     base_precision: str
     optimizer: str
-    attention: str = "sdpa"  # the implementation training runs (phase1a/modeling.py: attention_implementation)
+    attention: str = "sdpa"  # the implementation training runs (phase1a/model/build.py: attention_implementation)
     micro_batch_size: int
     gradient_accumulation: int
     gradient_checkpointing: bool
@@ -97,36 +99,6 @@ class Plan(BaseModel):
     # written before the field, whose training used checkpoint.interval.
     checkpoint_interval: str | None = None
     interruptions: InterruptionEstimate | None = None  # with spot, an interruption rate, or checkpoint.interval auto
-
-
-class StartPoint(BaseModel):
-    """Where a run's trainable weights start (`method.init_from`, phase1a/warmstart.py): fresh adapters on the base
-    model (or the base itself, full fine-tuning), a promoted version's adapter, or a given adapter."""
-
-    init_from: str  # as configured: base, promoted, or the adapter's location
-    kind: Literal["base", "promoted", "adapter"]  # what it resolved to
-    base_model: str  # model.name_or_path
-    version: str | None = None  # the promoted version it continues
-    path: str | None = None  # where that adapter lives: the version's adapter, or the location given
-    adapter_dir: str | None = None  # its local copy, which training loads
-    fingerprint: str | None = None  # the adapter's content (phase1a/adapters.py): part of the training key
-    note: str | None = None  # why it is not what init_from asked for (nothing promoted yet)
-
-    def describe(self) -> str:
-        if self.kind == "base":
-            return f"base model {self.base_model}"
-        named = f"promoted {self.version}" if self.kind == "promoted" else "adapter"
-        return f"{named} at {self.path} (sha256 {(self.fingerprint or '')[:12]})"
-
-
-class Pulled(BaseModel):
-    """What a training run took from the store before it trained (phase1a/train_store.py)."""
-
-    what: Literal["final", "checkpoint", "nothing"]
-    step: int | None = None  # the checkpoint's
-    corrupt: list[str] = []  # what was found unusable and passed over
-    bytes: int = 0
-    seconds: float = 0.0
 
 
 class StoreTraining(BaseModel):

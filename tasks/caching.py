@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from phase1a.config import ConfigError, RetryConfig, StoreConfig
-from phase1a.errors import DataError
-from phase1a.fingerprint import code_fingerprint, hash_json
-from phase1a.retries import is_transient, retry_delays
+from phase1a.config.schema import ConfigError, RetryConfig, StoreConfig
+from phase1a.core.errors import DataError
+from phase1a.core.fingerprint import code_fingerprint, hash_json
+from phase1a.core.retries import is_transient, retry_delays
 
 try:
     from prefect import task
@@ -62,7 +62,7 @@ class StageCache(CachePolicy):
 
 def with_retries(stage: Any, settings: RetryConfig) -> Any:
     """The stage as the flow runs it when it crosses the network: retried by Prefect after `settings`' delays
-    when it failed with a transient error (phase1a/retries.py), failed at once with its own error otherwise."""
+    when it failed with a transient error (phase1a/core/retries.py), failed at once with its own error otherwise."""
     return stage.with_options(retries=settings.count, retry_delay_seconds=retry_delays(settings),
                               retry_jitter_factor=settings.jitter or None, retry_condition_fn=_failed_transiently)
 
@@ -79,7 +79,7 @@ def _failed_transiently(stage: Any, task_run: Any, state: Any) -> bool:
 
 if WritableFileSystem is not None:
     class StoreRecords(WritableFileSystem):
-        """Prefect's task records (results and cache keys) in the store (phase1a/store.py) under `prefect/`, so
+        """Prefect's task records (results and cache keys) in the store (phase1a/store/base.py) under `prefect/`, so
         that a cached stage is found from every host: a plan calibrated on one host is taken on the next. A
         record that points at a local file (staged data, tokenized Arrow) still counts only where the file is
         (`StageCache` checks its output)."""
@@ -89,7 +89,7 @@ if WritableFileSystem is not None:
         endpoint_url: str | None = None
 
         def _store(self):
-            from phase1a.stores import open_store
+            from phase1a.config.stores import open_store
 
             return open_store(StoreConfig(url=self.url, endpoint_url=self.endpoint_url))
 

@@ -1,7 +1,7 @@
 """Plan: pick micro-batch, accumulation, precision, gradient checkpointing, compilation and dataloader workers
-from a memory and FLOPs model (`phase1a/cost_model.py`) and measured steps (`phase1a/calibration.py`), estimate
-time and cost, fit the time window (`phase1a/window.py`) and price the other hardware options
-(`phase1a/options.py`).
+from a memory and FLOPs model (`phase1a/model/cost_model.py`) and measured steps (`phase1a/plan/calibration.py`),
+estimate time and cost, fit the time window (`phase1a/plan/window.py`) and price the other hardware options
+(`phase1a/plan/options.py`).
 
 The recipe, `make_plan`, in named phases:
   1. setup        the model's shape, the target hardware and whether it is the one present, the precision,
@@ -13,8 +13,8 @@ The recipe, `make_plan`, in named phases:
                   when the target hardware is the one present; else peak FLOP/s x `plan.assumed_mfu`, flagged
                   as assumed
   4. checkpoints  what one costs (written, and uploaded to the store) and the interval: `checkpoint.interval`, or
-                  with `auto` Young/Daly's against the interruption rate (`phase1a/interruptions.py`)
-  5. window       epochs and truncation that fit `window.max_duration` (`phase1a/window.py`), the expected
+                  with `auto` Young/Daly's against the interruption rate (`phase1a/plan/interruptions.py`)
+  5. window       epochs and truncation that fit `window.max_duration` (`phase1a/plan/window.py`), the expected
                   interruptions' lost work and restarts included
   6. estimate     seconds and dollars (below)
   7. plan         the knobs, the estimate and the options table
@@ -24,19 +24,20 @@ Estimate (seconds):
     train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
                  + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
                  + evaluations during training x seconds per evaluation
-    checkpoints  how often the interval fires within the train time (`phase1a/units.py`: Interval): the
+    checkpoints  how often the interval fires within the train time (`phase1a/core/units.py`: Interval): the
                  configured one, or `auto`'s choice (Plan.checkpoint_interval); the upload to a store runs in the
                  background and is not in the train time
     evaluations during training   how often `validation.during_training` fires (the checkpoints' count for
                  'checkpoint'), plus one on the final weights; each the forward pass over its sample at the
                  validate stage's forward speed, plus with early stopping a write of the trainable weights
-                 (phase1a/training_eval.py). Early stopping can only shorten the run: the estimate is the whole run
+                 (phase1a/evaluate/during_training.py). Early stopping can only shorten the run: the estimate is
+                 the whole run
     evaluation   the validate stage for the base, the trained (and a promoted baseline's) model: a teacher-forced
                  pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
                  longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
                  forward pass at 2N of the step's FLOPs a token and a step at the weights' read from memory
     interruptions  with an interruption rate (hardware.spot, hardware.interruptions_per_hour): the expected
-                 lost work and restarts (phase1a/interruptions.py: Plan.interruptions)
+                 lost work and restarts (phase1a/plan/interruptions.py: Plan.interruptions)
     total        startup + train + evaluation + interruptions; cost = GPUs x price per GPU-hour x total, the spot
                  price with hardware.spot
 """
@@ -50,12 +51,20 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from phase1a import footing
-from phase1a.atomic import write_atomically
-from phase1a.calibration import Calibration, CalibrationJob, Candidate, calibrate, memory_alternatives, no_alternatives
-from phase1a.communication import StepTraffic, step_communication
-from phase1a.config import HardwareConfig, Phase1aConfig
-from phase1a.cost_model import (
+from phase1a.config.schema import HardwareConfig, Phase1aConfig
+from phase1a.config.stores import open_store
+from phase1a.core.atomic import write_atomically
+from phase1a.core.fingerprint import hash_json
+from phase1a.core.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
+from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.logs import run_logger
+from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
+from phase1a.data.lengths import Outliers, right_size
+from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.during_training import EvalSettings
+from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
+from phase1a.model.build import attention_implementation, release_device_memory
+from phase1a.model.cost_model import (
     OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
     MemoryModel,
@@ -65,12 +74,19 @@ from phase1a.cost_model import (
     lora_parameters,
     model_facts,
 )
-from phase1a.evaluation import EvaluationWork, ValidationSpeed, validation_work
-from phase1a.fingerprint import hash_json
-from phase1a.footing import Footing
-from phase1a.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
-from phase1a.history import Remembered, RunRecord, history_path, pull_records, remembered
-from phase1a.interruptions import (
+from phase1a.model.loading import ResolvedModel
+from phase1a.plan import footing
+from phase1a.plan.calibration import (
+    Calibration,
+    CalibrationJob,
+    Candidate,
+    calibrate,
+    memory_alternatives,
+    no_alternatives,
+)
+from phase1a.plan.communication import StepTraffic, step_communication
+from phase1a.plan.footing import Footing
+from phase1a.plan.interruptions import (
     ASSUMED_DISK_BYTES_PER_SECOND,
     ASSUMED_STORE_BYTES_PER_SECOND,
     BOUNDED_MAX_SECONDS,
@@ -86,12 +102,7 @@ from phase1a.interruptions import (
     interval_text,
     overhead_share,
 )
-from phase1a.labels import IGNORE_INDEX
-from phase1a.lengths import Outliers, right_size
-from phase1a.logs import run_logger
-from phase1a.modeling import attention_implementation, release_device_memory
-from phase1a.models import ResolvedModel
-from phase1a.options import (
+from phase1a.plan.options import (
     OptionRow,
     OptionsJob,
     OptionsPolicy,
@@ -101,13 +112,10 @@ from phase1a.options import (
     more_nodes,
     option_rows,
 )
-from phase1a.packing import TokenRows
+from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from phase1a.results import Estimate, Plan
-from phase1a.stores import open_store
-from phase1a.tokenized import TokenizedData
-from phase1a.training_eval import EvalSettings
-from phase1a.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
-from phase1a.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
+from phase1a.train.history import Remembered, RunRecord, history_path, pull_records, remembered
+from phase1a.train.packing import TokenRows
 from tasks.caching import StageCache, task
 
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
@@ -193,7 +201,7 @@ class _Planner:
 
     def truncation(self) -> int:
         """fast: the longest 0.1 % of examples are truncated rather than sizing every batch; fast and balanced: an
-        outlier (phase1a/lengths.py) never sizes the run, it is cut to the length the other examples size to."""
+        outlier (phase1a/data/lengths.py) never sizes the run, it is cut to the length the other examples size to."""
         data, profile = self.data, self.policy.profile
         length = data.max_seq_length
         if profile == "fast":
@@ -237,7 +245,8 @@ class _Planner:
 
     def _on_every_rank(self, one: _Throughput, max_seq_length: int) -> _Throughput:
         """One GPU's speed (measured or assumed) as the run's on every GPU of every node: each takes its share of
-        a step, and the step's transfers between them cost what compute does not hide (phase1a/communication.py)."""
+        a step, and the step's transfers between them cost what compute does not hide
+        (phase1a/plan/communication.py)."""
         hardware = self.config.hardware
         ranks = hardware.world_size
         if ranks == 1:
@@ -339,7 +348,7 @@ class _Planner:
     # ---- 4. checkpoints ----------------------------------------------------------------------------------
 
     def checkpoints(self, throughput: _Throughput, max_seq_length: int) -> _Checkpoints:
-        """delta (the write, and the upload to a store), the interval (auto: phase1a/interruptions.py) and a
+        """delta (the write, and the upload to a store), the interval (auto: phase1a/plan/interruptions.py) and a
         fresh host's restart: the gone host's lease running out, start-up, warm-up, the checkpoint's download at
         the upload's speed."""
         config, rate = self.config, self.rate_per_hour
@@ -428,11 +437,11 @@ class _Planner:
         return validation_work(rows, indices, settings, 1 + (settings.baseline == "promoted"), untuned=1)
 
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
-        """The validate stage as it will run: its loads, and its work (phase1a.evaluation.validation_work)."""
+        """The validate stage as it will run: its loads, and its work (phase1a.evaluate.metrics.validation_work)."""
         return self._validation_loads() * throughput.startup_seconds + self._validation_work().seconds(speed)
 
     def _eval_during_training_work(self) -> EvaluationWork:
-        """One evaluation during training (phase1a/training_eval.py): the forward pass over its sample."""
+        """One evaluation during training (phase1a/evaluate/during_training.py): the forward pass over its sample."""
         settings = self.eval_settings
         if settings is None:
             return EvaluationWork()

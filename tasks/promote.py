@@ -1,5 +1,5 @@
 """Promote: a model that passed the gate, copied as a new version under `validation.promote_to` (a directory or
-s3://bucket/prefix/), then the `promoted.json` pointer moved to it (phase1a/promotion.py).
+s3://bucket/prefix/), then the `promoted.json` pointer moved to it (phase1a/promote/promotion.py).
 
 What is promoted: the adapter (or a full fine-tune's weights), with the tokenizer it was trained with when
 `data.chat_template` overrode the base's template, and with `validation.promote_merged` the base with the
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from phase1a.config import Phase1aConfig
-from phase1a.models import ResolvedModel, is_adapter, load_model, load_tokenizer
-from phase1a.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
-from phase1a.results import StartPoint, TrainResult, ValidationResult
-from phase1a.templates import apply_chat_template_setting
+from phase1a.config.schema import Phase1aConfig
+from phase1a.data.templates import apply_chat_template_setting
+from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer
+from phase1a.promote.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
+from phase1a.promote.warmstart import StartPoint
+from phase1a.results import TrainResult, ValidationResult
 from tasks.caching import task
 
 

@@ -1,5 +1,5 @@
 """Stage: copy a dataset source (`data.source`, or `data.validation_source`) to fast local disk, verified,
-skipped when already identical (phase1a/staging.py does the copying).
+skipped when already identical (phase1a/data/staging.py does the copying).
 
 The key is the source's content fingerprint, computed without downloading anything: the sha256 of a local
 file's bytes (of every file's, for a directory or glob), for S3 the hash of its keys, sizes and ETags, for
@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from phase1a.config import Phase1aConfig
-from phase1a.staging import (
+from phase1a.config.schema import Phase1aConfig
+from phase1a.config.stores import open_store
+from phase1a.data.staging import (
     StagedData,
     StageOptions,
     file_hashes,
@@ -21,7 +22,6 @@ from phase1a.staging import (
     staged_location,
     staged_name,
 )
-from phase1a.stores import open_store
 from tasks.caching import StageCache, task
 
 Source = Literal["source", "validation_source"]  # which field of the config's `data` section

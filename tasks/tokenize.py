@@ -1,10 +1,10 @@
-"""Tokenize: a dataset (its shards, in any format `phase1a.datasource` reads) to Arrow with loss masks, a
+"""Tokenize: a dataset (its shards, in any format `phase1a.data.datasource` reads) to Arrow with loss masks, a
 held-out split and length analysis, once per content.
 
 The recipe, `tokenize_dataset`, in four phases that keep memory flat:
-  1. encode    shard by shard, each once per content (`phase1a.shards`): records -> token ids and labels,
+  1. encode    shard by shard, each once per content (`phase1a.data.shards`): records -> token ids and labels,
                plus a few scalars per example (line or row, content hash, length, supervised positions); in
-               worker processes where the input is large (`phase1a.encoding`)
+               worker processes where the input is large (`phase1a.data.encoding`)
   2. decide    over every shard's scalars only (old shards' tokens are not read): max_seq_length, overlong
                and duplicate examples, the held-out split, outliers
   3. split     train.json and validation.json: views over the shards' token files (row numbers, a length to cut
@@ -26,14 +26,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel
 
-from phase1a.atomic import atomic_path
-from phase1a.config import Phase1aConfig, StoreConfig
-from phase1a.datasource import DataLocation, Shard, describe, resolve_shards
-from phase1a.encoding import SHOWN_SKIPS, EncodeSettings
-from phase1a.errors import DataError
-from phase1a.fingerprint import code_fingerprint, hash_json
-from phase1a.labels import IGNORE_INDEX
-from phase1a.lengths import (
+from phase1a.config.schema import Phase1aConfig, StoreConfig
+from phase1a.config.stores import open_store
+from phase1a.core.atomic import atomic_path
+from phase1a.core.errors import DataError
+from phase1a.core.fingerprint import code_fingerprint, hash_json
+from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.locks import exclusive
+from phase1a.core.logs import run_logger
+from phase1a.data.datasource import DataLocation, Shard, describe, resolve_shards
+from phase1a.data.encoding import SHOWN_SKIPS, EncodeSettings
+from phase1a.data.lengths import (
     Outliers,
     describe_outliers,
     find_outliers,
@@ -41,27 +44,24 @@ from phase1a.lengths import (
     right_size,
     waste_table,
 )
-from phase1a.locks import exclusive
-from phase1a.logs import run_logger
-from phase1a.models import ResolvedModel, load_tokenizer
-from phase1a.shards import EncodedShard, ShardStore
-from phase1a.shared_shards import SharedShards
-from phase1a.stores import open_store
-from phase1a.templates import apply_chat_template_setting, template_fingerprint
-from phase1a.tokenized import SplitView, TokenizedData, read_mapped
+from phase1a.data.shards import EncodedShard, ShardStore
+from phase1a.data.shared_shards import SharedShards
+from phase1a.data.templates import apply_chat_template_setting, template_fingerprint
+from phase1a.data.tokenized import SplitView, TokenizedData, read_mapped
+from phase1a.model.loading import ResolvedModel, load_tokenizer
 from tasks.caching import StageCache, task
 
 if TYPE_CHECKING:  # staging imports boto3, which a bare GPU host (that tokenizes local files) lacks
-    from phase1a.staging import StagedData
+    from phase1a.data.staging import StagedData
 
 
 class TokenizeOptions(BaseModel):
     """The `data` settings tokenizing reads (and `model.max_seq_length`): its key's settings part."""
 
-    format: str = "auto"  # a key of phase1a.records.RECORD_FORMATS, or auto
+    format: str = "auto"  # a key of phase1a.data.records.RECORD_FORMATS, or auto
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
-    chat_template: str | None = None  # a name in phase1a.templates.CHAT_TEMPLATES or a Jinja file's path
+    chat_template: str | None = None  # a name in phase1a.data.templates.CHAT_TEMPLATES or a Jinja file's path
     train_on_inputs: bool = False
     bad_records: Literal["fail", "skip"] = "fail"
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
@@ -73,8 +73,9 @@ class TokenizeOptions(BaseModel):
     config: str | None = None  # which files of a dataset repository: data.config, data.split
     split: str = "train"
     validation_split: str | None = None
-    tokenize_workers: int | None = None  # processes for pass 1; None: phase1a.encoding.auto_workers
-    store: StoreConfig = StoreConfig()  # shards shared with other hosts (phase1a/shared_shards.py); none by default
+    tokenize_workers: int | None = None  # processes for pass 1; None: phase1a.data.encoding.auto_workers
+    # Shards shared with other hosts (phase1a/data/shared_shards.py); none by default.
+    store: StoreConfig = StoreConfig()
     s3_endpoint_url: str | None = None  # where a staged source's deferred files are fetched from
 
     @classmethod
@@ -149,13 +150,13 @@ class _Sources:
 
     def fetcher(self, endpoint_url: str | None):
         """What brings the shards about to be encoded to local disk, where staging deferred them (the store knew
-        their content: phase1a/staging.py); None when nothing was deferred."""
+        their content: phase1a/data/staging.py); None when nothing was deferred."""
         deferred = [location for location in self.locations if getattr(location, "deferred", None)]
         if not deferred:
             return None
 
         def fetch(shards: list[Shard]) -> None:
-            from phase1a.staging import fetch_deferred  # boto3: only where a staged S3 prefix deferred a file
+            from phase1a.data.staging import fetch_deferred  # boto3: only where a staged S3 prefix deferred a file
 
             for location in deferred:
                 base = Path(location.path)
@@ -188,7 +189,7 @@ def _content_hashes(location: DataLocation) -> dict[str, str]:
 
 @dataclass
 class _Encoded:
-    """Every shard's cached encoding (phase1a/shards.py), and their examples' scalars concatenated in order."""
+    """Every shard's cached encoding (phase1a/data/shards.py), and their examples' scalars concatenated in order."""
 
     shards: list[EncodedShard]
     places: np.ndarray  # (n, 2): shard and line/row

@@ -2,21 +2,21 @@
 
 The recipe, `train()`, in named phases (torchtune's setup / train / save):
   0. reuse     a run with the same training key that finished is returned as it is
-  1. setup     build the model and optimizer the plan chose (`phase1a/modeling.py`), its adapter starting from
+  1. setup     build the model and optimizer the plan chose (`phase1a/model/build.py`), its adapter starting from
                the warm start's weights when there is one (`method.init_from`); resume from the latest
                complete checkpoint of this run: weights, optimizer, scheduler, RNG, step. The data position is
                the step number itself (`StepBatches` is a pure function of the step), so nothing is re-iterated
   2. train     each optimizer step: this rank's packed rows, the loss normalised over the whole step's
-               supervised tokens, clip, step (`phase1a/steps.py`). Out of memory: halve the row's token budget
+               supervised tokens, clip, step (`phase1a/train/steps.py`). Out of memory: halve the row's token budget
                (accumulation doubles, the global batch and the gradient stay the same), restore the step's
                RNG, redo the step. Evaluate on the held-out sample when its interval fires (or at each
                checkpoint), and once more at the end; with early stopping, stop when the patience is spent
-               (`phase1a/training_eval.py`). Checkpoint when the interval fires (`phase1a/units.py`), and on
-               SIGTERM/SIGINT before exiting
+               (`phase1a/evaluate/during_training.py`). Checkpoint when the interval fires
+               (`phase1a/core/units.py`), and on SIGTERM/SIGINT before exiting
   3. save      the adapter in peft's format (with early stopping: the best weights), with `result.json`, marked
                complete last
 
-Several GPUs: `run` launches `torchrun` over this module's `__main__`; see `phase1a/distributed.py`.
+Several GPUs: `run` launches `torchrun` over this module's `__main__`; see `phase1a/train/distributed.py`.
 Imports without Prefect, so the same loop runs on a bare GPU host.
 """
 from __future__ import annotations
@@ -33,9 +33,27 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
-from phase1a import distributed, run_files
-from phase1a.atomic import atomic_path, write_atomically
-from phase1a.checkpoints import (
+from phase1a.config.schema import MethodConfig, Phase1aConfig, ProgressConfig
+from phase1a.config.stores import open_store
+from phase1a.core.atomic import atomic_path, write_atomically
+from phase1a.core.fingerprint import hash_json
+from phase1a.core.hardware import detect
+from phase1a.core.locks import exclusive
+from phase1a.core.logs import run_logger
+from phase1a.core.meter import MeterSettings, current_settings
+from phase1a.core.units import AUTO, Clock, parse_duration_seconds, parse_interval
+from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.during_training import EvalSettings, Evaluator
+from phase1a.model.build import build_model, make_optimizer, make_scheduler
+from phase1a.model.cost_model import significant
+from phase1a.model.loading import ResolvedModel
+from phase1a.promote.replay import write_trained_on
+from phase1a.promote.warmstart import StartPoint
+from phase1a.results import Plan, StoreTraining, TrainResult, record_run
+from phase1a.store.base import Store
+from phase1a.store.lease import LeaseLost
+from phase1a.train import distributed, run_files
+from phase1a.train.checkpoints import (
     TrainingState,
     list_checkpoints,
     load_checkpoint,
@@ -44,31 +62,16 @@ from phase1a.checkpoints import (
     save_checkpoint,
     trainable_state_dict,
 )
-from phase1a.config import MethodConfig, Phase1aConfig, ProgressConfig
-from phase1a.cost_model import significant
-from phase1a.fingerprint import hash_json
-from phase1a.hardware import detect
-from phase1a.history import history_path, share_record
-from phase1a.launch import Launch, LaunchError, launch_for, run_agents
-from phase1a.lease import LeaseLost
-from phase1a.locks import exclusive
-from phase1a.logs import run_logger
-from phase1a.meter import MeterSettings, current_settings
-from phase1a.modeling import build_model, make_optimizer, make_scheduler
-from phase1a.models import ResolvedModel
-from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
-from phase1a.preemption import Preempted, StopSignals
-from phase1a.progress import ProgressReporter, StepStats, Yardstick, append_event
-from phase1a.replay import write_trained_on
-from phase1a.results import Plan, StartPoint, StoreTraining, TrainResult, record_run
-from phase1a.steps import optimizer_step
-from phase1a.store import Store
-from phase1a.stores import open_store
-from phase1a.tokenized import TokenizedData
-from phase1a.train_store import CheckpointMirror, RemoteRun, job_prefix
-from phase1a.training_eval import EvalSettings, Evaluator
-from phase1a.units import AUTO, Clock, parse_duration_seconds, parse_interval
+from phase1a.train.history import history_path, share_record
+from phase1a.train.launch import Launch, LaunchError, launch_for, run_agents
+from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+from phase1a.train.preemption import Preempted, StopSignals
+from phase1a.train.progress import ProgressReporter, StepStats, Yardstick, append_event
+from phase1a.train.steps import optimizer_step
+from phase1a.train.train_store import CheckpointMirror, RemoteRun, job_prefix
 from tasks.caching import task
+
+ENTRY = ["-m", "tasks.train"]  # what torchrun runs on every rank: this module's __main__
 
 
 class TrainSettings(BaseModel):
@@ -88,7 +91,7 @@ class TrainSettings(BaseModel):
     # The config's `progress` section: torchrun ranks are other processes, where the flow's `configure` never
     # ran. None: this process's settings.
     progress: ProgressConfig | None = None
-    launch: Launch = Launch()  # one process, or torchrun agents: ranks a node, nodes (phase1a/launch.py)
+    launch: Launch = Launch()  # one process, or torchrun agents: ranks a node, nodes (phase1a/train/launch.py)
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"  # with several processes
     model_flops_per_token: float | None = None  # for MFU: 4N (LoRA) or 6N plus attention, no recompute
     peak_flops: float | None = None  # the device's dense bf16 peak; None on CPUs
@@ -498,7 +501,8 @@ def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainRe
     while True:
         write_atomically(settings_path, settings.model_dump_json(indent=2))
         try:  # each launch its own rendezvous: a lost node's stale state never joins the next group
-            run_agents(launch.model_copy(update={"run_id": f"{launch.run_id}-{backoffs + restarts}"}), settings_path,
+            run_id = f"{launch.run_id}-{backoffs + restarts}"
+            run_agents(launch.model_copy(update={"run_id": run_id, "entry": ENTRY}), settings_path,
                        cwd=Path(__file__).resolve().parents[1])
             break
         except LaunchError as failed:
@@ -535,7 +539,7 @@ def _out_of_memory_notes(output_dir: Path) -> list[int]:
 # ---- the store -----------------------------------------------------------------------------------------------
 
 def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig) -> TrainResult:
-    """The same run, kept in the store (phase1a/train_store.py) so that any host can go on with it: the lease
+    """The same run, kept in the store (phase1a/train/train_store.py) so that any host can go on with it: the lease
     first (one host trains it at a time), then what the store has (the finished adapter, or the latest
     checkpoint), then training with each checkpoint uploaded in the background; on a signal, the last checkpoint
     uploaded within the grace period; the finished adapter last."""

@@ -1,13 +1,13 @@
 """Validate: the trained model against a baseline on a bounded held-out sample, and a gate.
 
 The sample is the first `validation.max_examples` examples of the validation split. Every model is scored on
-it the same way (phase1a/evaluation.py): eval loss, perplexity, token accuracy on response tokens, and
+it the same way (phase1a/evaluate/metrics.py): eval loss, perplexity, token accuracy on response tokens, and
 greedy-generated answers scored by exact match, with their expected calibration error.
 
 The baseline (`validation.baseline`) is the base model (the same weights with the adapter switched off; its
 metrics are cached on disk by model, sample and scoring, so they are computed once), a metrics file (e.g.
 from a full-precision reference run), or the model the `promoted` pointer names (the base model on a warm
-start's first night, nothing promoted yet). The gate (phase1a/gate.py) compares each metric that has
+start's first night, nothing promoted yet). The gate (phase1a/evaluate/gate.py) compares each metric that has
 a tolerance; only a pass is promoted (tasks/promote.py).
 
 The recipe, `validate`, in named phases:
@@ -28,18 +28,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from phase1a.atomic import write_atomically
-from phase1a.config import Phase1aConfig, ValidationConfig
-from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, metric_settings_key, sample_fingerprint
-from phase1a.fingerprint import hash_json, sha256_file, sha256_tree
-from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
-from phase1a.hardware import training_device, training_dtype
-from phase1a.models import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
-from phase1a.packing import TokenRows
-from phase1a.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
+from phase1a.config.schema import Phase1aConfig, ValidationConfig
+from phase1a.core.atomic import write_atomically
+from phase1a.core.fingerprint import hash_json, sha256_file, sha256_tree
+from phase1a.core.hardware import training_device, training_dtype
+from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
+from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
+from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
+from phase1a.promote.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
-from phase1a.tokenized import TokenizedData
-from phase1a.training_eval import DURING_TRAINING_FIELDS
+from phase1a.train.packing import TokenRows
 from tasks.caching import StageCache, task
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)

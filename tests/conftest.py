@@ -70,7 +70,7 @@ def tokenizer():
 def small_chunks(monkeypatch):
     """Chunks of 64 records, so a few hundred records make several chunks for several workers, some across a
     Parquet row group's end."""
-    from phase1a import encoding
+    from phase1a.data import encoding
 
     monkeypatch.setattr(encoding, "CHUNK", 64)
 

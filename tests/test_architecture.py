@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from helpers import bare_gpu_host_env
-from phase1a.fingerprint import PROJECT_ROOT
+from phase1a.core.fingerprint import PROJECT_ROOT
 
 LAYERS = {"phase1a": 0, "tasks": 1, "flows": 2}  # the library, the stages, the flow and its CLI
 SHARED_STAGE_GLUE = "tasks.caching"  # the one tasks module other stages import: Prefect glue, no recipe
 MAX_LINES, MAX_PARAMETERS = 60, 6
 # Signatures another library dictates, with the reason.
-EXEMPT = {"phase1a/attention.py:sdpa_packed_forward": "transformers' AttentionInterface calls it with these"}
+EXEMPT = {"phase1a/model/attention.py:sdpa_packed_forward": "transformers' AttentionInterface calls it with these"}
 
 
 def sources(*packages: str) -> list[Path]:
@@ -54,6 +54,70 @@ def test_layers_point_down():
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
+# The library's packages, lowest first: each imports only from those before it (and itself). The modules above
+# them, results.py (what stages hand each other), plots.py and tracking/, may import any.
+PACKAGES = ("core", "store", "data", "config", "model", "train", "evaluate", "plan", "promote")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PROJECT_ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def project_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules a file imports: `from package import module` names the module, not the package."""
+    found = set()
+    for _, module in imported_modules(path):
+        found.add(module)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name in known} - {module_name(path)}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sources(*LAYERS)
+    known = {module_name(path) for path in paths}
+    return {module_name(path): project_imports(path, known) for path in paths}
+
+
+def package_level(module: str) -> int:
+    parts = module.split(".")
+    return PACKAGES.index(parts[1]) if len(parts) >= 2 and parts[1] in PACKAGES else len(PACKAGES)
+
+
+def test_library_packages_point_down():
+    """core <- store <- data <- config <- model <- train <- evaluate <- plan <- promote: a newcomer finds where a
+    change belongs from the tree, and a lower package never reaches up."""
+    assert {p.name for p in (PROJECT_ROOT / "phase1a").iterdir() if p.is_dir() and (p / "__init__.py").exists()} \
+        == set(PACKAGES) | {"tracking"}
+    wrong = [f"{module} imports {target}" for module, targets in import_graph().items() if module.startswith("phase1a.")
+             for target in sorted(targets) if package_level(target) > package_level(module)]
+    assert not wrong, "imports against the package order:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the modules it imports (inside functions and TYPE_CHECKING too)."""
+    graph, cycles = import_graph(), []
+
+    def reaches(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    return path + [start]
+                if target not in seen:
+                    seen.add(target)
+                    stack.append((target, path + [target]))
+        return None
+
+    for module in sorted(graph):
+        cycle = reaches(module)
+        if cycle and not any(set(cycle) == set(found) for found in cycles):
+            cycles.append(cycle)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
 def functions(path: Path):
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -89,33 +153,33 @@ def _offences(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
                 and node.operand.value == 100):
-            found.append(f"{node.lineno}: -100 (phase1a/labels.py: IGNORE_INDEX)")
+            found.append(f"{node.lineno}: -100 (phase1a/core/labels.py: IGNORE_INDEX)")
         power = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)
         if power and isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant) \
                 and (node.left.value, node.right.value) in ((1024, 2), (1024, 3), (2, 20), (2, 30)):
-            found.append(f"{node.lineno}: a byte unit (phase1a/units.py: KIB, MIB, GIB)")
+            found.append(f"{node.lineno}: a byte unit (phase1a/core/units.py: KIB, MIB, GIB)")
         if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename") and isinstance(node.value, ast.Name) \
                 and node.value.id == "os":
-            found.append(f"{node.lineno}: os.{node.attr} (phase1a/atomic.py: atomic_path, write_atomically)")
+            found.append(f"{node.lineno}: os.{node.attr} (phase1a/core/atomic.py: atomic_path, write_atomically)")
     return found
 
 
-@pytest.mark.parametrize("home", ["phase1a/labels.py", "phase1a/units.py", "phase1a/atomic.py"])
+@pytest.mark.parametrize("home", ["phase1a/core/labels.py", "phase1a/core/units.py", "phase1a/core/atomic.py"])
 def test_each_fact_is_stated_in_its_home(home):
     assert _offences(PROJECT_ROOT / home), f"{home} no longer states its fact: update this test"
 
 
 def test_facts_are_not_restated_elsewhere():
-    homes = {"phase1a/labels.py", "phase1a/units.py", "phase1a/atomic.py"}
+    homes = {"phase1a/core/labels.py", "phase1a/core/units.py", "phase1a/core/atomic.py"}
     offences = [f"{relative(path)}:{offence}" for path in sources(*LAYERS, "benchmarks")
                 if relative(path) not in homes for offence in _offences(path)]
     assert not offences, "\n".join(offences)
 
 
 def test_the_config_choices_are_read_from_their_registries():
-    from phase1a.config import DataConfig, HardwareConfig
-    from phase1a.hardware import HARDWARE_KINDS
-    from phase1a.records import RECORD_FORMATS
+    from phase1a.config.schema import DataConfig, HardwareConfig
+    from phase1a.core.hardware import HARDWARE_KINDS
+    from phase1a.data.records import RECORD_FORMATS
 
     assert tuple(HardwareConfig.model_json_schema()["properties"]["target"]["enum"]) == HARDWARE_KINDS
     for name in RECORD_FORMATS:
@@ -125,7 +189,7 @@ def test_the_config_choices_are_read_from_their_registries():
 
 
 # What runs on a bare GPU host (benchmarks/gpu_check.py's parts): the train loop, tokenizing, the plan, the benchmarks.
-GPU_HOST_MODULES = ("tasks.train", "tasks.tokenize", "tasks.plan", "phase1a.steps", "phase1a.calibration",
+GPU_HOST_MODULES = ("tasks.train", "tasks.tokenize", "tasks.plan", "phase1a.train.steps", "phase1a.plan.calibration",
                     "benchmarks.train_throughput", "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput",
                     "benchmarks.packed_rows", "benchmarks.gpu_check")
 
@@ -135,7 +199,7 @@ def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):
     local directory is prepared without staging (the dry run in test_gpu_check.py runs every part that way;
     this is the quick check)."""
     code = ("import importlib, sys\nfor name in sys.argv[2:]:\n    importlib.import_module(name)\n"
-            "from phase1a.config import Phase1aConfig\nfrom phase1a.models import prepare_model\n"
+            "from phase1a.config.schema import Phase1aConfig\nfrom phase1a.model.loading import prepare_model\n"
             "tree = {'data': {'source': 'unused'}, 'model': {'name_or_path': sys.argv[1]}}\n"
             "config = Phase1aConfig.model_validate(tree)\n"
             "print('prepared', prepare_model(config).path)")

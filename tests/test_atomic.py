@@ -1,10 +1,10 @@
-"""Atomic writes (`phase1a/atomic.py`): the target is the old content or the new, never a part, and no scratch
+"""Atomic writes (`phase1a/core/atomic.py`): the target is the old content or the new, never a part, and no scratch
 is left behind."""
 from __future__ import annotations
 
 import pytest
 
-from phase1a.atomic import atomic_path, write_atomically
+from phase1a.core.atomic import atomic_path, write_atomically
 
 
 def leftovers(directory) -> list[str]:

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from phase1a.attention import sdpa_packed_forward
+from phase1a.model.attention import sdpa_packed_forward
 
 
 def _packed(lengths: list[int], heads: int = 2, dim: int = 8):

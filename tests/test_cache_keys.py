@@ -1,5 +1,5 @@
 """Cache keys that cannot go stale: each stage's key covers the source of every project module it imports, found
-from the import graph (phase1a/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it."""
+from the import graph (phase1a/core/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phase1a.fingerprint import PROJECT_ROOT, code_fingerprint, project_imports
+from phase1a.core.fingerprint import PROJECT_ROOT, code_fingerprint, project_imports
 
 CODE = ("phase1a", "tasks", "flows")
 
@@ -30,22 +30,23 @@ def edit(path: Path) -> None:
 def test_the_import_graph_is_walked_from_the_source(tmp_path):
     code = copy_of_the_code(tmp_path / "code")
     plan = project_imports("tasks.plan", code)
-    # tasks.plan -> phase1a.calibration -> phase1a.evaluation -> phase1a.answers: three imports deep
-    assert {"tasks.plan", "tasks.caching", "phase1a.calibration", "phase1a.evaluation", "phase1a.answers"} <= set(plan)
-    assert "phase1a.modeling" in plan  # imported inside a function
+    # tasks.plan -> phase1a.plan.calibration -> phase1a.evaluate.metrics -> phase1a.evaluate.answers: three imports deep
+    assert {"tasks.plan", "tasks.caching", "phase1a.plan.calibration", "phase1a.evaluate.metrics",
+            "phase1a.evaluate.answers"} <= set(plan)
+    assert "phase1a.model.build" in plan  # imported inside a function
     assert not {"flows.phase1a", "tasks.train", "tasks.tokenize"} & set(plan)  # the flow and other stages
-    # Under TYPE_CHECKING an import never runs: phase1a.history names phase1a.results only there.
-    assert "phase1a.results" not in project_imports("phase1a.history", code)
+    # Under TYPE_CHECKING an import never runs: phase1a.train.history names phase1a.results only there.
+    assert "phase1a.results" not in project_imports("phase1a.train.history", code)
     # tokenize's key does not move with the plan's or validation's code
     tokenize = set(project_imports("tasks.tokenize", code))
-    assert not {"phase1a.calibration", "phase1a.evaluation", "phase1a.answers"} & tokenize
+    assert not {"phase1a.plan.calibration", "phase1a.evaluate.metrics", "phase1a.evaluate.answers"} & tokenize
 
 
 def test_an_edit_anywhere_in_a_stages_imports_changes_its_key_and_only_its(tmp_path):
     code = copy_of_the_code(tmp_path / "code")
     fingerprint = code_fingerprint.__wrapped__  # not the per-process cache: the files change under it here
     before = {stage: fingerprint(f"tasks.{stage}", code) for stage in ("stage", "tokenize", "plan", "validate")}
-    edit(code / "phase1a" / "answers.py")
+    edit(code / "phase1a" / "evaluate" / "answers.py")
     after = {stage: fingerprint(f"tasks.{stage}", code) for stage in before}
     assert after["plan"] != before["plan"] and after["validate"] != before["validate"]
     assert after["stage"] == before["stage"] and after["tokenize"] == before["tokenize"]
@@ -55,7 +56,7 @@ def test_an_edit_anywhere_in_a_stages_imports_changes_its_key_and_only_its(tmp_p
 @pytest.mark.prefect_server
 def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tree):
     """The CLI on a copy of the code: a plan, the same plan again after an edit three imports below the plan
-    stage (phase1a/answers.py), then once more without one."""
+    stage (phase1a/evaluate/answers.py), then once more without one."""
     code = copy_of_the_code(tmp_path / "code")
     # Its own plan: the suite's flows share one Prefect home, and a plan (it names no paths) is keyed on the
     # settings, model and data, which other tests' jobs share.
@@ -74,7 +75,7 @@ def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tre
         return {name: section["state"] for name, section in report["stages"].items()}
 
     assert plan() == {"stage": "Completed", "tokenize": "Completed", "plan": "Completed"}
-    edit(code / "phase1a" / "answers.py")
+    edit(code / "phase1a" / "evaluate" / "answers.py")
     assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
     assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
 
@@ -83,7 +84,7 @@ def test_the_training_key_changes_with_the_starting_adapter():
     """A warm start from another promoted version is another run (never resumed from this one's checkpoints); the
     same adapter named two ways (`promoted`, its path) is the same run, and so is a first night that found nothing
     promoted and started from the base."""
-    from phase1a.config import MethodConfig
+    from phase1a.config.schema import MethodConfig
     from tasks.train import training_key
 
     def key(init_from: str = "base", start: str | None = None) -> str:

@@ -4,10 +4,10 @@ import re
 import pytest
 
 from helpers import FACTS_8B, date_records, make_tokenizer, write_jsonl
-from phase1a.calibration import _MIN_GAIN, CalibrationJob, Candidate, calibrate, memory_alternatives
-from phase1a.config import Phase1aConfig
-from phase1a.cost_model import MemoryModel, TrainingShape
-from phase1a.units import GIB
+from phase1a.config.schema import Phase1aConfig
+from phase1a.core.units import GIB
+from phase1a.model.cost_model import MemoryModel, TrainingShape
+from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, Candidate, calibrate, memory_alternatives
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
@@ -86,10 +86,10 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     """A deadline already behind it: the trial runs its one unavoidable step and takes its speed from it."""
     import time
 
-    from phase1a.calibration import _WARMUP_STEPS, _Steps, _trial
-    from phase1a.config import MethodConfig
-    from phase1a.modeling import build_model, make_optimizer
-    from phase1a.packing import StepBatches, TokenRows, example_stream, token_budget
+    from phase1a.config.schema import MethodConfig
+    from phase1a.model.build import build_model, make_optimizer
+    from phase1a.plan.calibration import _WARMUP_STEPS, _Steps, _trial
+    from phase1a.train.packing import StepBatches, TokenRows, example_stream, token_budget
 
     method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
     model = build_model(tiny_model_dir, method, gradient_checkpointing=False)

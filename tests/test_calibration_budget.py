@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers import resolved, write_jsonl
-from phase1a.config import Phase1aConfig
-from phase1a.models import load_tokenizer
+from phase1a.config.schema import Phase1aConfig
+from phase1a.model.loading import load_tokenizer
 from tasks.plan import format_plan, make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 

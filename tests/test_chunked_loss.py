@@ -1,15 +1,15 @@
-"""The chunked cross-entropy (phase1a/chunked_loss.py) against the whole-logits loss it replaces: the same loss,
+"""The chunked cross-entropy (phase1a/model/chunked_loss.py) against the whole-logits loss it replaces: the same loss,
 correct count and gradients, alone and inside a model loaded by `load_model` (LoRA and a full fine-tune)."""
 import numpy as np
 import pytest
 import torch
 
-import phase1a.attention  # noqa: F401  (registers sdpa_packed)
+import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
 from helpers import whole_logits_loss
-from phase1a.chunked_loss import LogitTransform, linear_cross_entropy
-from phase1a.labels import IGNORE_INDEX
-from phase1a.models import load_model
-from phase1a.packing import TokenRows, pack, summed_loss
+from phase1a.core.labels import IGNORE_INDEX
+from phase1a.model.chunked_loss import LogitTransform, linear_cross_entropy
+from phase1a.model.loading import load_model
+from phase1a.train.packing import TokenRows, pack, summed_loss
 
 TOLERANCE = 1e-5
 
@@ -76,9 +76,9 @@ def rows() -> TokenRows:
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_a_loaded_model_trains_on_the_same_loss_and_gradients(tiny_model_dir, rows, kind, monkeypatch):
     """A packed row of 600 tokens in chunks of 128: the loss and every trainable gradient as from whole logits."""
-    import phase1a.chunked_loss
+    import phase1a.model.chunked_loss
 
-    monkeypatch.setattr(phase1a.chunked_loss, "CHUNK_TOKENS", 128)
+    monkeypatch.setattr(phase1a.model.chunked_loss, "CHUNK_TOKENS", 128)
     torch.manual_seed(0)
     model = load_model(tiny_model_dir, torch.float32, attention="sdpa_packed")
     if kind == "lora":

@@ -91,7 +91,7 @@ def printed_report(output: Path) -> dict:
 
 
 # The knobs fixed (no sweep: one calibration trial), with a DataLoader worker process, started by a fork server
-# (phase1a/packing.py), in calibration and in training: beside the embedded server, multiprocessing's fork server,
+# (phase1a/train/packing.py), in calibration and in training: beside the embedded server, multiprocessing's fork server,
 # its worker and its resource tracker are descendants too.
 ONE_WORKER = {"profile": "custom", "micro_batch_size": 8, "gradient_checkpointing": False, "dataloader_workers": 1}
 
@@ -121,7 +121,7 @@ def test_sigterm_mid_calibration_stops_every_process(config_tree, tmp_path):
 def test_sigterm_mid_training_uploads_its_checkpoint_within_the_grace_period_and_stops_every_process(
         config_tree, tmp_path, aws_env, endpoint, bucket):
     """`run` with a store, stopped while it trains: training writes its checkpoint, uploads it to the store within
-    `checkpoint.grace_period` and stops (phase1a/preemption.py, tasks/train.py), the report says `preempted`, and
+    `checkpoint.grace_period` and stops (phase1a/train/preemption.py, tasks/train.py), the report says `preempted`, and
     no process of the run is left."""
     config_tree["method"]["epochs"] = 40  # long enough to be stopped in the middle
     config_tree["plan"] = ONE_WORKER

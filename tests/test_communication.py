@@ -1,10 +1,10 @@
-"""The plan's communication model (phase1a/communication.py) against hand calculations, and the options table's
-multi-node rows built on it (phase1a/options.py)."""
+"""The plan's communication model (phase1a/plan/communication.py) against hand calculations, and the options table's
+multi-node rows built on it (phase1a/plan/options.py)."""
 import pytest
 
-from phase1a.communication import StepTraffic, step_communication
-from phase1a.options import OptionsJob, OptionSpec, OptionsPolicy, format_options, more_nodes, option_rows
-from phase1a.units import GIB
+from phase1a.core.units import GIB
+from phase1a.plan.communication import StepTraffic, step_communication
+from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, format_options, more_nodes, option_rows
 
 # Llama-3-8B, full fine-tune: 16 GB of bf16 weights, 32 GB of fp32 gradients; 4 micro-batches, 2 s of compute.
 FULL_8B = StepTraffic(weight_bytes=16e9, gradient_bytes=32e9, micro_batches=4, compute_seconds=2.0)

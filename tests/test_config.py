@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from phase1a.config import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
-from phase1a.units import Interval, parse_interval
+from phase1a.config.schema import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
+from phase1a.core.units import Interval, parse_interval
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from helpers import FACTS_8B, peak_tensor_bytes
-from phase1a.config import Phase1aConfig
-from phase1a.cost_model import (
+from phase1a.config.schema import Phase1aConfig
+from phase1a.core.units import GIB
+from phase1a.model.cost_model import (
     NF4_BYTES,
     MemoryModel,
     ModelFacts,
@@ -14,8 +15,7 @@ from phase1a.cost_model import (
     lora_parameters,
     model_facts,
 )
-from phase1a.packing import summed_loss
-from phase1a.units import GIB
+from phase1a.train.packing import summed_loss
 
 LORA = TrainingShape(weight_bytes=2)
 FULL = TrainingShape(full=True, weight_bytes=2)
@@ -110,9 +110,9 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import phase1a.attention  # noqa: F401  (registers sdpa_packed)
-    from phase1a import chunked_loss
-    from phase1a.modeling import set_gradient_checkpointing
+    import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
+    from phase1a.model import chunked_loss
+    from phase1a.model.build import set_gradient_checkpointing
 
     torch.manual_seed(0)
     shape = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,

@@ -15,9 +15,9 @@ import pytest
 from test_bad_input import plan, report_of
 
 from helpers import date_records, write_jsonl
-from phase1a.errors import DataError
-from phase1a.lengths import find_outliers, right_size
-from phase1a.tokenized import split_table
+from phase1a.core.errors import DataError
+from phase1a.data.lengths import find_outliers, right_size
+from phase1a.data.tokenized import split_table
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import date_records, read_arrow, write_jsonl
-from phase1a.datasource import DataLocation, iter_records, resolve_shards
-from phase1a.errors import DataError
-from phase1a.fingerprint import hash_json
-from phase1a.locators import file_format
-from phase1a.staging import source_fingerprint, stage_dataset
+from phase1a.core.errors import DataError
+from phase1a.core.fingerprint import hash_json
+from phase1a.core.locators import file_format
+from phase1a.data.datasource import DataLocation, iter_records, resolve_shards
+from phase1a.data.staging import source_fingerprint, stage_dataset
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)

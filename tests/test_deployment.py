@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from helpers.prefect_stack import PrefectStack, flow_run_id, migrated_database, states, wait_for
-from phase1a.config import load_config
+from phase1a.config.schema import load_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 

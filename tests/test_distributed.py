@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.checkpoints import list_checkpoints
-from phase1a.config import MethodConfig
-from phase1a.launch import Launch, torchrun_command
+from phase1a.config.schema import MethodConfig
+from phase1a.evaluate.during_training import EvalSettings
 from phase1a.results import TrainResult
-from phase1a.training_eval import EvalSettings
+from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.launch import Launch, torchrun_command
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, run
 
@@ -59,7 +59,7 @@ def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(one_process, strategy):
     settings, one = one_process
-    command = torchrun_command(Launch(processes=2), Path("s.json"))
+    command = torchrun_command(Launch(processes=2, entry=["-m", "tasks.train"]), Path("s.json"))
     assert command[-5:] == ["--standalone", "--nproc_per_node=2", "-m", "tasks.train", "s.json"]
     two = run(settings(f"two-{strategy}", 2, strategy, evaluate=True))
     assert two.steps == one.steps == 6 and two.train_tokens == one.train_tokens  # tokens summed over ranks
@@ -113,7 +113,7 @@ def test_a_rank_exits_with_its_outcome_and_without_the_interpreter_shutdown(tmp_
     skipped; a failed entry still prints its traceback and exits 1."""
     script = textwrap.dedent(f'''
         import atexit
-        from phase1a.distributed import run_rank
+        from phase1a.train.distributed import run_rank
 
         def entry():
             {body}
@@ -137,7 +137,7 @@ def test_a_rank_exits_with_its_outcome_and_without_the_interpreter_shutdown(tmp_
 def test_the_ranks_show_progress_as_the_config_says(one_process, capfd):
     """The ranks are other processes, where the flow's `progress` settings were never applied: they come in the
     train settings. Lines an hour apart: the first and the last step only, from rank 0 alone; off: none."""
-    from phase1a.config import ProgressConfig
+    from phase1a.config.schema import ProgressConfig
 
     settings, _ = one_process
     shown = {"show_progress": True, "progress": ProgressConfig(display="lines", interval="1h")}

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from phase1a.config import Phase1aConfig
-from phase1a.config_reference import PAGE, _section_model, render
-from phase1a.records import RECORD_FORMATS
+from phase1a.config.reference import PAGE, _section_model, render
+from phase1a.config.schema import Phase1aConfig
+from phase1a.data.records import RECORD_FORMATS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -54,16 +54,16 @@ def _section_models(model: type[BaseModel] = Phase1aConfig, prefix: str = ""):
 
 
 def test_configuration_reference_is_generated_from_the_schema():
-    assert PAGE.is_file(), "docs/configuration.md is missing: run `python -m phase1a.config_reference --write`"
+    assert PAGE.is_file(), "docs/configuration.md is missing: run `python -m phase1a.config.reference --write`"
     assert PAGE.read_text() == render(), (
-        "docs/configuration.md differs from the schema in phase1a/config.py: run "
-        "`python -m phase1a.config_reference --write` (or `make docs`) and commit the result")
+        "docs/configuration.md differs from the schema in phase1a/config/schema.py: run "
+        "`python -m phase1a.config.reference --write` (or `make docs`) and commit the result")
 
 
 @pytest.mark.parametrize("where, model", list(_section_models()), ids=[where for where, _ in _section_models()])
 def test_every_config_field_has_a_description(where, model):
     missing = [name for name, field in model.model_fields.items() if not (field.description or "").strip()]
-    assert not missing, f"{where}: fields without a description in phase1a/config.py: {', '.join(missing)}"
+    assert not missing, f"{where}: fields without a description in phase1a/config/schema.py: {', '.join(missing)}"
 
 
 def test_readme_links_every_docs_page_and_each_exists():

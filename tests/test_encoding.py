@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from helpers import date_records, write_jsonl
-from phase1a import encoding
-from phase1a.datasource import DataLocation, resolve_shards
-from phase1a.errors import DataError
-from phase1a.records import RecordError
-from phase1a.tokenized import split_digest as digest
+from phase1a.core.errors import DataError
+from phase1a.data import encoding
+from phase1a.data.datasource import DataLocation, resolve_shards
+from phase1a.data.records import RecordError
+from phase1a.data.tokenized import split_digest as digest
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 

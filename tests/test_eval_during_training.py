@@ -1,7 +1,7 @@
-"""Evaluation during training (phase1a/training_eval.py): eval.jsonl at the interval, the same training with it on
-or off, on examples cut to training's max length, early stopping that keeps the best weights as the final adapter
-(a final evaluation that is not the best stops nothing) and survives a resume (at the same steps, back to the best
-its checkpoint names), the config's errors, the training key, and the plan's estimate of its cost. The tiny model
+"""Evaluation during training (phase1a/evaluate/during_training.py): eval.jsonl at the interval, the same training
+with it on or off, on examples cut to training's max length, early stopping that keeps the best weights as the final
+adapter (a final evaluation that is not the best stops nothing) and survives a resume (at the same steps, back to the
+best its checkpoint names), the config's errors, the training key, and the plan's estimate of its cost. The tiny model
 on a few steps."""
 import json
 import os
@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
-from phase1a.checkpoints import list_checkpoints
-from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, validate_config
-from phase1a.labels import IGNORE_INDEX
-from phase1a.packing import TokenRows
-from phase1a.preemption import Preempted
-from phase1a.training_eval import EvalSettings
+from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, validate_config
+from phase1a.core.labels import IGNORE_INDEX
+from phase1a.evaluate.during_training import EvalSettings
+from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.packing import TokenRows
+from phase1a.train.preemption import Preempted
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train, training_key
@@ -343,8 +343,8 @@ def test_the_plan_estimates_the_evaluations(config_tree, data):
 def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_validate_sample():
     """Changing only the fields `DURING_TRAINING_FIELDS` names changes EvalSettings and never the validate stage's
     key; the sample is at most `max_examples`, the first examples the validate stage scores."""
-    from phase1a.config import ValidationConfig
-    from phase1a.training_eval import DURING_TRAINING_FIELDS
+    from phase1a.config.schema import ValidationConfig
+    from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 
     assert DURING_TRAINING_FIELDS <= set(ValidationConfig.model_fields)
     base = ValidationConfig(max_examples=16)

@@ -14,11 +14,11 @@ from boto3.s3.transfer import TransferConfig
 
 from helpers.faults import Fault, FaultProxy
 from helpers.servers import s3_client
-from phase1a.errors import DataError
-from phase1a.meter import MeterSettings, stage_meter
-from phase1a.retries import is_transient
-from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
-from phase1a.staging import stage_dataset
+from phase1a.core.errors import DataError
+from phase1a.core.meter import MeterSettings, stage_meter
+from phase1a.core.retries import is_transient
+from phase1a.data.staging import stage_dataset
+from phase1a.store.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 
 MiB = 1024 * 1024
 CHUNK = TransferConfig().io_chunksize  # what the downloader reads (and so keeps) at a time
@@ -134,7 +134,7 @@ def padded_jsonl(count: int, pad: int) -> bytes:
 
 def run_flow(tree: dict, plan_only: bool = False) -> tuple[object, dict]:
     from flows.phase1a import phase1a
-    from phase1a.config import Phase1aConfig
+    from phase1a.config.schema import Phase1aConfig
 
     config = Phase1aConfig.model_validate(tree)
     state = phase1a(config, plan_only=plan_only, return_state=True)
@@ -192,9 +192,9 @@ def test_a_permanent_error_fails_the_stage_at_once_with_its_own_message(config_t
 
 def test_preparing_a_model_from_s3_retries_and_resumes_outside_any_task(tmp_path, tiny_model_dir, endpoint, bucket,
                                                                            proxy):
-    """The model is prepared before the first task, so the library retries it (phase1a/retries.py: retrying)."""
-    from phase1a.config import Phase1aConfig
-    from phase1a.models import prepare_model
+    """The model is prepared before the first task, so the library retries it (phase1a/core/retries.py: retrying)."""
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.model.loading import prepare_model
 
     files = {p.relative_to(tiny_model_dir).as_posix(): p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
     for name, body in files.items():

@@ -12,7 +12,7 @@ import yaml
 from flows.cli import main as cli_main
 from flows.phase1a import phase1a
 from helpers import date_records, without_session_server, write_jsonl
-from phase1a.config import Phase1aConfig
+from phase1a.config.schema import Phase1aConfig
 
 pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.config import MethodConfig
-from phase1a.modeling import build_model, make_optimizer
-from phase1a.packing import TokenRows, pack, summed_loss
+from phase1a.config.schema import MethodConfig
+from phase1a.model.build import build_model, make_optimizer
+from phase1a.train.packing import TokenRows, pack, summed_loss
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 
@@ -103,14 +103,14 @@ def test_the_8bit_optimizer_follows_adamw(tiny_model_dir, train_path):
 
 
 def test_gpu_utilization_is_read_through_nvml():
-    from phase1a.progress import _gpu_utilization
+    from phase1a.train.progress import _gpu_utilization
 
     utilization = _gpu_utilization()
     assert utilization is not None and 0 <= utilization <= 100
 
 
 def test_the_train_stage_runs_in_bf16_with_tf32_and_reports_mfu(tiny_model_dir, train_path, tmp_path):
-    from phase1a.hardware import detect
+    from phase1a.core.hardware import detect
 
     settings = TrainSettings(model_dir=str(tiny_model_dir), train_path=train_path, output_dir=str(tmp_path / "run"),
                              method=METHOD.model_copy(update={"epochs": 1}), micro_batch_size=4,

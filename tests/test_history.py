@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from phase1a.history import (
+from phase1a.train.history import (
     RECENT_RUNS,
     RunRecord,
     append_run,

@@ -11,10 +11,10 @@ import pytest
 
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from helpers.hub_cache import cache_repo, unique_repo
-from phase1a.config import Phase1aConfig
-from phase1a.errors import DataError
-from phase1a.hub import repo_cache_dir
-from phase1a.staging import StageOptions, source_fingerprint, stage_dataset
+from phase1a.config.schema import Phase1aConfig
+from phase1a.core.errors import DataError
+from phase1a.data.hub import repo_cache_dir
+from phase1a.data.staging import StageOptions, source_fingerprint, stage_dataset
 from tasks.stage import staged_copy
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 

@@ -12,9 +12,9 @@ import pytest
 
 from helpers import make_tiny_model_dir
 from helpers.hub_cache import LFS_SUFFIXES, cache_repo, git_blob_id, unique_repo
-from phase1a.config import ConfigError, ModelConfig, validate_config
-from phase1a.hub import HubError, repo_cache_dir, resolve_commit, snapshot
-from phase1a.models import load_model, load_tokenizer, model_fingerprint, resolve_model
+from phase1a.config.schema import ConfigError, ModelConfig, validate_config
+from phase1a.data.hub import HubError, repo_cache_dir, resolve_commit, snapshot
+from phase1a.model.loading import load_model, load_tokenizer, model_fingerprint, resolve_model
 
 
 def files_of(model_dir: Path) -> dict[str, bytes]:

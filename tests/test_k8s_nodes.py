@@ -1,5 +1,5 @@
-"""Several nodes on Kubernetes (phase1a/k8s_nodes.py): the Service and Indexed Job the train stage would submit for
-2 nodes x 8 GPUs, read back by the official client's models; and the submit, watch and cancel logic against a
+"""Several nodes on Kubernetes (phase1a/train/k8s_nodes.py): the Service and Indexed Job the train stage would submit
+for 2 nodes x 8 GPUs, read back by the official client's models; and the submit, watch and cancel logic against a
 fake API that answers with the client's own types (no cluster runs here)."""
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
-from phase1a import k8s_nodes
-from phase1a.config import HardwareConfig, KubernetesNodes
-from phase1a.launch import Launch, LaunchError, launch_for, on_kubernetes
+from phase1a.config.schema import HardwareConfig, KubernetesNodes
+from phase1a.train import k8s_nodes
+from phase1a.train.launch import Launch, LaunchError, launch_for, on_kubernetes
+from tasks.train import ENTRY
 
 K8S = KubernetesNodes(image="registry.example/phase1a:cuda", namespace="training", volume_claim="phase1a-shared",
                       mount_path="/shared", gpu_product="NVIDIA-H100-80GB-HBM3")
-LAUNCH = Launch(processes=8, nodes=2, launcher="kubernetes", kubernetes=K8S, run_id="train-0719b9ef46202c81-0")
+LAUNCH = Launch(processes=8, nodes=2, launcher="kubernetes", kubernetes=K8S, run_id="train-0719b9ef46202c81-0",
+                entry=ENTRY)
 SETTINGS = Path("/shared/runs/job/train-0719b9ef46202c81/settings.json")
 NAME = "phase1a-train-0719b9ef46202c81-0"
 

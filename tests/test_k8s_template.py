@@ -11,8 +11,8 @@ from pathlib import Path
 from kubernetes.client import ApiClient
 from prefect.utilities.templating import apply_values
 
-from phase1a.config import load_config
-from phase1a.units import parse_duration_seconds
+from phase1a.config.schema import load_config
+from phase1a.core.units import parse_duration_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from phase1a.locks import exclusive
+from phase1a.core.locks import exclusive
 
 HOLD = """
 import sys, time
-from phase1a.locks import exclusive
+from phase1a.core.locks import exclusive
 with exclusive(sys.argv[1], "the directory"):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

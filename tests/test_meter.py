@@ -1,4 +1,4 @@
-"""Stage progress (phase1a/meter.py): the log lines' numbers on a fake clock, where the lines go, the Prefect
+"""Stage progress (phase1a/core/meter.py): the log lines' numbers on a fake clock, where the lines go, the Prefect
 progress artifact, and each wired stage's line (staging, tokenize, validation, promotion; calibration's is in
 test_calibration.py, S3's in test_stage_s3.py and test_faults.py)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.meter import MeterSettings, artifact_key, duration, stage_meter
-from phase1a.units import MIB
+from phase1a.core.meter import MeterSettings, artifact_key, duration, stage_meter
+from phase1a.core.units import MIB
 from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
 
 
@@ -139,7 +139,7 @@ def test_inside_a_flow_the_progress_artifact_reaches_100():
 # ---- the stages ---------------------------------------------------------------------------------------------
 
 def test_staging_a_directory_counts_the_bytes_it_copies(tmp_path, info_lines):
-    from phase1a.staging import stage_dataset
+    from phase1a.data.staging import stage_dataset
 
     source = tmp_path / "shards"
     source.mkdir()
@@ -155,7 +155,7 @@ def test_staging_a_directory_counts_the_bytes_it_copies(tmp_path, info_lines):
 def test_a_large_source_hashed_the_first_time_shows_its_progress(tmp_path, info_lines):
     """A big source's content key is a full read of it: past SHOWN_HASH_BYTES the first hash shows progress;
     the next, remembered by (inode, size, mtime), reads nothing and shows nothing; a small file never does."""
-    from phase1a.fingerprint import SHOWN_HASH_BYTES, FileHashes, sha256_file
+    from phase1a.core.fingerprint import SHOWN_HASH_BYTES, FileHashes, sha256_file
 
     big, small = tmp_path / "big.parquet", write_jsonl(tmp_path / "small.jsonl", date_records(5))
     with open(big, "wb") as handle:
@@ -188,11 +188,11 @@ def test_tokenize_counts_examples_and_tokens_against_an_estimate(tmp_path, info_
 def test_validation_counts_loss_and_generation_batches_and_generates_the_same(tiny_model_dir, info_lines):
     import torch
 
-    from phase1a.config import ValidationConfig
-    from phase1a.evaluation import _generate, evaluate
-    from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
-    from phase1a.models import load_for_eval
-    from phase1a.packing import TokenRows
+    from phase1a.config.schema import ValidationConfig
+    from phase1a.evaluate.generation import generate_greedy, generation_examples, stop_token_ids
+    from phase1a.evaluate.metrics import _generate, evaluate
+    from phase1a.model.loading import load_for_eval
+    from phase1a.train.packing import TokenRows
     path = write_jsonl(tiny_model_dir.parent / "validation-meter.jsonl", date_records(24))
     data = tokenize_dataset(path, make_tokenizer(), 256, TokenizeOptions(validation_fraction=0.5),
                             tiny_model_dir.parent / "validation-meter")
@@ -216,7 +216,7 @@ def test_validation_counts_loss_and_generation_batches_and_generates_the_same(ti
 
 
 def test_promotion_counts_the_bytes_of_the_version(tmp_path, info_lines):
-    from phase1a.promotion import Promotion, PromotionRecord, promote
+    from phase1a.promote.promotion import Promotion, PromotionRecord, promote
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -14,11 +14,11 @@ import torch
 from helpers import date_records, make_tokenizer, write_jsonl
 from helpers.prefect_stack import descendants, kill9, wait_for
 from helpers.servers import free_port
-from phase1a.checkpoints import list_checkpoints
-from phase1a.config import HardwareConfig, MethodConfig
-from phase1a.launch import Launch, LaunchError, launch_for, slurm_command, torchrun_command
+from phase1a.config.schema import HardwareConfig, MethodConfig
+from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.launch import Launch, LaunchError, launch_for, slurm_command, torchrun_command
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
-from tasks.train import TrainSettings, rank_settings, run
+from tasks.train import ENTRY, TrainSettings, rank_settings, run
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on one CPU host")
 
@@ -69,11 +69,14 @@ def assert_same_run(one, other) -> None:
 
 def test_the_config_makes_the_launch_and_refuses_nodes_without_a_launcher(monkeypatch):
     hardware = HardwareConfig(num_gpus=8, nodes=["gpu-a", "gpu-b"], rendezvous_port=29555)
-    launch = launch_for(hardware, "train-abc")
+    launch = launch_for(hardware, "train-abc").model_copy(update={"entry": ENTRY})
     assert (launch.nodes, launch.processes, launch.world_size, launch.launcher) == (2, 8, 16, "hosts")
     command = torchrun_command(launch, Path("s.json"), "gpu-a")
     assert command[1:7] == ["--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=gpu-a:29555",
                             "--rdzv_id=train-abc", "--max_restarts=3"]
+    assert command[-3:] == ["-m", "tasks.train", "s.json"]
+    with pytest.raises(LaunchError, match="names no program"):
+        torchrun_command(launch.model_copy(update={"entry": []}), Path("s.json"), "gpu-a")
     with pytest.raises(ValueError, match="num_nodes is 3 and nodes names 2 hosts"):
         HardwareConfig(num_nodes=3, nodes=["a", "b"])
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -109,7 +112,7 @@ def test_two_nodes_under_srun_train_the_steps_of_one_process(job, tmp_path, monk
     assert two.train_tokens == one.train_tokens  # every rank's tokens
     assert (tmp_path / "srun.log").read_text().split() == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
                                                             "--kill-on-bad-exit=1"]
-    agent = slurm_command(launch, Path("s.json"))
+    agent = slurm_command(launch.model_copy(update={"entry": ENTRY}), Path("s.json"))
     assert {"--nnodes=2", "--nproc_per_node=1", "--rdzv_id=train-srun-4242"} <= set(agent)
     assert f"--rdzv_endpoint={socket.gethostname()}:{launch.rendezvous_port}" in agent
     assert_same_run(one, two)

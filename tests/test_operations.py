@@ -40,7 +40,7 @@ from helpers.prefect_stack import (
     wait_for,
 )
 from helpers.servers import s3_client
-from phase1a.config import ConfigError, load_config, validate_config
+from phase1a.config.schema import ConfigError, load_config, validate_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 

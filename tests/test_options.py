@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from phase1a.hardware import CATALOGUE
-from phase1a.options import (
+from phase1a.core.hardware import CATALOGUE
+from phase1a.core.units import GIB
+from phase1a.plan.options import (
     DEFAULT_OPTIONS,
     OptionsJob,
     OptionSpec,
@@ -13,7 +14,6 @@ from phase1a.options import (
     option_rows,
     scaling_factor,
 )
-from phase1a.units import GIB
 
 TOKENS = 36_000_000
 JOB = dict(train_tokens=TOKENS, flops_per_token=6 * 1e9, reference="h100", reference_tokens_per_second=10_000.0,
@@ -130,7 +130,7 @@ def test_default_options_and_text_table():
 
 
 def test_new_catalogue_entries_are_detected_by_their_own_names():
-    from phase1a.hardware import catalogue_key
+    from phase1a.core.hardware import catalogue_key
 
     names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA L4": "l4",
              "NVIDIA L40S": "l40s", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100 PCIe": "a100-80gb",

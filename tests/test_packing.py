@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from phase1a.models import load_model
-from phase1a.packing import IGNORE_INDEX, TokenRows, budget_rows, example_stream, pack, step_indices, summed_loss
+from phase1a.model.loading import load_model
+from phase1a.train.packing import IGNORE_INDEX, TokenRows, budget_rows, example_stream, pack, step_indices, summed_loss
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def rows() -> TokenRows:
 def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
     """Every CPU attention the plan can pick keeps a packed row's examples apart (FlashAttention 2 on CUDA:
     test_gpu_paths.py)."""
-    import phase1a.attention  # noqa: F401  (registers sdpa_packed)
+    import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
 
     model = load_model(tiny_model_dir, torch.float32, attention=attention).eval()
     indices = np.arange(len(rows))

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
-from phase1a.config import Phase1aConfig
-from phase1a.lengths import right_size
-from phase1a.window import WindowError
+from phase1a.config.schema import Phase1aConfig
+from phase1a.data.lengths import right_size
+from phase1a.plan.window import WindowError
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -34,7 +34,7 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     assert remote.options[0].hours * 3600 == pytest.approx(remote.estimated_total_seconds, rel=1e-6)
 
     # A run recorded on the target hardware replaces the assumption for the next plan of the same model.
-    from phase1a.history import RunRecord, append_run, history_path
+    from phase1a.train.history import RunRecord, append_run, history_path
 
     config = Phase1aConfig.model_validate(config_tree)
 
@@ -70,7 +70,7 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
 def test_two_nodes_of_eight_gpus_are_one_gpus_speed_times_sixteen_at_the_computed_scaling(tmp_path, config_tree):
     """The plan for 2 x 8 H100s takes one H100's (assumed) speed 16 times at the scaling its step's transfers
     leave, prices 16 GPUs, never takes a one-GPU run's history for it, and prints where more nodes stop paying."""
-    from phase1a.history import RunRecord, append_run, history_path
+    from phase1a.train.history import RunRecord, append_run, history_path
     from tasks.plan import format_plan
 
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
@@ -96,8 +96,8 @@ def test_two_nodes_of_eight_gpus_are_one_gpus_speed_times_sixteen_at_the_compute
 def test_a_cpu_plans_gpu_rows_price_evaluation_at_the_gpus_speed(tmp_path, config_tree):
     """The options table's H100 row: its training and evaluation tokens at the H100's rate (within 2x: a
     forward token costs a third of a training token), never this CPU's measured evaluation seconds."""
-    from phase1a.evaluation import validation_work
-    from phase1a.packing import TokenRows
+    from phase1a.evaluate.metrics import validation_work
+    from phase1a.train.packing import TokenRows
 
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(200)), make_tokenizer(), 256,
                             TokenizeOptions(validation_count=40), tmp_path / "cache" / "fp")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from phase1a.meter import MeterSettings
-from phase1a.progress import ProgressReporter, StepStats, Yardstick
+from phase1a.core.meter import MeterSettings
+from phase1a.train.progress import ProgressReporter, StepStats, Yardstick
 
 
 def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):

@@ -11,12 +11,11 @@ import torch
 
 from helpers import CHATML, date_records, make_tokenizer, write_jsonl
 from helpers.servers import s3_client
-from phase1a.config import ValidationConfig
-from phase1a.evaluation import evaluate
-from phase1a.fingerprint import sha256_tree
-from phase1a.models import load_for_eval
-from phase1a.packing import TokenRows
-from phase1a.promotion import (
+from phase1a.config.schema import ValidationConfig
+from phase1a.core.fingerprint import sha256_tree
+from phase1a.evaluate.metrics import evaluate
+from phase1a.model.loading import load_for_eval
+from phase1a.promote.promotion import (
     POINTER,
     Promotion,
     PromotionConflict,
@@ -26,6 +25,7 @@ from phase1a.promotion import (
     read_pointer,
     version_chain,
 )
+from phase1a.train.packing import TokenRows
 from tasks.promote import merge_adapter
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.validate import PromotedSource, Scoring, promoted_baseline
@@ -184,7 +184,7 @@ def test_s3_promotion_uploads_the_version_then_the_pointer(adapters, endpoint, b
 
 
 def test_s3_failure_mid_upload_leaves_the_old_pointer(adapters, endpoint, bucket):
-    from phase1a.promotion import _upload
+    from phase1a.promote.promotion import _upload
 
     destination = f"s3://{bucket}/m/"
     promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
@@ -199,7 +199,7 @@ def test_s3_failure_mid_upload_leaves_the_old_pointer(adapters, endpoint, bucket
 
 
 def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters, endpoint, bucket):
-    from phase1a.promotion import _upload
+    from phase1a.promote.promotion import _upload
 
     destination = f"s3://{bucket}/m/"
     promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
@@ -217,7 +217,7 @@ def test_s3_pointer_moved_by_a_concurrent_promotion_is_not_overwritten(adapters,
 
 
 def test_s3_the_same_adapter_promoted_meanwhile_by_another_run_is_the_outcome(adapters, endpoint, bucket):
-    from phase1a.promotion import _upload
+    from phase1a.promote.promotion import _upload
 
     destination = f"s3://{bucket}/same/"
     promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), destination, endpoint_url=endpoint)
@@ -293,8 +293,8 @@ def test_an_s3_promotion_cut_off_at_the_pointer_is_retried_to_the_end(adapters, 
     """A 503 on the pointer's PUT after botocore's own attempts: the version is stored, the pointer not moved,
     and the retry (what the promote stage's Prefect retry runs) writes the version again and moves it."""
     from helpers.faults import Fault, FaultProxy
-    from phase1a.retries import is_transient
-    from phase1a.s3 import S3Error
+    from phase1a.core.retries import is_transient
+    from phase1a.store.s3 import S3Error
 
     destination = f"s3://{bucket}/m/"
     with FaultProxy(endpoint) as proxy:

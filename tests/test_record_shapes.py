@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import CHATML, make_tokenizer, read_arrow, write_jsonl
-from phase1a.config import ConfigError, validate_config
-from phase1a.errors import DataError
-from phase1a.generation import generation_examples, stop_token_ids
-from phase1a.packing import TokenRows
-from phase1a.records import RECORD_FORMATS, RecordError, to_conversation
-from phase1a.render import IGNORE_INDEX, Renderer, render_segments
-from phase1a.templates import CHAT_TEMPLATES, apply_chat_template_setting, template_fingerprint
+from phase1a.config.schema import ConfigError, validate_config
+from phase1a.core.errors import DataError
+from phase1a.data.records import RECORD_FORMATS, RecordError, to_conversation
+from phase1a.data.render import IGNORE_INDEX, Renderer, render_segments
+from phase1a.data.templates import CHAT_TEMPLATES, apply_chat_template_setting, template_fingerprint
+from phase1a.evaluate.generation import generation_examples, stop_token_ids
+from phase1a.train.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

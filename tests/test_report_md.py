@@ -13,8 +13,8 @@ import pytest
 from flows.cli import main as cli_main
 from flows.report_md import finish_report, inline_images, write_report
 from helpers import write_jsonl
-from phase1a.history import RunRecord, append_run, history_path
 from phase1a.plots import by_step, smoothed, step_rates
+from phase1a.train.history import RunRecord, append_run, history_path
 from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.config import MethodConfig
-from phase1a.modeling import build_model, make_optimizer, set_gradient_checkpointing
-from phase1a.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
-from phase1a.steps import train_step
+from phase1a.config.schema import MethodConfig
+from phase1a.model.build import build_model, make_optimizer, set_gradient_checkpointing
+from phase1a.train.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
+from phase1a.train.steps import train_step
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
@@ -126,7 +126,7 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
     which fails in a forked child: forked workers then die with exit code 1 as the loader shuts them."""
     script = textwrap.dedent(f"""
         import os, threading
-        from phase1a.packing import StepBatches, TokenRows, example_stream, step_loader
+        from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader
         parent = os.getpid()
         def drain():  # what Prefect's service does at exit in a forked child
             assert os.getpid() == parent, "a service of the parent process"
@@ -165,7 +165,7 @@ def test_tf32_matmuls_stay_within_bf16_noise(tiny_model_dir, train_path):
 
 
 def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_path, monkeypatch):
-    from phase1a.modeling import attention_implementation
+    from phase1a.model.build import attention_implementation
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     without = MethodConfig()

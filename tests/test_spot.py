@@ -6,10 +6,9 @@ import re
 import pytest
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
-from phase1a.config import ConfigError, Phase1aConfig, validate_config
-from phase1a.hardware import CATALOGUE
-from phase1a.history import RunRecord, append_run, history_path
-from phase1a.interruptions import (
+from phase1a.config.schema import ConfigError, Phase1aConfig, validate_config
+from phase1a.core.hardware import CATALOGUE
+from phase1a.plan.interruptions import (
     Exposure,
     NotExpectedToFinish,
     auto_interval,
@@ -18,10 +17,13 @@ from phase1a.interruptions import (
     interval_text,
     young_daly_seconds,
 )
-from phase1a.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
-from phase1a.results import Pulled, StartPoint, StoreTraining, TrainResult, interruptions_outcome
-from phase1a.store import LocalStore
-from phase1a.window import WindowError
+from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
+from phase1a.plan.window import WindowError
+from phase1a.promote.warmstart import StartPoint
+from phase1a.results import StoreTraining, TrainResult, interruptions_outcome
+from phase1a.store.base import LocalStore
+from phase1a.train.history import RunRecord, append_run, history_path
+from phase1a.train.train_store import Pulled
 from tasks.plan import make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import train_settings

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from phase1a.errors import DataError
-from phase1a.staging import source_fingerprint, stage_dataset
+from phase1a.core.errors import DataError
+from phase1a.data.staging import source_fingerprint, stage_dataset
 
 
 def test_copies_verifies_and_skips_identical(tmp_path, dataset):
@@ -58,8 +58,8 @@ def test_missing_empty_and_unsupported_sources(tmp_path):
 
 
 def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, dataset):
-    from phase1a.config import Phase1aConfig
-    from phase1a.staging import staged_location
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.data.staging import staged_location
     from tasks.stage import staged_copy
 
     staging = tmp_path / "staging"
@@ -72,8 +72,8 @@ def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, data
 
 
 def test_a_local_model_directory_on_slow_storage_is_copied_once(tmp_path, tiny_model_dir):
-    from phase1a.fingerprint import sha256_tree
-    from phase1a.staging import stage_model
+    from phase1a.core.fingerprint import sha256_tree
+    from phase1a.data.staging import stage_model
 
     assert stage_model(str(tiny_model_dir), tmp_path / "models") == tiny_model_dir  # default: used in place
     staged = stage_model(str(tiny_model_dir), tmp_path / "models", copy_local=True)
@@ -85,8 +85,8 @@ def test_a_local_model_directory_on_slow_storage_is_copied_once(tmp_path, tiny_m
 
 
 def test_a_local_model_is_prepared_in_place_unless_it_is_to_be_staged(tmp_path, tiny_model_dir):
-    from phase1a.config import Phase1aConfig
-    from phase1a.models import prepare_model
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.model.loading import prepare_model
 
     def prepared(name: str, stage_local: bool = False):
         return prepare_model(Phase1aConfig.model_validate({

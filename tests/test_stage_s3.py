@@ -15,14 +15,13 @@ import boto3
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-import phase1a.staging as staging_module
+import phase1a.data.staging as staging_module
 from helpers import date_records
 from helpers.servers import free_port, s3_client, start_moto, stop
-from phase1a.config import Phase1aConfig
-from phase1a.datasource import describe, iter_records, resolve_shards
-from phase1a.errors import DataError
-from phase1a.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
-from phase1a.staging import (
+from phase1a.config.schema import Phase1aConfig
+from phase1a.core.errors import DataError
+from phase1a.data.datasource import describe, iter_records, resolve_shards
+from phase1a.data.staging import (
     StageOptions,
     source_fingerprint,
     stage_dataset,
@@ -30,6 +29,7 @@ from phase1a.staging import (
     staged_location,
     verify_download,
 )
+from phase1a.store.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 from tasks.stage import staged_copy
 
 MiB = 1024 * 1024
@@ -207,7 +207,7 @@ def test_an_object_replaced_after_listing_is_refused(tmp_path, endpoint, bucket)
 
 def test_an_object_replaced_between_head_and_get_fails_the_pinned_ranged_gets(tmp_path, endpoint, bucket,
                                                                                monkeypatch):
-    import phase1a.s3 as s3_module
+    import phase1a.store.s3 as s3_module
 
     _put(endpoint, bucket, "d.bin", os.urandom(3 * MiB))
     client = make_client(endpoint)

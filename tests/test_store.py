@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from phase1a.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
-from phase1a.config import StoreConfig
-from phase1a.lease import Lease, LeaseHeld
-from phase1a.s3 import S3Error
-from phase1a.store import LocalStore, StoreConflict
-from phase1a.stores import open_store
+from phase1a.config.schema import StoreConfig
+from phase1a.config.stores import open_store
+from phase1a.store.base import LocalStore, StoreConflict
+from phase1a.store.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
+from phase1a.store.lease import Lease, LeaseHeld
+from phase1a.store.s3 import S3Error
 
 
 @pytest.fixture(params=["local", "s3"])

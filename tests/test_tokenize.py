@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
-from phase1a.errors import DataError
-from phase1a.lengths import right_size
-from phase1a.packing import TokenRows
-from phase1a.records import to_conversation
-from phase1a.render import IGNORE_INDEX, render_segments
+from phase1a.core.errors import DataError
+from phase1a.data.lengths import right_size
+from phase1a.data.records import to_conversation
+from phase1a.data.render import IGNORE_INDEX, render_segments
+from phase1a.train.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from flows.report_md import publish_length_report
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
-from phase1a.errors import DataError
-from phase1a.render import IGNORE_INDEX, Renderer, render_segments
+from phase1a.core.errors import DataError
+from phase1a.data.render import IGNORE_INDEX, Renderer, render_segments
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
@@ -148,7 +148,7 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
 
 def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
     from helpers import make_tiny_model_dir
-    from phase1a.models import tokenizer_fingerprint
+    from phase1a.model.loading import tokenizer_fingerprint
     from tasks.tokenize import tokenize_fingerprint
 
     chatml = make_tiny_model_dir(tmp_path / "a")

@@ -1,5 +1,5 @@
 """Tokenize across processes writes what one process writes: every source format, read in runs by the parent and
-decoded, encoded and written in parts by the workers (phase1a/encoding.py, phase1a/shards.py), gives a shard's
+decoded, encoded and written in parts by the workers (phase1a/data/encoding.py, phase1a/data/shards.py), gives a shard's
 files byte for byte the same for any worker count, and the same bytes as the code before that change."""
 import gzip
 import hashlib
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import date_records
-from phase1a.tokenized import split_digest
+from phase1a.data.tokenized import split_digest
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 SHARD_FILES = ("tokens.arrow", "examples.arrow", "summary.json")

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import _HIDING, write_jsonl
 from helpers.tracking import TcpRelay, wandb_config, wandb_history, wandb_records
-from phase1a.config import MlflowSettings, TrackingConfig
+from phase1a.config.schema import MlflowSettings, TrackingConfig
 from phase1a.tracking import Follower, JsonlTail, RunContext, Trackers, redact, redacted
 from phase1a.tracking.base import flatten, metric_values
 
@@ -72,7 +72,7 @@ def test_following_hands_on_each_step_once_live_and_across_a_rewrite(tmp_path):
 
 def test_a_missing_tracker_package_is_a_config_error_naming_the_field_and_the_install(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(_HIDING.format(hidden={"mlflow"}))
-    code = ("from phase1a.config import TrackingConfig\nfrom phase1a.tracking import require_packages\n"
+    code = ("from phase1a.config.schema import TrackingConfig\nfrom phase1a.tracking import require_packages\n"
             "require_packages(TrackingConfig(wandb={'mode': 'disabled'}))\n"  # disabled: wandb is not needed
             "require_packages(TrackingConfig(mlflow={}))")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
@@ -128,7 +128,7 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
     from prefect.settings import PREFECT_UI_URL, temporary_settings
 
     from flows.phase1a import phase1a
-    from phase1a.config import Phase1aConfig
+    from phase1a.config.schema import Phase1aConfig
 
     for name, value in PLANTED.items():
         monkeypatch.setenv(name, value)

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.checkpoints import list_checkpoints
-from phase1a.config import MethodConfig
-from phase1a.packing import TokenRows
+from phase1a.config.schema import MethodConfig
+from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 
@@ -56,7 +56,7 @@ def test_trains_saves_peft_adapter_and_sparse_checkpoints(tiny_model_dir, train_
 
 
 def test_a_checkpoint_every_half_epoch(tiny_model_dir, train_path, tmp_path):
-    """`0.5ep`: the same arithmetic the plan counts with (phase1a/units.py), in epochs of this data."""
+    """`0.5ep`: the same arithmetic the plan counts with (phase1a/core/units.py), in epochs of this data."""
     examples = len(TokenRows.load(train_path))
     result = train(settings(tiny_model_dir, train_path, tmp_path / "run", checkpoint_interval="0.5ep", keep_last=9))
     steps_per_half_epoch = -(-examples // 2 // 8)  # the first whole step at or past half an epoch of examples

@@ -1,9 +1,9 @@
-"""Time spans and their interval arithmetic (`phase1a/units.py`): one definition for train and plan."""
+"""Time spans and their interval arithmetic (`phase1a/core/units.py`): one definition for train and plan."""
 from __future__ import annotations
 
 import pytest
 
-from phase1a.units import Clock, Interval, parse_duration_seconds, parse_interval
+from phase1a.core.units import Clock, Interval, parse_duration_seconds, parse_interval
 
 
 def test_parse_spans_and_counts():

@@ -10,14 +10,14 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
-from phase1a.answers import extract_answer, normalise
-from phase1a.config import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
-from phase1a.evaluation import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
-from phase1a.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
-from phase1a.generation import generate_greedy, generation_examples, stop_token_ids
-from phase1a.models import for_scoring, load_for_eval
-from phase1a.packing import TokenRows
-from phase1a.promotion import PromotionError, read_pointer
+from phase1a.config.schema import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.evaluate.answers import extract_answer, normalise
+from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
+from phase1a.evaluate.generation import generate_greedy, generation_examples, stop_token_ids
+from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
+from phase1a.model.loading import for_scoring, load_for_eval
+from phase1a.promote.promotion import PromotionError, read_pointer
+from phase1a.train.packing import TokenRows
 from tasks.promote import promote_candidate
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train

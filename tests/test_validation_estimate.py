@@ -3,16 +3,16 @@ import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.config import ValidationConfig
-from phase1a.evaluation import (
+from phase1a.config.schema import ValidationConfig
+from phase1a.evaluate.generation import GenerationExample, decode_steps, generation_examples
+from phase1a.evaluate.metrics import (
     TimingAllowance,
     ValidationSpeed,
     time_validation,
     validation_seconds,
     validation_timing_seconds,
 )
-from phase1a.generation import GenerationExample, decode_steps, generation_examples
-from phase1a.packing import TokenRows
+from phase1a.train.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
@@ -60,7 +60,7 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
 def model(tiny_model_dir):
     import torch
 
-    from phase1a.models import load_model
+    from phase1a.model.loading import load_model
 
     return load_model(tiny_model_dir, torch.float32)
 
@@ -101,7 +101,7 @@ def test_greedy_steps_stop_at_the_deadline(rows, model):
 
     import torch
 
-    from phase1a.generation import time_decode_step
+    from phase1a.evaluate.generation import time_decode_step
 
     prompts = [e.prompt for e in generation_examples(rows, np.arange(4))]
     with torch.no_grad():

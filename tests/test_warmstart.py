@@ -11,11 +11,11 @@ import yaml
 from safetensors.torch import load_file
 
 from helpers import date_records, resolved, write_jsonl
-from phase1a.adapters import ADAPTER_WEIGHTS, AdapterError, adapter_fingerprint
-from phase1a.config import ConfigError, MethodConfig, Phase1aConfig, config_from, load_config
-from phase1a.modeling import build_model
-from phase1a.promotion import Promotion, PromotionRecord, promote, version_chain
-from phase1a.warmstart import resolve_start
+from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, config_from, load_config
+from phase1a.model.adapters import ADAPTER_WEIGHTS, AdapterError, adapter_fingerprint
+from phase1a.model.build import build_model
+from phase1a.promote.promotion import Promotion, PromotionRecord, promote, version_chain
+from phase1a.promote.warmstart import resolve_start
 
 METHOD = MethodConfig(lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
 
@@ -25,7 +25,7 @@ def make_adapter(model_dir: Path, target: Path, r: int = 4, seed: int = 1) -> Pa
     fresh ones, so loading them shows."""
     from peft import LoraConfig, get_peft_model
 
-    from phase1a.models import load_for_eval
+    from phase1a.model.loading import load_for_eval
 
     torch.manual_seed(seed)
     lora = LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -175,9 +175,9 @@ def run_flow(tree: dict) -> dict:
 def first_step(report: dict, tree: dict, weights: Path | None) -> tuple[float, float]:
     """(the loss training logged at its first step, that of `weights` on the first step's examples): the first
     step's loss is the starting weights' before any update."""
-    from phase1a.evaluation import teacher_forced
-    from phase1a.models import load_for_eval
-    from phase1a.packing import TokenRows, example_stream
+    from phase1a.evaluate.metrics import teacher_forced
+    from phase1a.model.loading import load_for_eval
+    from phase1a.train.packing import TokenRows, example_stream
 
     metrics = Path(report["stages"]["train"]["result"]["output_dir"]) / "metrics.jsonl"
     logged = json.loads(metrics.read_text().splitlines()[0])["loss"]

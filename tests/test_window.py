@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from phase1a.window import WindowError, Workload, fit_window
+from phase1a.plan.window import WindowError, Workload, fit_window
 
 # 1000 examples of 100..1099 tokens; 1 ms a token; 60 s of evaluation and start-up.
 LENGTHS = np.arange(100, 1100)

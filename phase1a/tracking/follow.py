@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from phase1a import run_files
+from phase1a.train import run_files
 
 FOLLOW_SECONDS = 5.0
 SOURCES = {"train": run_files.METRICS, "eval": run_files.EVALUATIONS}  # the source names metric_values knows

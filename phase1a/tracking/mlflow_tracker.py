@@ -17,8 +17,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-from phase1a.config import MlflowSettings
-from phase1a.redaction import redact
+from phase1a.config.schema import MlflowSettings
+from phase1a.core.redaction import redact
 from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker, flatten
 

@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from phase1a.config import ConfigError, TrackingConfig
-from phase1a.logs import run_logger
-from phase1a.redaction import redact
+from phase1a.config.schema import ConfigError, TrackingConfig
+from phase1a.core.logs import run_logger
+from phase1a.core.redaction import redact
 from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker, metric_values
 

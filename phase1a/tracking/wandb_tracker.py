@@ -11,7 +11,7 @@ from pathlib import Path
 
 import wandb
 
-from phase1a.config import WandbSettings
+from phase1a.config.schema import WandbSettings
 from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker
 

@@ -21,7 +21,7 @@ WORDS = "the a date rewrite write in us format long form european answer with on
 
 
 def _facts_8b():
-    from phase1a.cost_model import ModelFacts
+    from phase1a.model.cost_model import ModelFacts
 
     return ModelFacts(parameters=8_030_000_000, layers=32, hidden=4096, intermediate=14336, vocab=128256,
                       max_positions=8192, heads=32, kv_heads=8, head_dim=128)
@@ -46,11 +46,11 @@ def peak_tensor_bytes(fn) -> int:
 
 
 def whole_logits_loss(model, batch):
-    """The loss before phase1a/chunked_loss.py, the reference it is measured against: the row's whole logits from
+    """The loss before phase1a/model/chunked_loss.py, the reference it is measured against: the row's whole logits from
     the model's own forward, upcast, then cross_entropy."""
     import torch
 
-    from phase1a.labels import IGNORE_INDEX
+    from phase1a.core.labels import IGNORE_INDEX
 
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     logits = logits[:, :-1].float()
@@ -121,14 +121,14 @@ def date_records(count: int, seed: int = 0) -> list[dict]:
 
 def read_arrow(path: str | Path) -> pa.Table:
     """A tokenized split (its view, cut to max_length), or a plain Arrow file, as one table."""
-    from phase1a.tokenized import read_mapped, split_table
+    from phase1a.data.tokenized import read_mapped, split_table
 
     return split_table(path) if str(path).endswith(".json") else read_mapped(path)
 
 
 def resolved(config):
     """The run's model as the flow prepares it (a local directory: nothing is downloaded)."""
-    from phase1a.models import prepare_model
+    from phase1a.model.loading import prepare_model
 
     return prepare_model(config)
 

@@ -64,7 +64,7 @@ class Host:
     def run_here(self, plan_only: bool = False):
         """The flow in this process (the tests' own embedded Prefect server); its state and report."""
         from flows.phase1a import phase1a
-        from phase1a.config import Phase1aConfig
+        from phase1a.config.schema import Phase1aConfig
 
         state = phase1a(Phase1aConfig.model_validate(self.tree), plan_only=plan_only, return_state=True)
         return state, self.report()

@@ -6,7 +6,7 @@ import itertools
 import json
 import os
 
-from phase1a.hub import repo_cache_dir
+from phase1a.data.hub import repo_cache_dir
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".model")  # what a Hub repository's .gitattributes keeps in LFS
 _names = itertools.count()

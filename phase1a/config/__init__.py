@@ -1,0 +1,1 @@
+"""The one config schema (schema.py), its generated reference (reference.py), and the stores a config names."""

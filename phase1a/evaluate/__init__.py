@@ -1,0 +1,2 @@
+"""Validation: held-out metrics, batched greedy generation, answer extraction, the gate, and evaluations
+during training."""

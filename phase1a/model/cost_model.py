@@ -1,0 +1,209 @@
+"""What a training step costs in memory and FLOPs, from the model's shape alone (no weights are read).
+
+Memory model (bytes). N parameters, of which P sit in the layers' linear projections; T trainable; b bytes
+per element of the compute dtype (4 fp32, 2 bf16/fp16); L layers, h hidden, i intermediate, V vocabulary;
+t tokens in one micro-batch.
+
+    weights      LoRA: N*b, or with a 4-bit base (QLoRA) P*0.52 + (N-P)*b: NF4 is 4 bits a weight plus one
+                 fp32 scale per 64 weights, itself quantised to 8 bits per block of 256 (double quantisation);
+                 full: N*4, fp32 master weights (the compute dtype's copies are made per step by autocast)
+    trainable    T*(4 gradient + optimizer state): AdamW keeps 2 fp32 moments (8 bytes), 8-bit AdamW 2 bytes;
+                 LoRA adapters add their own fp32 weights (4); the unfused (for-each) AdamW step also needs
+                 one temporary of T*4 that the fused kernel does not
+    activations  saved for backward, without checkpointing: t*b*(L*(9h + 4i) + 4h): per layer the inputs that
+                 backward keeps (two RMSNorm inputs and outputs, q/k before and after RoPE, v, the attention
+                 output and its contiguous copy) and four intermediate-sized tensors (gate, its SiLU, up, their
+                 product); 4h outside the layers (embedding output, final norm). With checkpointing t*b*(L+4)*h
+                 (each layer's input), plus at the peak the larger of the logits and one layer's recomputed
+                 activations, which are never alive together
+    logits       the loss runs over chunks of c = min(t, 1024) tokens (phase1a/model/chunked_loss.py): one chunk's fp32
+                 logits and the log-sum-exp's temporary of the same size, c*V*8, then the gradient with respect to
+                 the hidden states, t*h*b, kept for backward (a full fine-tune also keeps the output projection's,
+                 V*h*b)
+    mask         only with `method.attention: sdpa`: packed rows of several examples attend through a
+                 block-diagonal mask that SDPA receives as a t x t tensor: t^2 bytes (bool) plus t^2*4 (its
+                 additive float form) kept by every layer that saves its attention inputs (L, or 1 with
+                 checkpointing). Quadratic in the row: it caps the token budget of a packed row. sdpa_packed and
+                 FlashAttention build none; one example a row (micro-batch 1) needs none either
+    sharded      FSDP over n GPUs: weights/n + 2 layers' weights gathered whole (the one computing, the one
+                 prefetched), trainable/n; activations, logits and mask stay per GPU
+Measured on CPU (fp32, torch profiler, `tests/test_cost_model.py`): activations + logits + mask + gradients
+cover the peak a real packed forward/backward allocates, by at most 20 %.
+
+Throughput model: FLOPs per token = 4N for LoRA (forward 2N, input gradients 2N, no weight gradients for the
+frozen base), 6N for a full fine-tune, plus 2N when checkpointing recomputes the forward, plus causal
+attention 6*L*s*h for mean example length s. Seconds = FLOPs / (peak FLOP/s x efficiency), the efficiency
+measured (calibration, or the history of earlier runs), never assumed where the hardware is present.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+
+from phase1a.core.units import GIB
+from phase1a.model.chunked_loss import CHUNK_TOKENS
+
+NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
+OPTIMIZER_STATE_BYTES = {"adamw_fused": 8, "adamw": 8, "adamw_8bit": 2}
+
+
+def checkpoint_bytes(trainable: int, optimizer: str) -> int:
+    """A checkpoint's size: the trainable weights in fp32 and their optimizer state."""
+    return trainable * (4 + OPTIMIZER_STATE_BYTES[optimizer])
+
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ModelFacts(BaseModel):
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_width(self) -> int:  # the output size of k_proj and v_proj
+        return self.kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear projection in a layer: what LoRA can target and a 4-bit base quantises."""
+        h, i, kv, q = self.hidden, self.intermediate, self.kv_width, self.heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def projection_parameters(self) -> int:
+        return self.layers * sum(a * b for a, b in self.projection_shapes().values())
+
+
+class MemoryEstimate(BaseModel):
+    weights_gib: float
+    trainable_gib: float
+    activations_gib: float
+    logits_gib: float
+    mask_gib: float
+    total_gib: float
+    available_gib: float
+
+
+class TrainingShape(BaseModel):
+    """The choices that change the memory bill but not the model."""
+
+    full: bool = False
+    weight_bytes: int = 2  # compute dtype
+    base_bits: int = 16  # 4: a quantised base (QLoRA)
+    optimizer: str = "adamw_fused"
+    shards: int = 1  # FSDP over this many GPUs: each holds 1/shards of weights and trainable state
+    dense_mask: bool = False  # attention `sdpa`: packed rows carry a t x t block-diagonal mask
+
+
+def model_facts(model_dir: Path) -> ModelFacts:
+    """Shapes from the config and the parameter count from a meta-device model: no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    heads = config.num_attention_heads
+    return ModelFacts(
+        parameters=parameters, layers=config.num_hidden_layers, hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size), vocab=config.vocab_size,
+        max_positions=getattr(config, "max_position_embeddings", 2048), heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def lora_parameters(facts: ModelFacts, r: int, target_modules: list[str]) -> int:
+    shapes = facts.projection_shapes()
+    return facts.layers * sum(r * (shapes[m][0] + shapes[m][1]) for m in target_modules if m in shapes)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The memory bill of training one model under one training shape, on a device with `available` bytes."""
+
+    facts: ModelFacts
+    shape: TrainingShape
+    trainable: int  # trainable parameters
+    available: int  # bytes the run may use
+
+    def estimate(self, tokens: int, checkpointing: bool, packed: bool = True) -> MemoryEstimate:
+        """The bill for `tokens` in one row; `packed`: the row holds several examples (a mask, under sdpa)."""
+        facts, shape = self.facts, self.shape
+        b, h, t = shape.weight_bytes, facts.hidden, tokens
+        if shape.full:
+            weights = facts.parameters * 4
+        elif shape.base_bits == 4:
+            weights = facts.projection_parameters * NF4_BYTES + (facts.parameters - facts.projection_parameters) * b
+        else:
+            weights = facts.parameters * b
+        per_trainable = 4 + OPTIMIZER_STATE_BYTES[shape.optimizer] + (0 if shape.full else 4)
+        per_trainable += 4 if shape.optimizer == "adamw" else 0  # the for-each step's temporary
+        trainable_bytes = self.trainable * per_trainable
+        if shape.shards > 1:  # each GPU keeps its shard, plus the layer it computes and the next one, gathered whole
+            weights = weights / shape.shards + 2 * weights / facts.layers
+            trainable_bytes = trainable_bytes / shape.shards
+        one_layer = t * b * (9 * h + 4 * facts.intermediate)
+        chunk = min(t, CHUNK_TOKENS) * facts.vocab * 8
+        kept = t * h * b + (facts.vocab * h * b if shape.full else 0)  # the loss's gradients, kept for backward
+        logits = chunk + kept
+        if checkpointing:
+            activations = t * b * (facts.layers + 4) * h + max(0, one_layer - chunk)  # the recompute, past the chunk
+        else:
+            activations = facts.layers * one_layer + t * b * 4 * h
+        mask = t * t * (1 + 4 * (1 if checkpointing else facts.layers)) if packed and shape.dense_mask else 0
+        total = weights + trainable_bytes + activations + logits + mask
+        return MemoryEstimate(
+            weights_gib=weights / GIB, trainable_gib=trainable_bytes / GIB, activations_gib=activations / GIB,
+            logits_gib=logits / GIB, mask_gib=mask / GIB, total_gib=total / GIB, available_gib=self.available / GIB,
+        )
+
+    def micro_batch(self, micro_batch_size: int, max_seq_length: int, checkpointing: bool) -> MemoryEstimate:
+        """The bill for `micro_batch_size` examples of up to `max_seq_length` tokens packed into one row."""
+        return self.estimate(micro_batch_size * max_seq_length, checkpointing, packed=micro_batch_size > 1)
+
+    def fitting(self, batch_size: int, max_seq_length: int, checkpointing: bool) -> list[tuple[int, MemoryEstimate]]:
+        """Every micro-batch size that divides the global batch and fits, largest first."""
+        fits = []
+        for micro in (d for d in range(batch_size, 0, -1) if batch_size % d == 0):
+            estimate = self.micro_batch(micro, max_seq_length, checkpointing)
+            if estimate.total_gib <= estimate.available_gib:
+                fits.append((micro, estimate))
+        return fits
+
+    def choose(self, batch_size: int, max_seq_length: int) -> tuple[int, bool, MemoryEstimate]:
+        """The largest micro-batch (a divisor of the global batch) that fits, preferring no checkpointing, which
+        saves the 2N recompute; checkpointing only when even a micro-batch of one would not fit otherwise."""
+        for checkpointing in (False, True):
+            if fits := self.fitting(batch_size, max_seq_length, checkpointing):
+                return fits[0][0], checkpointing, fits[0][1]
+        estimate = self.estimate(max_seq_length, True, packed=False)
+        raise MemoryError(
+            f"the model does not fit: one sequence of {max_seq_length} tokens needs {estimate.total_gib:.1f} GiB "
+            f"with gradient checkpointing, {estimate.available_gib:.1f} GiB are available"
+        )
+
+
+def flops_per_token(facts: ModelFacts, full: bool, checkpointing: bool, mean_length: float) -> float:
+    n = facts.parameters
+    return (6 if full else 4) * n + (2 * n if checkpointing else 0) + 6 * facts.layers * mean_length * facts.hidden
+
+
+def mfu(tokens_per_second: float, model_flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation as a fraction of the peak."""
+    return significant(tokens_per_second * model_flops_per_token / peak_flops)
+
+
+def significant(value: float, digits: int = 3) -> float:
+    """`value` to `digits` significant figures: a small model on a big GPU runs far below 1 % MFU, which a fixed
+    number of decimals rounds to 0."""
+    return float(f"{value:.{digits}g}")

@@ -1,0 +1,508 @@
+"""Calibration: time a few real optimizer steps of each candidate configuration on the hardware present, and
+keep the fastest that fits, all inside `plan.calibration_budget`.
+
+The global batch is fixed; candidates differ only in how a step is executed: examples per micro-batch (the
+token budget of one packed row), gradient checkpointing, dataloader workers, torch.compile. The search is
+greedy, one knob at a time in `plan.sweep` order, starting from the memory model's pick: a change is kept when
+it is faster by more than the noise between repeated measurements (`_MIN_GAIN`). Every candidate runs the same
+steps of the same data, spread evenly over the run so that their lengths are the run's.
+
+The budget covers everything calibration does: loading the model, the trials, and timing a checkpoint and the
+validate stage. A trial is three warm-up steps (two probes of one example, then one of the trial's shape) and up to
+`calibration_steps` measured steps; no step starts that is predicted to end past the trial's deadline. A step
+too long for the budget is shortened to fewer of its micro-batches (each of the run's shape, so attention over
+a packed row costs what it will). A step's forward and backward and its update are timed apart, so a shortened
+step still prices the update once per whole step. docs/stages.md ("Calibration") has the rest: deadlines, the
+share, the footing of the estimate.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from phase1a.config.schema import Phase1aConfig
+from phase1a.core.hardware import usable_cores
+from phase1a.core.logs import run_logger
+from phase1a.core.meter import Meter, stage_meter
+from phase1a.core.units import GIB, parse_duration_seconds
+from phase1a.evaluate.during_training import evaluating
+from phase1a.evaluate.metrics import TimingAllowance, ValidationSpeed, time_validation, validation_timing_seconds
+from phase1a.model.cost_model import MemoryModel, checkpoint_bytes
+from phase1a.plan import footing
+from phase1a.plan.footing import Footing
+from phase1a.plan.interruptions import ASSUMED_DISK_BYTES_PER_SECOND, ASSUMED_STORE_BYTES_PER_SECOND
+from phase1a.store.base import Store
+from phase1a.store.bundles import delete_bundle, upload_bundle
+from phase1a.train.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
+from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+from phase1a.train.steps import apply_update, train_step
+
+# Two probes of one example (lazy set-up, then a first guess of the speed: a first call costs several steady
+# ones), then one step of the trial's shape.
+_WARMUP_STEPS = 3
+_MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
+_FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
+_COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
+
+
+class Candidate(BaseModel, frozen=True):
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    compile: bool = False
+    dataloader_workers: int = 0
+
+    def label(self) -> str:
+        return (f"micro {self.micro_batch_size}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+                f"compile {'on' if self.compile else 'off'}, workers {self.dataloader_workers}")
+
+
+class Trial(BaseModel):
+    candidate: Candidate
+    status: Literal["measured", "out_of_memory", "failed", "skipped"]
+    tokens_per_second: float | None = None
+    warmup_excess_seconds: float | None = None  # what the first steps cost beyond steady state (compilation)
+    peak_memory_gib: float | None = None  # CUDA only: the allocator's peak during the trial
+    seconds: float = 0.0
+    note: str = ""
+    measured_steps: int = 0  # after the warm-up steps
+    step_cap: int | None = None  # the micro-batches each step was cut to, to fit the budget; None: whole steps
+    micro_batches: float = 0.0  # run a measured step (a warm-up step, without measured ones), on average
+    step_micro_batches: float = 0.0  # a whole step's, on average over those steps
+    spread: float = 0.0  # half the range of the measured steps' seconds per token, over their mean
+    longest_step_seconds: float = 0.0
+
+    def footing(self) -> Footing:
+        return footing.measured(self.measured_steps, self.micro_batches, self.step_micro_batches, self.spread)
+
+
+class Calibration(BaseModel):
+    chosen: Candidate
+    seconds_per_token: float
+    warmup_excess_seconds: float
+    startup_seconds: float  # load the model, wrap it, build the optimizer
+    checkpoint_seconds: float | None  # one checkpoint written, measured; None: the budget had no room for it
+    checkpoint_bytes: int = 0  # its size on disk
+    checkpoint_upload_seconds: float | None = None  # its upload to the store, when the job asked for one
+    peak_memory_gib: float | None
+    trials: list[Trial]
+    budget_seconds: float
+    seconds: float
+    validation: ValidationSpeed | None = None  # the validate stage's two costs, measured on this model
+    footing: Footing  # what the chosen candidate's speed rests on
+    needed_seconds: float | None = None  # a whole calibration of the first candidate, when the budget cut it short
+    notes: list[str] = []  # what was not timed, and why
+
+
+# Proposes the next candidates to try for one knob, given the best so far.
+Alternatives = Callable[[Candidate, str], list[Candidate]]
+
+
+def no_alternatives(best: Candidate, knob: str) -> list[Candidate]:
+    """For profiles that fix the knobs themselves: only the start is measured."""
+    return []
+
+
+def memory_alternatives(memory: MemoryModel, batch_size: int, max_seq_length: int) -> Alternatives:
+    """The candidates to try for each knob, from the best so far; only ones the memory model admits."""
+
+    def fitting(checkpointing: bool) -> list[int]:
+        return [micro for micro, _ in memory.fitting(batch_size, max_seq_length, checkpointing)]
+
+    def alternatives(best: Candidate, knob: str) -> list[Candidate]:
+        if knob == "micro_batch":  # smaller rows: sometimes faster on CPUs and small GPUs (cache, kernels)
+            return [best.model_copy(update={"micro_batch_size": m}) for m in fitting(best.gradient_checkpointing)
+                    if m < best.micro_batch_size]
+        if knob == "gradient_checkpointing":  # on: more recompute, but maybe a larger micro-batch fits
+            other = fitting(not best.gradient_checkpointing)
+            return [best.model_copy(update={"gradient_checkpointing": not best.gradient_checkpointing,
+                                            "micro_batch_size": other[0]})] if other else []
+        if knob == "dataloader_workers":
+            return [best.model_copy(update={"dataloader_workers": 0 if best.dataloader_workers else default_workers()})]
+        return [best.model_copy(update={"compile": not best.compile})]
+
+    return alternatives
+
+
+@dataclass
+class CalibrationJob:
+    """What to calibrate on: the run's data as training will read it, and the candidates to try."""
+
+    train_path: str
+    max_seq_length: int
+    start: Candidate  # the memory model's pick, measured first
+    train_tokens: int  # the run's first estimate: the sweep may spend a share of its time
+    work_dir: Path  # where training will write its checkpoints: one is timed there
+    alternatives: Alternatives = no_alternatives
+    validation_path: str | None = None  # the held-out set, to time the validate stage on this model
+    upload_to: Store | None = None  # a store to time the checkpoint's upload to (checkpoint.interval auto, spot)
+
+
+def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Calibration:
+    with stage_meter("calibration", planned_trials(config, job), "trials",
+                     what=f"budget {config.plan.calibration_budget}") as meter:
+        meter.ends_by = meter.clock() + parse_duration_seconds(config.plan.calibration_budget)
+        session = _Session(config, model_dir, job, meter)  # 1. the model and optimizer as training builds them
+        first = session.run(job.start, session.first_deadline())  # 2. the memory model's pick
+        if first.status != "measured":
+            raise MemoryError(f"calibration: the memory model's pick ({job.start.label()}) could not run: "
+                              f"{first.note}")
+        deadline = session.sweep_deadline(first)
+        best = session.sweep(first, deadline)  # 3. one knob at a time, within the budget
+        measurement = session.confirm(best, deadline)  # 4. the winner measured again
+        return session.result(best, measurement, first)  # 5. a checkpoint and the validate stage, timed
+
+
+def planned_trials(config: Phase1aConfig, job: CalibrationJob) -> int:
+    """The trials a sweep from the start would run (for progress: "trial k of n"): the start, each knob's
+    alternatives to it, and the winner's confirmation when there is a choice. The greedy sweep proposes from
+    the best so far, so the count can move as it goes."""
+    alternatives = sum(len(job.alternatives(job.start, knob)) for knob in config.plan.sweep)
+    return 1 + alternatives + (1 if alternatives else 0)
+
+
+class _Session:
+    """One model and optimizer, reused by every trial (a candidate changes how a step runs, not the model)."""
+
+    def __init__(self, config: Phase1aConfig, model_dir: Path, job: CalibrationJob, meter: Meter) -> None:
+        from phase1a.model.build import build_model, make_optimizer
+
+        self.began = time.perf_counter()
+        self.config, self.job, self.trials, self.meter, self.notes = config, job, [], meter, []
+        meter.note("loading the model")
+        method = config.method
+        self.model = build_model(model_dir, method, job.start.gradient_checkpointing, config.model.trust_remote_code)
+        self.optimizer = make_optimizer(self.model, method)
+        self.model.train()  # as training runs it: train mode takes other code paths (dropout, mask construction)
+        self.startup = time.perf_counter() - self.began
+        self.order, _ = example_stream(len(TokenRows.load(job.train_path)), method.epochs, method.seed)
+        self.budget = parse_duration_seconds(config.plan.calibration_budget)
+        self.end = self.began + self.budget
+        steps = -(-len(self.order) // method.batch_size)
+        self.step_tokens = job.train_tokens / max(1, steps)  # a whole step's tokens, on average
+        self.step_cap: int | None = None  # the first trial's, so that all trials compare alike
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def first_deadline(self) -> float:
+        """The first trial may take a share of what the model's loading left; the rest is for the others and the
+        checkpoint and validation timing."""
+        now = time.perf_counter()
+        return now + _FIRST_TRIAL_SHARE * max(0.0, self.end - now)
+
+    def sweep_deadline(self, first: Trial) -> float:
+        """The other trials end in time for a checkpoint and validation to be timed unhurried, and within
+        `plan.calibration_share` of the first estimate of training time."""
+        share = self.config.plan.calibration_share * self.job.train_tokens / first.tokens_per_second
+        return min(self.end - self._final_seconds(1.0 / first.tokens_per_second), time.perf_counter() + share)
+
+    def run(self, candidate: Candidate, deadline: float) -> Trial:
+        from phase1a.model.build import set_gradient_checkpointing
+
+        set_gradient_checkpointing(self.model, candidate.gradient_checkpointing)
+        if candidate.compile and not getattr(self.model, "_compiled_call_impl", None):
+            self.model.compile(dynamic=True)
+        method, job = self.config.method, self.job
+        batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size,
+                              token_budget(candidate.micro_batch_size, job.max_seq_length))
+        self._announce(candidate, deadline)
+        trial = _trial(self.model, self.optimizer, batches, candidate,
+                       _Steps(self.config.hardware.calibration_steps, deadline, self.step_tokens, self.step_cap))
+        if len(self.trials) == 0:
+            self.step_cap = trial.step_cap
+        self.trials.append(trial)
+        self.meter.advance(1)
+        print(f"calibration trial {len(self.trials)} ({self.elapsed():.0f} s of the {self.budget:.0f} s budget): "
+              f"{candidate.label()}: {_outcome(trial)}", flush=True)
+        return trial
+
+    def _announce(self, candidate: Candidate, deadline: float) -> None:
+        number = len(self.trials) + 1
+        if self.meter.total is not None and number > self.meter.total:
+            self.meter.total = number  # the sweep moved to a best with more alternatives than the start had
+        self.meter.note(f"trial {number} of {self.meter.total}: {candidate.label()} "
+                        f"(until {deadline - self.began:.0f} s of the {self.budget:.0f} s budget)")
+
+    def sweep(self, best: Trial, deadline: float) -> Trial:
+        """Greedy, one knob at a time in `plan.sweep` order: a change is kept when it is faster by more than the
+        noise; a slower one ends that knob (further steps the same way will not help)."""
+        for knob in self.config.plan.sweep:
+            for candidate in self.job.alternatives(best.candidate, knob):
+                if any(t.candidate == candidate for t in self.trials):
+                    continue
+                expected = best.seconds + (_COMPILE_SECONDS if candidate.compile else 0.0)
+                if time.perf_counter() + expected > deadline:
+                    self._skip(candidate, deadline, expected)
+                    continue
+                trial = self.run(candidate, deadline)
+                if trial.status == "measured" and trial.tokens_per_second > best.tokens_per_second * (1 + _MIN_GAIN):
+                    best = trial
+                elif trial.status == "measured":
+                    break
+        return best
+
+    def _skip(self, candidate: Candidate, deadline: float, expected: float) -> None:
+        left = max(0.0, deadline - time.perf_counter())
+        self.trials.append(Trial(candidate=candidate, status="skipped", note=(
+            f"not tried: {left:.0f} s left for trials of the {self.budget:.0f} s calibration budget, a trial takes "
+            f"~{expected:.0f} s")))
+        self.meter.advance(1)
+
+    def confirm(self, best: Trial, deadline: float) -> Trial:
+        """The measurement the estimate uses. The fastest of several noisy measurements is biased fast (the
+        winner's curse): when several were measured and time is left, a fresh measurement of the winner."""
+        measured = sum(t.status == "measured" for t in self.trials)
+        if measured <= 1 or time.perf_counter() + best.seconds > deadline:
+            return best
+        confirmation = self.run(best.candidate, deadline)
+        self.trials[-1] = confirmation.model_copy(update={"note": "the chosen candidate, measured again"})
+        return self.trials[-1] if confirmation.status == "measured" else best
+
+    def result(self, best: Trial, measurement: Trial, first: Trial) -> Calibration:
+        from phase1a.model.build import set_gradient_checkpointing
+
+        set_gradient_checkpointing(self.model, best.candidate.gradient_checkpointing)
+        per_token = 1.0 / measurement.tokens_per_second
+        self.meter.note("timing a checkpoint write" + (" and upload" if self.job.upload_to else "")
+                        + (" and validation" if self.job.validation_path else ""))
+        checkpoint = self._checkpoint()
+        validation = self._validation(per_token)
+        return Calibration(
+            chosen=best.candidate, seconds_per_token=per_token,
+            # The run pays its first calls as the first trial did, and its candidate's own warm-up (compilation).
+            warmup_excess_seconds=max(first.warmup_excess_seconds or 0.0, best.warmup_excess_seconds or 0.0),
+            startup_seconds=self.startup,
+            checkpoint_seconds=checkpoint.write_seconds, checkpoint_bytes=checkpoint.bytes,
+            checkpoint_upload_seconds=checkpoint.upload_seconds, peak_memory_gib=best.peak_memory_gib,
+            trials=self.trials, budget_seconds=self.budget, seconds=self.elapsed(), validation=validation,
+            footing=measurement.footing(), needed_seconds=self._needed(first, per_token, validation), notes=self.notes)
+
+    def _checkpoint_guess(self) -> tuple[int, float]:
+        """The checkpoint's bytes and its write (and upload) at the assumed speeds."""
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        size = checkpoint_bytes(trainable, self.config.method.optimizer)
+        upload = size / ASSUMED_STORE_BYTES_PER_SECOND if self.job.upload_to else 0.0
+        return size, size / ASSUMED_DISK_BYTES_PER_SECOND + upload
+
+    def _checkpoint(self) -> _CheckpointTiming:
+        size, guess = self._checkpoint_guess()
+        left = self.end - time.perf_counter()
+        if guess > left / 2:  # half at most: validation's timing needs the rest
+            self.notes.append(f"checkpoint not timed: ~{guess:.1f} s at the assumed speeds, {max(0.0, left):.0f} s "
+                              f"of the budget left")
+            return _CheckpointTiming(None, size)
+        return _time_checkpoint(self.model, self.optimizer, self.job.work_dir, self.job.upload_to)
+
+    def _validation(self, per_token: float) -> ValidationSpeed | None:
+        if not self.job.validation_path:
+            return None
+        left = self.end - time.perf_counter()
+        rows, indices = self._validation_sample()
+        with evaluating(self.model), torch.no_grad():  # uncompiled, as the validate stage loads the model
+            speed = time_validation(self.model, rows, indices, self.config.validation,
+                                    TimingAllowance(seconds=left, forward_guess=per_token / 3))
+        if speed is None:
+            self.notes.append(f"validation not timed within the {max(0.0, left):.0f} s of the budget left; its "
+                              f"speed is derived from the training speed")
+        elif speed.source != "measured":
+            self.notes.append(f"validation timed within the {left:.0f} s left: {speed.source}")
+        return speed
+
+    def _final_seconds(self, per_token: float) -> float:
+        """The checkpoint's and validation's timing, unhurried, at a training speed."""
+        validation = 0.0
+        if self.job.validation_path:
+            validation = validation_timing_seconds(*self._validation_sample(), self.config.validation, per_token / 3)
+        return self._checkpoint_guess()[1] + validation
+
+    def _validation_sample(self) -> tuple[TokenRows, np.ndarray]:
+        """The held-out rows and the sample the validate stage scores."""
+        rows = TokenRows.load(self.job.validation_path)
+        return rows, np.arange(min(len(rows), self.config.validation.max_examples))
+
+    def _needed(self, first: Trial, per_token: float, validation: ValidationSpeed | None) -> float | None:
+        """What a whole calibration of the first candidate would take, when this one was cut short: loading, the
+        probe and the whole steps, and the unhurried checkpoint and validation timing."""
+        whole = first.measured_steps >= self.config.hardware.calibration_steps and (
+            first.micro_batches >= first.step_micro_batches)
+        if whole and not self.notes and (validation is None or validation.source == "measured"):
+            return None
+        steps = (1 + self.config.hardware.calibration_steps) * self.step_tokens * per_token
+        return self.startup + (first.warmup_excess_seconds or 0.0) + steps + self._final_seconds(per_token)
+
+
+def _outcome(trial: Trial) -> str:
+    if trial.status == "measured":
+        speed = f"{trial.tokens_per_second:.0f} tokens/s in {trial.seconds:.0f} s"
+        return f"{speed} ({trial.note})" if trial.note else speed
+    return f"{trial.status}: {trial.note}"
+
+
+@dataclass(frozen=True)
+class _Steps:
+    measured: int  # after the warm-up steps
+    deadline: float  # perf_counter time: no step starts that is predicted to end past it
+    step_tokens: float  # a whole step's tokens in the run: the update is priced once per this many
+    cap: int | None = None  # micro-batches a measured step runs at most; None: the most the deadline holds
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """One step: its forward and backward (waiting for the loader included) and its update, timed apart."""
+
+    forward_backward: float
+    update: float
+    tokens: int
+    micro_batches: int  # run
+    whole: int  # in the step
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_backward + self.update
+
+    @property
+    def per_token(self) -> float:
+        return self.forward_backward / max(1, self.tokens)
+
+
+def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: _Steps) -> Trial:
+    """Warm-up and measured steps of one candidate, none started that is predicted to end past the deadline."""
+    count = _WARMUP_STEPS + steps.measured
+    # Steps spread over the whole run, so their lengths are the run's; a short run repeats its steps.
+    sampler = [int(step) % len(batches) for step in np.linspace(0, len(batches), count, endpoint=False)]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    timed: list[_Timed] = []
+    try:
+        probe = StepBatches(batches.train_path, batches.max_length, batches.order[sampler[0] * batches.batch_size:],
+                            1, batches.token_budget)[0]
+        timed.append(_timed_step(model, optimizer, probe, 1, began))
+        last = time.perf_counter()
+        if last + timed[-1].seconds <= steps.deadline:  # again, warm: the first guess of the speed
+            timed.append(_timed_step(model, optimizer, probe, 1, last))
+            last = time.perf_counter()
+        cap, chosen = steps.cap, steps.cap is not None  # the measured steps' cap: given, or set at the first
+        for step_batch in step_loader(batches, sampler[2:], candidate.dataloader_workers, pin_memory=cuda):
+            run = cap if chosen else _micro_batches_within(
+                step_batch, timed[-1], (steps.deadline - time.perf_counter()) / (count - len(timed)))
+            if len(timed) >= _WARMUP_STEPS and not chosen:
+                cap, chosen = run, True
+            if time.perf_counter() + _predicted(step_batch, run, timed[-1]) > steps.deadline:
+                break
+            timed.append(_timed_step(model, optimizer, step_batch, run, last))
+            last = time.perf_counter()
+    except torch.cuda.OutOfMemoryError as error:
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return Trial(candidate=candidate, status="out_of_memory", seconds=time.perf_counter() - began,
+                     note=str(error).splitlines()[0])
+    except Exception as error:  # a compiler missing on this host, say: that candidate is out, not the plan
+        optimizer.zero_grad(set_to_none=True)
+        return Trial(candidate=candidate, status="failed", seconds=time.perf_counter() - began,
+                     note=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    return _measured(candidate, timed, steps, time.perf_counter() - began).model_copy(update={"step_cap": cap})
+
+
+def _timed_step(model, optimizer, step_batch: dict, cap: int | None, since: float) -> _Timed:
+    """One step, of its first `cap` micro-batches (None: all), as training runs a step (`optimizer_step`), timed
+    from `since` (the end of the last step: waiting for the loader counts)."""
+    rows = step_batch["micro_batches"][:cap]
+    _, tokens = train_step(model, rows, step_batch["supervised"], step_batch.get("weight", 1.0))
+    _sync()
+    middle = time.perf_counter()
+    apply_update(model, optimizer)
+    _sync()
+    return _Timed(middle - since, time.perf_counter() - middle, tokens, len(rows), len(step_batch["micro_batches"]))
+
+
+def _micro_batches_within(step_batch: dict, last: _Timed, seconds: float) -> int | None:
+    """The most of this step's micro-batches (one at least) whose forward and backward and one update are
+    predicted to take at most `seconds` at the last step's speed; None: all of them."""
+    sizes = np.array([micro["input_ids"].numel() for micro in step_batch["micro_batches"]])
+    fits = int(np.searchsorted(np.cumsum(sizes) * last.per_token, seconds - last.update, side="right"))
+    return None if fits >= len(sizes) else max(1, fits)
+
+
+def _predicted(step_batch: dict, cap: int | None, last: _Timed) -> float:
+    tokens = sum(micro["input_ids"].numel() for micro in step_batch["micro_batches"][:cap])
+    return tokens * last.per_token + last.update
+
+
+def _measured(candidate: Candidate, timed: list[_Timed], steps: _Steps, seconds: float) -> Trial:
+    """The speed from the measured steps (from the warm-up steps where there are none): their forward and
+    backward as a ratio of sums, so per-step costs weigh as in the run, the slowest step left out of four or more
+    (a page-fault burst), and the update priced once per whole step of the run."""
+    count = _WARMUP_STEPS + steps.measured
+    warmup, measured = timed[:_WARMUP_STEPS], timed[_WARMUP_STEPS:]
+    notes = [] if len(timed) == count else [f"cut at the budget after {len(timed)} of {count} steps"]
+    basis = measured or warmup[-1:]
+    if not measured:
+        notes.append("speed from warm-up steps")
+    kept = sorted(basis, key=lambda t: t.per_token)[:-1] if len(basis) >= 4 else basis
+    forward_backward = sum(t.forward_backward for t in kept) / sum(t.tokens for t in kept)
+    update = float(np.mean([t.update for t in kept]))
+    per_token = forward_backward + update / steps.step_tokens
+    excess = sum(t.seconds - t.tokens * forward_backward - update for t in warmup)
+    rates = [t.per_token for t in kept]
+    run, whole = float(np.mean([t.micro_batches for t in basis])), float(np.mean([t.whole for t in basis]))
+    if run < whole:
+        notes.append(f"steps cut to {run:.3g} of their {whole:.3g} micro-batches on average")
+    return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token, note="; ".join(notes),
+                 warmup_excess_seconds=max(0.0, excess), seconds=seconds,
+                 peak_memory_gib=torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
+                 measured_steps=len(measured), micro_batches=run, step_micro_batches=whole,
+                 spread=(max(rates) - min(rates)) / 2 / float(np.mean(rates)),
+                 longest_step_seconds=max(t.seconds for t in timed))
+
+
+@dataclass(frozen=True)
+class _CheckpointTiming:
+    write_seconds: float | None
+    bytes: int
+    upload_seconds: float | None = None
+
+
+def _time_checkpoint(model, optimizer, work_dir: Path, store: Store | None = None) -> _CheckpointTiming:
+    """Write one real checkpoint (trainable weights, optimizer state) where training will write them; with a
+    store, upload it as training's mirror does (a bundle: hashed, then its manifest) under a scratch key, and
+    delete it there."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".calibration-") as scratch:
+        began = time.perf_counter()
+        state = TrainingState(0, optimizer_state_dict(model, optimizer), {}, torch.get_rng_state(), [])
+        written = save_checkpoint(Path(scratch), trainable_state_dict(model), state, keep_last=1)
+        write_seconds = time.perf_counter() - began
+        size = sum(path.stat().st_size for path in written.rglob("*") if path.is_file())
+        if store is None:
+            return _CheckpointTiming(write_seconds, size)
+        prefix = f"scratch/calibration-{uuid.uuid4().hex}/"
+        began = time.perf_counter()
+        try:
+            upload_bundle(store, written, prefix)
+            uploaded = time.perf_counter() - began
+            delete_bundle(store, prefix)
+        except Exception as error:  # noqa: BLE001 - the plan assumes an upload speed instead; training will tell
+            run_logger().warning(f"calibration: the checkpoint upload to {store.where(prefix)} was not timed "
+                                 f"({type(error).__name__}: {error})")
+            return _CheckpointTiming(write_seconds, size)
+        return _CheckpointTiming(write_seconds, size, uploaded)
+
+
+def default_workers() -> int:
+    """Workers to try: half the cores, at most four; the other half feed the accelerator (or compute, on CPU)."""
+    return max(1, min(4, usable_cores() // 2))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,356 @@
+"""The options table: the same training job on several hardware options, with hours and dollars for each.
+
+Inputs are the single-GPU plan's numbers: the tokens to train on, the FLOPs per token, the throughput measured
+(or assumed) on a reference catalogue GPU, the memory the unsharded job needs on one GPU, and how much of that
+is shardable weights, gradients and optimizer state. For n GPUs of kind k under a strategy:
+
+    efficiency         = compute / (compute + exposed communication) of one step on n GPUs over `nodes` nodes
+                         (phase1a/plan/communication.py, from the job's step traffic); `scaling_efficiency ** log2(n)`
+                         instead where a policy sets that (a user's own measurement) or the job has no traffic
+    tokens_per_second  = reference_tps * peak(k) / peak(reference) * n * efficiency
+    hours              = train_tokens / tokens_per_second / 3600 + (host_seconds + evaluation) / 3600
+    evaluation         = forward_tokens * reference_forward * peak(reference) / peak(k)
+                         + decode_steps * reference_decode * bandwidth(reference) / bandwidth(k)
+                         on one GPU of the option (the validate stage runs in one process), at that GPU's
+                         speed: the reference's measured (or modelled) evaluation speed scaled by peak FLOP/s for
+                         forward tokens and by memory bandwidth for greedy steps (peak FLOP/s where a bandwidth
+                         is not catalogued); host_seconds (start-up, warm-up, checkpoint writes) are the host's
+    dollars            = n * price(k) * hours                    price: `prices[k]`, else the catalogue's
+    mfu                = tokens_per_second * flops_per_token / (n * peak(k))    a sanity check on the above
+    memory per GPU     single, ddp:   memory_needed              (DDP replicates weights, grads and state)
+                       fsdp, zero3:   memory_needed - shardable + shardable / n  (activations stay per GPU)
+    fits               = memory per GPU <= memory(k) * (1 - memory_headroom)
+    global batch       = n * global_batch, the per-GPU micro-batch and accumulation kept (default), or
+                         global_batch with accumulation n times shorter when keep_global_batch
+    learning rate      sqrt: lr * sqrt(n) (Adam: gradient noise falls with sqrt of the batch), linear: lr * n
+                         (SGD-style rule), none: lr; always lr unchanged when keep_global_batch
+    spot hours         hours + the expected lost work and restarts at this option's speed and its kind's
+                         interruption rate (`interruption_rates[k]`, else the catalogue's spot rate; a rate is
+                         per host, whatever its GPU count), phase1a/plan/interruptions.py: hours / (1 - r c)
+    spot dollars       n * spot_price(k) * spot hours         spot_price: `spot_prices[k]`, else the catalogue's
+
+Assumptions: throughput scales with dense peak FLOP/s between GPU kinds, which holds for compute-bound
+training and overstates GPUs with little memory bandwidth per FLOP (memory-bound small models); transfers
+run at data-sheet bandwidth with no latency term (phase1a/plan/communication.py); DDP gradient
+buckets and sharding's gathered-layer buffers are not counted in memory. FSDP and ZeRO-3 get the same memory
+model here (full sharding of parameters, gradients and optimizer state). A larger global batch also means n
+times fewer optimizer steps for the same tokens, which the learning-rate rule only partly compensates.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel
+
+from phase1a.core.hardware import CATALOGUE
+from phase1a.core.units import GIB
+from phase1a.plan.communication import NETWORKS, StepTraffic, step_communication
+from phase1a.plan.interruptions import Exposure, NotExpectedToFinish, auto_interval, expected
+
+Strategy = Literal["single", "ddp", "fsdp", "zero3", "hsdp", "auto"]
+LrRule = Literal["sqrt", "linear", "none"]
+SHARDED: frozenset[str] = frozenset({"fsdp", "zero3"})  # hsdp shards inside a node: memory_per_gpu over its GPUs
+IMPLAUSIBLE_MFU = 0.6  # above this a dense transformer's training throughput is almost certainly mis-modelled
+
+
+class OptionSpec(BaseModel):
+    label: str
+    gpus: int  # in all, over `nodes`
+    kind: str  # catalogue key
+    strategy: Strategy  # auto (several nodes): ddp where the model fits a GPU, else hsdp where a node's shard
+    # fits, else fsdp
+    nodes: int = 1
+    network: str = "infiniband-400"  # between nodes: a phase1a.plan.communication.NETWORKS key
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+
+class OptionRow(BaseModel):
+    label: str
+    gpus: int
+    kind: str
+    strategy: Strategy
+    fits: bool
+    memory_per_gpu_gib: float
+    memory_available_gib: float
+    tokens_per_second: float
+    mfu: float
+    hours: float
+    dollars: float | None  # None where no price is known for the GPU kind
+    learning_rate: float
+    global_batch: int
+    note: str
+    nodes: int = 1
+    network: str = ""  # between the nodes: a phase1a.plan.communication.NETWORKS key
+    scaling_efficiency: float = 1.0  # the share of n GPUs' linear speed-up kept
+    communication_seconds: float = 0.0  # a step's transfers between GPUs, hidden or not
+    spot_hours: float | None = None  # with the expected interruptions; None: not expected to finish, or no spot job
+    spot_dollars: float | None = None
+    spot_interruptions: float | None = None  # expected over the run
+    evaluation_seconds: float = 0.0  # the validate stage and evaluations during training, on one GPU of this kind
+    host_seconds: float = 0.0  # start-up, warm-up, checkpoint writes: the host's, the same on every option
+
+
+DEFAULT_OPTIONS: list[OptionSpec] = [
+    OptionSpec(label="1x H100", gpus=1, kind="h100", strategy="single"),
+    OptionSpec(label="1x H200", gpus=1, kind="h200", strategy="single"),
+    OptionSpec(label="2x H100 DDP", gpus=2, kind="h100", strategy="ddp"),
+    OptionSpec(label="2x H100 FSDP", gpus=2, kind="h100", strategy="fsdp"),
+    OptionSpec(label="4x A100-40GB ZeRO-3", gpus=4, kind="a100-40gb", strategy="zero3"),
+    OptionSpec(label="4x H200 DDP", gpus=4, kind="h200", strategy="ddp"),
+    OptionSpec(label="8x H100", gpus=8, kind="h100", strategy="auto"),
+    OptionSpec(label="2x8 H100 IB", gpus=16, kind="h100", strategy="auto", nodes=2),
+    OptionSpec(label="4x8 H100 IB", gpus=32, kind="h100", strategy="auto", nodes=4),
+    OptionSpec(label="2x8 H100 Eth", gpus=16, kind="h100", strategy="auto", nodes=2, network="ethernet-100"),
+]
+
+
+DEFAULT_SCALING = 0.9  # per doubling, for a job without its step's traffic
+
+
+def scaling_factor(gpus: int, scaling_efficiency: float = DEFAULT_SCALING) -> float:
+    """Fraction of linear speed-up kept on `gpus` GPUs: `scaling_efficiency` per doubling beyond one."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    return scaling_efficiency ** math.log2(gpus)
+
+
+def scaled_learning_rate(learning_rate: float, batch_growth: float, lr_rule: LrRule = "sqrt") -> float:
+    if lr_rule == "sqrt":
+        return learning_rate * math.sqrt(batch_growth)
+    if lr_rule == "linear":
+        return learning_rate * batch_growth
+    return learning_rate
+
+
+def memory_per_gpu(memory_needed_bytes_per_gpu: float, weights_and_state_bytes: float, gpus: int,
+                   strategy: Strategy) -> float:
+    if strategy in SHARDED:
+        return memory_needed_bytes_per_gpu - weights_and_state_bytes + weights_and_state_bytes / gpus
+    return memory_needed_bytes_per_gpu
+
+
+class SpotJob(BaseModel):
+    """What one interruption costs, the same on any option (the same checkpoint, store and start-up)."""
+
+    checkpoint_seconds: float  # delta: one checkpoint written and uploaded
+    restart_seconds: float  # a fresh host to its first step
+    startup_seconds: float  # with the option's evaluation, the part of its hours outside the train loop
+    interval_seconds: float | None = None  # a configured interval's wall time; None: auto, chosen per option
+    store: bool = True  # without one a fresh host starts over
+
+
+class OtherWork(BaseModel):
+    """What a run does besides its training steps: seconds the host spends the same on any option, and
+    evaluation's work, priced on each option at that option's speed (module docstring)."""
+
+    host_seconds: float = 0.0  # start-up, warm-up, checkpoint writes
+    forward_tokens: float = 0.0  # evaluation's teacher-forced and prefill tokens: the validate stage, during training
+    decode_steps: float = 0.0  # its greedy steps of generation batches
+    reference_forward_seconds_per_token: float = 0.0  # on one GPU of the reference kind, measured or modelled
+    reference_decode_seconds_per_step: float = 0.0
+
+    def evaluation_seconds(self, reference: str, kind: str) -> float:
+        forward = self.reference_forward_seconds_per_token * _peak(reference) / _peak(kind)
+        step = self.reference_decode_seconds_per_step * _bandwidth_ratio(reference, kind)
+        return self.forward_tokens * forward + self.decode_steps * step
+
+
+class OptionsJob(BaseModel):
+    """The single-GPU plan's numbers that every option is scaled from."""
+
+    train_tokens: int
+    flops_per_token: float
+    reference: str  # a catalogue key: the GPU kind `reference_tokens_per_second` was measured (or assumed) on
+    reference_tokens_per_second: float
+    memory_needed_bytes_per_gpu: float  # the unsharded job on one GPU
+    weights_and_state_bytes: float  # the shardable part of it: weights, gradients, optimizer state
+    global_batch: int
+    learning_rate: float
+    traffic: StepTraffic | None = None  # one step on one reference GPU: what several GPUs would move
+    other: OtherWork = OtherWork()  # besides the training steps: the host's seconds, and evaluation's work
+    spot: SpotJob | None = None  # what an interruption costs; None: no spot column
+
+
+class OptionsPolicy(BaseModel):
+    """Which options to price and how a job scales across GPUs."""
+
+    options: list[OptionSpec] = DEFAULT_OPTIONS
+    scaling_efficiency: float | None = None  # a share kept per doubling of GPUs; None: from the job's traffic
+    prices: dict[str, float] | None = None  # per GPU-hour by catalogue key, over the catalogue's
+    spot_prices: dict[str, float] | None = None  # the same for spot
+    interruption_rates: dict[str, float] | None = None  # per hour by catalogue key, over the catalogue's spot rate
+    lr_rule: LrRule = "sqrt"
+    keep_global_batch: bool = False
+    memory_headroom: float = 0.0
+
+
+def option_rows(job: OptionsJob, policy: OptionsPolicy | None = None) -> list[OptionRow]:
+    """One row per option; the formulas are in the module docstring."""
+    policy = policy or OptionsPolicy()
+    for spec in policy.options:
+        if spec.strategy == "single" and spec.gpus != 1:
+            raise ValueError(f"option {spec.label!r}: strategy 'single' needs exactly one GPU, not {spec.gpus}")
+        if spec.gpus % spec.nodes:
+            raise ValueError(f"option {spec.label!r}: {spec.gpus} GPUs do not divide into {spec.nodes} nodes")
+    return [_row(spec, job, policy) for spec in policy.options]
+
+
+def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
+    accelerator, peak, n = CATALOGUE[spec.kind], _peak(spec.kind), spec.gpus
+    available = accelerator.memory_bytes * (1 - policy.memory_headroom)
+    strategy, why = _strategy(spec, job, available)
+    efficiency, communication = _efficiency(spec, strategy, job, policy)
+    tokens_per_second = job.reference_tokens_per_second * peak / _peak(job.reference) * n * efficiency
+    evaluation = job.other.evaluation_seconds(job.reference, spec.kind)
+    hours = (job.train_tokens / tokens_per_second + job.other.host_seconds + evaluation) / 3600
+    price = (policy.prices or {}).get(spec.kind, accelerator.price_per_hour)
+    needed = _memory(job, spec, strategy)
+    mfu = tokens_per_second * job.flops_per_token / (n * peak)
+
+    notes = [why] if why else []
+    if needed > available:
+        notes.append(f"needs {needed / GIB:.1f} GiB per GPU, {available / GIB:.1f} available")
+    if spec.kind != job.reference:
+        notes.append(f"throughput scaled from {job.reference} by peak FLOP/s")
+    if policy.keep_global_batch or n == 1:
+        batch, lr = job.global_batch, job.learning_rate
+        if n > 1:
+            notes.append(f"accumulation / {n}" + ("" if job.global_batch % n == 0
+                                                  else f" (batch {job.global_batch} not divisible)"))
+    else:
+        batch, lr = n * job.global_batch, scaled_learning_rate(job.learning_rate, n, policy.lr_rule)
+        notes.append(f"batch x{n}, {n}x fewer steps, lr {policy.lr_rule}")
+    if mfu > IMPLAUSIBLE_MFU:
+        notes.append(f"implied MFU {mfu:.0%} is implausible")
+    row = OptionRow(
+        label=spec.label, gpus=n, kind=spec.kind, strategy=strategy, fits=needed <= available,
+        scaling_efficiency=efficiency, communication_seconds=communication, nodes=spec.nodes,
+        network=spec.network,
+        memory_per_gpu_gib=needed / GIB, memory_available_gib=available / GIB,
+        tokens_per_second=tokens_per_second, mfu=mfu, hours=hours, evaluation_seconds=evaluation,
+        host_seconds=job.other.host_seconds,
+        dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
+        note="; ".join(notes),
+    )
+    return _with_spot(row, job.spot, policy) if job.spot else row
+
+
+def _memory(job: OptionsJob, spec: OptionSpec, strategy: Strategy) -> float:
+    """A GPU's bill: hsdp shards over a node's GPUs, fsdp and zero3 over all of them."""
+    shards = spec.gpus_per_node if strategy == "hsdp" else spec.gpus
+    return memory_per_gpu(job.memory_needed_bytes_per_gpu, job.weights_and_state_bytes, shards,
+                          "fsdp" if strategy == "hsdp" else strategy)
+
+
+def _strategy(spec: OptionSpec, job: OptionsJob, available: float) -> tuple[Strategy, str]:
+    """`auto`: ddp where the whole model fits a GPU (the least traffic), else hsdp where a node's shard fits
+    (gathers stay on NVLink), else fsdp over every GPU; and why."""
+    if spec.strategy != "auto":
+        return spec.strategy, ""
+    for strategy, why in (("ddp", "ddp: the model fits a GPU"),
+                          ("hsdp", "hsdp: too big for one GPU, a node's shard fits"),
+                          ("fsdp", "fsdp: a node's shard does not fit, sharded over every GPU")):
+        if spec.nodes == 1 and strategy == "hsdp":
+            continue
+        if _memory(job, spec, strategy) <= available:
+            return strategy, why
+    return "fsdp", "fsdp: sharded over every GPU, and still too big"
+
+
+def _efficiency(spec: OptionSpec, strategy: Strategy, job: OptionsJob, policy: OptionsPolicy) -> tuple[float, float]:
+    """The share of linear speed-up kept, and a step's communication seconds (module docstring)."""
+    if spec.gpus == 1:
+        return 1.0, 0.0
+    if policy.scaling_efficiency is not None or job.traffic is None:
+        return scaling_factor(spec.gpus, policy.scaling_efficiency or DEFAULT_SCALING), 0.0
+    traffic, shrink = job.traffic, (spec.gpus if policy.keep_global_batch else 1)
+    on_this_gpu = traffic.model_copy(update={
+        "compute_seconds": traffic.compute_seconds * _peak(job.reference) / _peak(spec.kind) / shrink,
+        "micro_batches": max(1, traffic.micro_batches // shrink)})
+    spread = "fsdp" if strategy in SHARDED else strategy
+    moved = step_communication(on_this_gpu, spread, spec.kind, spec.gpus_per_node, spec.nodes, spec.network)
+    return moved.efficiency, moved.seconds
+
+
+def _bandwidth_ratio(reference: str, kind: str) -> float:
+    """How much faster a greedy step (bound by reading the weights) is on `reference` than on `kind`."""
+    ours, theirs = CATALOGUE[reference].memory_bandwidth, CATALOGUE[kind].memory_bandwidth
+    return ours / theirs if ours and theirs else _peak(reference) / _peak(kind)
+
+
+def _with_spot(row: OptionRow, spot: SpotJob, policy: OptionsPolicy) -> OptionRow:
+    """The row's spot columns: its hours with the interruptions expected at its speed, at the spot price."""
+    accelerator = CATALOGUE[row.kind]
+    rate = (policy.interruption_rates or {}).get(row.kind, accelerator.spot_interruptions_per_hour) or 0.0
+    price = (policy.spot_prices or {}).get(row.kind, accelerator.spot_price_per_hour)
+    run = row.hours * 3600
+    train = max(0.0, run - spot.startup_seconds - row.evaluation_seconds)
+    interval = spot.interval_seconds or auto_interval(rate, spot.checkpoint_seconds, train, spot.store)[0]
+    try:
+        cost = expected(rate, Exposure(run, train, interval, spot.checkpoint_seconds, spot.restart_seconds,
+                                       spot.store))
+    except NotExpectedToFinish:
+        return row.model_copy(update={"note": "; ".join(filter(None, [row.note, "spot: not expected to finish"]))})
+    hours = (run + cost.extra_seconds) / 3600
+    return row.model_copy(update={"spot_hours": hours, "spot_interruptions": cost.interruptions,
+                                  "spot_dollars": None if price is None else row.gpus * price * hours})
+
+
+def _peak(kind: str) -> float:
+    if kind not in CATALOGUE:
+        raise ValueError(f"{kind!r} is not in the hardware catalogue ({', '.join(CATALOGUE)}); "
+                         "the options table scales throughput by catalogue peak FLOP/s")
+    peak = CATALOGUE[kind].peak_flops
+    if peak is None:
+        raise ValueError(f"no peak FLOP/s is known for {kind}")
+    return peak
+
+
+def format_options(rows: list[OptionRow]) -> str:
+    """A plain-text table, one line per option, columns padded to their widest cell."""
+    header = ["option", "fits", "GiB/GPU", "tok/s", "scaling", "MFU", "hours", "USD", "spot h", "spot USD", "lr",
+              "batch", "note"]
+    cells = [header] + [[
+        row.label, "yes" if row.fits else "NO", f"{row.memory_per_gpu_gib:.1f}/{row.memory_available_gib:.0f}",
+        f"{row.tokens_per_second:,.0f}", "-" if row.gpus == 1 else f"{row.scaling_efficiency:.0%}", f"{row.mfu:.0%}",
+        f"{row.hours:.2f}", _dollars(row.dollars),
+        "-" if row.spot_hours is None else f"{row.spot_hours:.2f}",
+        "-" if row.spot_hours is None else _dollars(row.spot_dollars),
+        f"{row.learning_rate:.3g}", str(row.global_batch), row.note,
+    ] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def more_nodes(rows: list[OptionRow]) -> list[str]:
+    """Each row of several nodes against the same GPUs on fewer nodes (one, or fewer on its network): the time it
+    saves and the money it adds, so the plan shows where more nodes stop paying."""
+    lines = []
+    for row in sorted((row for row in rows if row.nodes > 1), key=lambda row: (row.kind, row.network, row.nodes)):
+        fewer = [other for other in rows if other.kind == row.kind and other.nodes < row.nodes
+                 and other.gpus // other.nodes == row.gpus // row.nodes
+                 and (other.nodes == 1 or other.network == row.network)]
+        if not fewer or row.dollars is None:
+            continue
+        before = max(fewer, key=lambda other: other.nodes)
+        if before.dollars is None:
+            continue
+        lines.append(f"{before.label} -> {row.label} ({NETWORKS[row.network].name}): time "
+                     f"{_change(row.hours / before.hours)}, cost {_change(row.dollars / before.dollars)}, "
+                     f"scaling {before.scaling_efficiency:.0%} -> {row.scaling_efficiency:.0%}")
+    return lines
+
+
+def _change(ratio: float) -> str:
+    """A ratio as a signed percentage change; under half a percent either way reads +0%."""
+    change = ratio - 1
+    return "+0%" if abs(change) < 0.005 else f"{change:+.0%}"
+
+
+def _dollars(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.2f}"

@@ -1,0 +1,204 @@
+"""Honest progress for a training run: one record per optimizer step, to every sink that is available.
+
+Sinks: `metrics.jsonl` in the run directory (always; appended, so a resumed run continues the curve; events
+such as a resume or an out-of-memory back-off go to `events.jsonl`, evaluations during training to
+`eval.jsonl`), where a person watches (as the other stages show theirs, phase1a/core/meter.py: a terminal bar with
+loss, tokens/s and ETA where stderr is a terminal, else a log line every `progress.interval` through the run's
+logger, as a worker's log needs), TensorBoard under `tensorboard/` (when the `tensorboard` package is
+installed), and a Prefect progress artifact `train-progress` (inside a Prefect run).
+
+Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's steps, MFU, peak accelerator
+memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
+plan. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention, never the 2N that
+checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the projected train
+time with the plan's estimate: within 10 % is on track.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phase1a.core.logs import run_logger
+from phase1a.core.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, duration, emit, resolved_display
+from phase1a.core.units import GIB, KIB
+from phase1a.model.cost_model import mfu
+from phase1a.train import run_files
+from phase1a.train.history import ESTIMATE_BAND
+
+
+@dataclass(frozen=True)
+class Yardstick:
+    """What a run's progress is measured against; None leaves that measure out."""
+
+    model_flops_per_token: float | None = None  # MFU's numerator, per token
+    peak_flops: float | None = None  # MFU's denominator: the device's dense bf16 peak
+    planned_seconds: float | None = None  # the plan's train estimate: `on_track`
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports."""
+
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+
+
+class ProgressReporter:
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, yardstick: Yardstick = Yardstick(), *,
+                 display: MeterSettings | None = None, enabled: bool = True):
+        """`display`: how progress shows (`current_settings()`, the process's `progress`); None: not at all.
+        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
+        self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
+        self.output_dir, self.enabled = Path(output_dir), enabled
+        self.metrics = open(Path(output_dir) / run_files.METRICS, "a") if enabled else None
+        self.evaluations = None  # eval.jsonl, opened at the first evaluation: a run without any has no file
+        self.events = open(Path(output_dir) / run_files.EVENTS, "a") if enabled else None
+        self.watch = _Watch(display if enabled else None, total_steps, start_step)
+        self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
+        self.artifact = ProgressArtifact.create("train", "phase1a training: optimizer steps done") if enabled else None
+        if self.artifact is not None and start_step:
+            self.artifact.update(100.0 * start_step / max(total_steps, 1), "resumed")
+        self.artifact_at, self.tokens = 0.0, 0
+
+    def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> dict:
+        """`step` counts from 1; `elapsed` is this process's training time, `prior_seconds` what a resumed run
+        had already spent before its checkpoint."""
+        loss, tokens, yardstick = stats.loss, stats.tokens, self.yardstick
+        self.tokens += tokens
+        done = step - self.start_step
+        tokens_per_second = self.tokens / max(elapsed, 1e-9)
+        remaining = (self.total_steps - step) * elapsed / max(done, 1)
+        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(stats.grad_norm, 6),
+                  "tokens": tokens,
+                  "tokens_per_s": round(tokens_per_second, 1), "elapsed_s": round(elapsed, 3),
+                  "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
+                  "gpu_utilization": _gpu_utilization(), "on_track": None}
+        if yardstick.model_flops_per_token and yardstick.peak_flops:
+            record["mfu"] = mfu(tokens_per_second, yardstick.model_flops_per_token, yardstick.peak_flops)
+        if yardstick.planned_seconds:
+            projected = prior_seconds + elapsed + remaining
+            record["projected_s"] = round(projected, 1)
+            record["on_track"] = projected <= yardstick.planned_seconds * (1 + ESTIMATE_BAND)
+        self._write(self.metrics, record)
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
+            if self.tensorboard is not None and record.get(key) is not None:
+                self.tensorboard.add_scalar(f"train/{key}", record[key], step)
+        line = self.watch.step(step, self.total_steps, loss, tokens_per_second, remaining)
+        due = time.monotonic() - self.artifact_at > ARTIFACT_EVERY_SECONDS or step == self.total_steps
+        if self.artifact is not None and due:
+            self.artifact.update(100.0 * step / self.total_steps, line)
+            self.artifact_at = time.monotonic()
+        return record
+
+    def evaluation(self, record: dict) -> None:
+        """`eval.jsonl` (phase1a/evaluate/during_training.py: EvalPoint, one line an evaluation during training),
+        TensorBoard `eval/loss` and `eval/token_accuracy`, and a line above the bar."""
+        if not self.enabled:
+            return
+        if self.evaluations is None:
+            self.evaluations = open(self.output_dir / run_files.EVALUATIONS, "a")
+        self._write(self.evaluations, record)
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("eval/loss", record["eval_loss"], record["step"])
+            self.tensorboard.add_scalar("eval/token_accuracy", record["eval_token_accuracy"], record["step"])
+        self.watch.say(f"eval at step {record['step']}: loss {record['eval_loss']:.4f}, token accuracy "
+                       f"{record['eval_token_accuracy']:.4f} on {record['examples']} examples in "
+                       f"{record['seconds']:.1f} s" + (" (best)" if record["best"] else ""))
+
+    def event(self, kind: str, **fields) -> None:
+        """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
+        self._write(self.events, _event(kind, **fields))
+        if self.events is not None:
+            self.watch.say(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def close(self) -> None:
+        self.watch.close()
+        for sink in (self.metrics, self.evaluations, self.events, self.tensorboard):
+            if sink is not None:
+                sink.close()
+
+    @staticmethod
+    def _write(sink, record: dict) -> None:
+        if sink is not None:
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()  # a killed run keeps every step it finished
+
+
+def append_event(output_dir: Path, kind: str, **fields) -> None:
+    """An event from outside a training process (the launcher of its ranks), in the same file and format."""
+    with open(Path(output_dir) / run_files.EVENTS, "a") as events:
+        events.write(json.dumps(_event(kind, **fields)) + "\n")
+
+
+def _event(kind: str, **fields) -> dict:
+    return {"event": kind, "time": time.time(), **fields}
+
+
+def _peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB / GIB  # KiB on Linux: the process's peak RSS
+
+
+def _gpu_utilization() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.utilization())  # NVML: needs nvidia-ml-py
+    except Exception:  # no NVML on this host: the field stays empty rather than failing a run
+        return None
+
+
+def _tensorboard(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the tensorboard package is optional on bare GPU hosts
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class _Watch:
+    """Where a person watches training: a tqdm bar (a terminal), a line every `interval` through the run's logger
+    (a worker's log; the first step, the last and every evaluation and event always), or nothing (`off`, ranks
+    other than 0, no display settings)."""
+
+    def __init__(self, settings: MeterSettings | None, total: int, initial: int) -> None:
+        self.mode = resolved_display(settings) if settings is not None else "off"
+        self.interval, self.clock = (settings.interval_seconds, settings.clock) if settings else (0.0, time.monotonic)
+        self.logger = run_logger() if self.mode == "lines" else None
+        self.bar = _progress_bar(self.mode == "bar", total, initial)
+        self.line_at: float | None = None
+
+    def step(self, step: int, total: int, loss: float, tokens_per_second: float, remaining: float) -> str:
+        """The bar's update; a line when one is due. Returns the line (the artifact's description)."""
+        line = (f"train: step {step} of {total} ({100.0 * step / max(total, 1):.1f} %), loss {loss:.4f}, "
+                f"{tokens_per_second:,.0f} tokens/s, {duration(remaining)} left")
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
+        now = self.clock()
+        if self.mode == "lines" and (self.line_at is None or now - self.line_at >= self.interval or step == total):
+            emit(self.logger, line)
+            self.line_at = now
+        return line
+
+    def say(self, line: str) -> None:
+        if self.mode == "bar":
+            self.bar.write(line)
+        elif self.mode == "lines":
+            emit(self.logger, line)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,43 @@
+"""The curves a training run writes in its directory: the trainer writes them (phase1a/train/progress.py); a resume
+trims them (tasks/train.py); the report, the plots and the trackers read them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+METRICS = "metrics.jsonl"  # a line per optimizer step: loss, lr, grad norm, tokens/s, MFU, memory
+EVALUATIONS = "eval.jsonl"  # a line per evaluation during training
+EVENTS = "events.jsonl"  # resumed, preempted, early stopping, out of memory
+
+
+def read_lines(path: Path | None) -> list[dict]:
+    """The JSON objects of a JSONL file; a missing file is empty, and a line that does not parse (the torn last
+    line of a file being written) is skipped."""
+    if path is None or not Path(path).is_file():
+        return []
+    lines = []
+    for raw in Path(path).read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            lines.append(line)
+    return lines
+
+
+def last_step(path: Path) -> int | None:
+    """The step of the last whole line of a curve file, read from its end (a file of a long run is large)."""
+    try:
+        with open(path, "rb") as handle:
+            start = max(0, handle.seek(0, 2) - 4096)
+            handle.seek(start)
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines[1:] if start else lines):  # from the middle of the file, the first line is a part
+        try:
+            return int(json.loads(raw)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
