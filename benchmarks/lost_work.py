@@ -92,12 +92,13 @@ class Sightings:
     pointers: dict[int, float] = field(default_factory=dict)
 
     def look(self, host: BenchHost, pointer: StorePointer) -> None:
+        from phase1a.core import layout
         from phase1a.train import run_files
         from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 
         now, train = time.monotonic(), host.train_dir()
         if train is not None:
-            for line in run_files.read_lines(train / run_files.METRICS):
+            for line in run_files.read_lines(train / layout.METRICS):
                 self.steps.setdefault(line["step"], now)
             for path in list_checkpoints(train / "checkpoints"):
                 self.checkpoints.setdefault(checkpoint_step(path), now)
@@ -164,9 +165,10 @@ def run_until_killed(host: BenchHost, pointer: StorePointer, share: float, args:
 
 def lost_work(host: BenchHost, pointer: StorePointer, seen: Sightings, killed: float) -> dict:
     """What the kill lost: finished steps' training time past the store's latest checkpoint."""
+    from phase1a.core import layout
     from phase1a.train import run_files
 
-    lines = {line["step"]: line for line in run_files.read_lines(host.train_dir() / run_files.METRICS)}
+    lines = {line["step"]: line for line in run_files.read_lines(host.train_dir() / layout.METRICS)}
     last, stored = max(lines), pointer.step()
     elapsed = [lines[step]["elapsed_s"] for step in sorted(lines)]
     return {"steps_finished": last, "store_step": stored, "lost_steps": last - stored,
@@ -190,6 +192,7 @@ def bounds(figures: dict, interval: float) -> dict:
 
 def confirm(root: Path, tree: dict, threads: int) -> int | None:
     """Host B (empty directories) runs the job until it resumes; the step its `resumed` event names."""
+    from phase1a.core import layout
     from phase1a.train import run_files
 
     host = BenchHost.fresh(root, tree)
@@ -198,7 +201,7 @@ def confirm(root: Path, tree: dict, threads: int) -> int | None:
 
     def resumed():
         train = host.train_dir()
-        events = run_files.read_lines(train / run_files.EVENTS) if train else []
+        events = run_files.read_lines(train / layout.EVENTS) if train else []
         return next((event for event in events if event["event"] == "resumed"), None)
 
     try:

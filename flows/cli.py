@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -12,40 +11,39 @@ from pathlib import Path
 
 from flows.processes import Terminated, own_processes
 from phase1a.config.schema import ConfigError, config_from
+from phase1a.core import layout
 from phase1a.core.errors import DataError
-from phase1a.results import Plan, ValidationResult
+from phase1a.results import Plan, TrainResult, ValidationResult
+from phase1a.run_report import RunReport, promoted_line
 from phase1a.train.preemption import Preempted
 
 
 def _summary(report_path: Path) -> str:
-    report = json.loads(report_path.read_text())
+    report = RunReport.load(report_path)
     lines = ["", "stage      state       seconds"]
-    for name, section in report["stages"].items():
-        lines.append(f"{name:<10} {section['state']:<11} {section['seconds']:>8.1f}")
-    train = report["stages"].get("train", {}).get("result")
-    plan = report["stages"].get("plan", {}).get("result")
-    if plan and train and not train["reused_completed_run"]:
-        lines.append(f"train: {train['train_tokens']} tokens in {train['wall_seconds']:.1f} s "
-                     f"({train['tokens_per_second']:.0f} tokens/s); plan estimated "
-                     f"{plan['estimated_train_seconds']:.1f} s")
-    validation = report.get("validation_estimate_vs_actual")
+    for name, section in report.stages.items():
+        lines.append(f"{name:<10} {section.state:<11} {section.seconds:>8.1f}")
+    train, plan = report.result("train", TrainResult), report.result("plan", Plan)
+    if plan and train and not train.reused_completed_run:
+        lines.append(f"train: {train.train_tokens} tokens in {train.wall_seconds:.1f} s "
+                     f"({train.tokens_per_second:.0f} tokens/s); plan estimated {plan.estimated_train_seconds:.1f} s")
+    validation = report.validation_estimate_vs_actual
     if validation:
-        lines.append(f"validate: {validation['actual_seconds']:.1f} s; plan estimated "
-                     f"{validation['estimated_seconds']:.1f} s")
-    verdict = report["stages"].get("validate", {}).get("result")
+        lines.append(f"validate: {validation.actual_seconds:.1f} s; plan estimated "
+                     f"{validation.estimated_seconds:.1f} s")
+    verdict = report.result("validate", ValidationResult)
     if verdict:
         from tasks.validate import format_table
 
-        lines += ["", "validation (held-out):", format_table(ValidationResult.model_validate(verdict))]
-        promotion = report.get("validation", {}).get("promotion")
+        lines += ["", "validation (held-out):", format_table(verdict)]
+        promotion = report.validation.promotion if report.validation else None
         if promotion:
-            lines.append(f"promoted: {promotion['version']} at {promotion['path']}"
-                         + ("" if promotion["promoted"] else " (already the promoted model)"))
+            lines.append(promoted_line(promotion.version, promotion.path, promotion.promoted))
     if plan and not verdict:
         from tasks.plan import format_plan
 
-        lines += ["", "plan:", format_plan(Plan.model_validate(plan))]
-    lines += ["", f"status: {report['status']}, wall {report['wall_seconds']:.1f} s", f"report: {report_path}"]
+        lines += ["", "plan:", format_plan(plan)]
+    lines += ["", f"status: {report.status}, wall {report.wall_seconds or 0:.1f} s", f"report: {report_path}"]
     return "\n".join(lines)
 
 
@@ -150,14 +148,14 @@ def _read_back(args: argparse.Namespace, config) -> int:
     except DataError as error:
         print(f"phase1a: {error}", file=sys.stderr)
         return 2
-    readable = report_path.parent / "report.md"  # the whole report, written at the end of the run
+    readable = report_path.parent / layout.REPORT_MD  # the whole report, written at the end of the run
     print(f"{readable.read_text()}\nreport: {readable}" if readable.is_file() else _summary(report_path))
     return 0
 
 
 def _latest_report(config, since: float = 0.0) -> Path | None:
     """The newest report.json of the job written after `since` (this run's, not an earlier run's)."""
-    reports = sorted(path for path in (config.work_dir / config.name).glob("*/report.json")
+    reports = sorted(path for path in (config.work_dir / config.name).glob(f"*/{layout.REPORT_JSON}")
                      if path.stat().st_mtime >= since)
     return reports[-1] if reports else None
 

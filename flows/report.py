@@ -1,9 +1,8 @@
-"""report.json: one section per stage with its Prefect state (Completed or Cached), its seconds, how many times
-Prefect retried it (`retries`) and its result, written whatever the run's outcome; then report.md, the plots and
-the `run-report` artifact drawn from it (flows/report_md.py)."""
+"""report.json (phase1a/run_report.py: RunReport): one section per stage with its Prefect state (Completed or
+Cached), its seconds, how many times Prefect retried it (`retries`) and its result, written whatever the run's
+outcome; then report.md, the plots and the `run-report` artifact drawn from it (flows/report_md.py)."""
 from __future__ import annotations
 
-import json
 import signal
 import time
 from contextlib import contextmanager
@@ -19,10 +18,11 @@ from flows.report_md import draw_plots, finish_report
 from flows.runs import share_run
 from phase1a.config.schema import Phase1aConfig
 from phase1a.config.stores import open_store
-from phase1a.core.atomic import write_atomically
+from phase1a.core.layout import REPORT_JSON
 from phase1a.core.logs import run_logger
 from phase1a.core.redaction import redact, redacted
 from phase1a.results import RunOutcome
+from phase1a.run_report import FlowRunLink, RunReport, StageEstimate, StageRecord
 from phase1a.train.preemption import Preempted
 
 
@@ -31,35 +31,35 @@ class Outcome:
     status: RunOutcome = "failed"  # until the flow says otherwise
 
 
-class RunReport:
+class ReportWriter:
+    """The run's RunReport as the flow fills it (`data`), written to report.json however the run ends."""
+
     def __init__(self, run_dir: Path, config: BaseModel) -> None:
         self.run_dir = Path(run_dir)
         store_settings = getattr(config, "store", None)
         self.store = open_store(store_settings) if store_settings is not None else None
         self.job = getattr(config, "name", "")
-        self.path = self.run_dir / "report.json"
+        self.path = self.run_dir / REPORT_JSON
         self._started = time.perf_counter()
         self._closing: list[Callable[[RunOutcome], None]] = []
-        self.data: dict[str, Any] = {
-            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "run_dir": str(self.run_dir),
-            "config": redacted(config.model_dump(mode="json")),  # a URL's user:password stays out
-            "stages": {},
-        }
+        self.data = RunReport(started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                              run_dir=str(self.run_dir),
+                              config=redacted(config.model_dump(mode="json")))  # a URL's user:password stays out
 
     @classmethod
-    def create(cls, config: Phase1aConfig, flow_run_name: str) -> "RunReport":
+    def create(cls, config: Phase1aConfig, flow_run_name: str) -> "ReportWriter":
         """A new run directory under work_dir/name, named by the time and the flow run."""
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         run_dir = Path(config.work_dir) / config.name / f"{stamp}-{flow_run_name}"
         run_dir.mkdir(parents=True, exist_ok=True)
         report = cls(run_dir, config)
-        report.set("flow_run", _flow_run())
+        report.data.flow_run = _flow_run()
         return report
 
-    def run(self, stage: str, task: Any, **inputs: Any) -> Any:
+    def run(self, stage: str, task: Any, present: Callable[[Any, Path], None] | None = None, **inputs: Any) -> Any:
         """Run a Prefect task, record its final state, seconds, retries and result, and return the result; a
-        task's error is recorded, then re-raised."""
+        task's error is recorded, then re-raised. `present(result, run_dir)`: what the stage shows of its result
+        (artifacts, a summary printed), every run, whether the result was computed or cached."""
         started = time.perf_counter()
         runs: list[int] = []
 
@@ -71,31 +71,30 @@ class RunReport:
         try:
             state = counted(**inputs, return_state=True)
         except BaseException as error:  # no state comes back: a signal crashed the task run
-            self.data["stages"][stage] = {"state": "Crashed", "seconds": round(time.perf_counter() - started, 3),
-                                          "retries": 0, "error": _described(error, stage)}
+            self.data.stages[stage] = StageRecord(state="Crashed", seconds=round(time.perf_counter() - started, 3),
+                                                  error=_described(error, stage))
             raise
-        section: dict[str, Any] = {"state": state.name, "seconds": round(time.perf_counter() - started, 3),
-                                   "retries": max(runs[-1] - 1, 0) if runs else 0}
-        self.data["stages"][stage] = section
+        section = StageRecord(state=state.name, seconds=round(time.perf_counter() - started, 3),
+                              retries=max(runs[-1] - 1, 0) if runs else 0)
+        self.data.stages[stage] = section
         try:
             result = state.result()
         except BaseException as error:
-            section["error"] = redact(f"{type(error).__name__}: {error}")
+            section.error = redact(f"{type(error).__name__}: {error}")
             raise
-        section["result"] = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+        section.result = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+        if present is not None:
+            present(result, self.run_dir)
         return result
 
-    def set(self, key: str, value: Any) -> None:
-        self.data[key] = value
-
-    def compare(self, key: str, stage: str, estimated_seconds: float, **detail: Any) -> None:
-        """Record the plan's estimate of a stage against its measured seconds, when the stage ran (not cached)."""
-        section = self.data["stages"][stage]
-        if section["state"] != "Completed":
-            return
-        actual = section["seconds"]
-        self.data[key] = {"estimated_seconds": round(estimated_seconds, 3), "actual_seconds": actual,
-                          "estimated_over_actual": round(estimated_seconds / actual, 3) if actual else None, **detail}
+    def estimate_of(self, stage: str, estimated_seconds: float, **detail: Any) -> StageEstimate | None:
+        """The plan's estimate of a stage against its measured seconds, when the stage ran (not cached)."""
+        section = self.data.stages[stage]
+        if section.state != "Completed":
+            return None
+        actual = section.seconds
+        return StageEstimate(estimated_seconds=round(estimated_seconds, 3), actual_seconds=actual,
+                             estimated_over_actual=round(estimated_seconds / actual, 3) if actual else None, **detail)
 
     @contextmanager
     def finishing(self) -> Iterator[Outcome]:
@@ -105,8 +104,8 @@ class RunReport:
         try:
             yield outcome
         except BaseException as error:
-            stopped_in = [name for name, section in self.data["stages"].items() if "error" in section]
-            self.data["error"] = _described(error, stopped_in[-1] if stopped_in else None)
+            stopped_in = [name for name, section in self.data.stages.items() if section.error]
+            self.data.error = _described(error, stopped_in[-1] if stopped_in else None)
             # Stopped at a checkpoint for the next run to resume, or by a signal outside training (the next run
             # reuses the stages that finished): not a failure.
             if isinstance(error, Preempted) or _stop_signal(error):
@@ -139,11 +138,10 @@ class RunReport:
         self._closing.append(hook)
 
     def write(self, status: RunOutcome) -> Path:
-        self.data["status"] = status
-        self.data["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.data["wall_seconds"] = round(time.perf_counter() - self._started, 3)
-        write_atomically(self.path, json.dumps(self.data, indent=2, default=str) + "\n")
-        return self.path
+        self.data.status = status
+        self.data.finished_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.data.wall_seconds = round(time.perf_counter() - self._started, 3)
+        return self.data.save(self.path)
 
 
 def _stop_signal(error: BaseException) -> str | None:
@@ -163,11 +161,11 @@ def _described(error: BaseException, stage: str | None = None) -> str:
     return redact(f"{type(error).__name__}: {error}")
 
 
-def _flow_run() -> dict[str, str | None]:
+def _flow_run() -> FlowRunLink:
     """The Prefect flow run this report belongs to; its UI address only where PREFECT_UI_URL names a UI (the
     embedded server's goes away with the process)."""
     from prefect.runtime import flow_run
     from prefect.utilities.urls import url_for
 
     run_id = flow_run.get_id()
-    return {"id": run_id, "name": flow_run.get_name(), "url": url_for("flow-run", obj_id=run_id) if run_id else None}
+    return FlowRunLink(id=run_id, name=flow_run.get_name(), url=url_for("flow-run", obj_id=run_id) if run_id else None)

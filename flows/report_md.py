@@ -18,15 +18,20 @@ from typing import Callable
 
 import numpy as np
 
+from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.logs import run_logger
+from phase1a.data.lengths import Outliers
+from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
+from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.promote.promotion import POINTER
+from phase1a.results import Plan, StoreTraining, TrainResult
+from phase1a.run_report import FlowRunLink, RunReport
 from phase1a.train import run_files
 from phase1a.train.history import ESTIMATE_BAND, history_path
 
 ARTIFACT_KEY = "run-report"
-STAGES = ("stage", "stage_validation", "tokenize", "plan", "train", "validate", "promote")
 
 
 @dataclass
@@ -67,26 +72,24 @@ def _publish_lengths(data: TokenizedData, run_dir: Path) -> None:
         f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
 
 
-def _result(report: dict, stage: str) -> dict:
-    return (report.get("stages", {}).get(stage) or {}).get("result") or {}
-
-
-def _train_files(report: dict) -> tuple[Path | None, Path | None]:
+def _train_files(report: RunReport) -> tuple[Path | None, Path | None]:
     """metrics.jsonl and eval.jsonl of the run's training directory, when training got as far as a result."""
-    output_dir = _result(report, "train").get("output_dir")
-    if not output_dir:
+    trained = report.result("train", TrainResult)
+    if trained is None:
         return None, None
-    return Path(output_dir) / run_files.METRICS, Path(output_dir) / run_files.EVALUATIONS
+    return Path(trained.output_dir) / layout.METRICS, Path(trained.output_dir) / layout.EVALUATIONS
 
 
-def draw_plots(report: dict, run_dir: Path) -> list[Plot]:
+def draw_plots(report: RunReport, run_dir: Path) -> list[Plot]:
     """The plots of the run (lengths.png is already drawn, after tokenize); each one's failure is logged and
     becomes its `missing`, never the run's."""
     from phase1a import plots
 
     metrics, evaluations = _train_files(report)
-    history = history_path(Path(report["config"]["cache_dir"])) if report.get("config") else None
-    planned = _result(report, "plan").get("tokens_per_second")
+    cache_dir = report.config.get("cache_dir")
+    history = history_path(Path(cache_dir)) if cache_dir else None
+    plan = report.result("plan", Plan)
+    planned = plan.tokens_per_second if plan is not None else None
     drawings: list[tuple[Plot, Callable[[Path], Path | None]]] = [
         (Plot("loss.png", "loss by step: training (raw and smoothed) and evaluation"),
          lambda path: plots.save_loss(metrics, evaluations, path) if metrics else None),
@@ -140,166 +143,169 @@ def _ratio(estimated: float | None, actual: float | None) -> str:
 
 # ---- sections ----------------------------------------------------------------------------------------------
 
-def _failure(report: dict) -> list[str]:
+def _failure(report: RunReport) -> list[str]:
     """Which stage failed and its error, or the run's own error (a failed gate, a bad config); a preempted
     run says where it stopped."""
-    if report.get("status") in ("passed", "planned"):
+    if report.status in ("passed", "planned"):
         return []
-    failed = [(name, section) for name, section in report.get("stages", {}).items() if section.get("error")]
+    failed = [(name, section) for name, section in report.stages.items() if section.error]
     if failed:
         name, section = failed[0]
-        ended = "Preempted in" if report.get("status") == "preempted" else "Failed at"
-        return [f"> **{ended} stage `{name}`** ({section['state']}): {section['error']}", ""]
-    return [f"> **Failed**: {report.get('error') or 'the run ended before any stage reported an error'}", ""]
+        ended = "Preempted in" if report.status == "preempted" else "Failed at"
+        return [f"> **{ended} stage `{name}`** ({section.state}): {section.error}", ""]
+    return [f"> **Failed**: {report.error or 'the run ended before any stage reported an error'}", ""]
 
 
-def _header(report: dict) -> list[str]:
-    config, flow_run = report.get("config") or {}, report.get("flow_run") or {}
-    name = flow_run.get("name") or Path(report.get("run_dir", "?")).name
-    run = f"[{name}]({flow_run['url']})" if flow_run.get("url") else f"`{name}`"
-    rows = [("flow run", run + (f" (`{flow_run['id']}`)" if flow_run.get("id") else "")),
-            ("started", report.get("started_at", "-")), ("finished", report.get("finished_at", "-")),
-            ("wall", _seconds(report.get("wall_seconds"))),
+def _header(report: RunReport) -> list[str]:
+    config, flow_run = report.config, report.flow_run or FlowRunLink()
+    name = flow_run.name or Path(report.run_dir).name
+    run = f"[{name}]({flow_run.url})" if flow_run.url else f"`{name}`"
+    rows = [("flow run", run + (f" (`{flow_run.id}`)" if flow_run.id else "")),
+            ("started", report.started_at), ("finished", report.finished_at or "-"),
+            ("wall", _seconds(report.wall_seconds)),
             ("model", f"`{config.get('model', {}).get('name_or_path', '-')}`"),
-            ("run directory", f"`{report.get('run_dir', '-')}`")]
-    return [f"# Run report: {config.get('name', '?')}: {report.get('status', '?')}", "", *_failure(report),
+            ("run directory", f"`{report.run_dir}`")]
+    return [f"# Run report: {config.get('name', '?')}: {report.status or '?'}", "", *_failure(report),
             *_table(("", ""), rows)]
 
 
-def _stages(report: dict) -> list[str]:
-    rows = [(name, section["state"], _seconds(section.get("seconds")), section.get("retries", 0),
-             "yes" if section["state"] == "Cached" else "no")
-            for name, section in report.get("stages", {}).items()]
+def _stages(report: RunReport) -> list[str]:
+    rows = [(name, section.state, _seconds(section.seconds), section.retries,
+             "yes" if section.state == "Cached" else "no")
+            for name, section in report.stages.items()]
     return ["## Stages", "", *_table(("stage", "state", "seconds", "retries", "cached"), rows)] if rows else []
 
 
-def _data(report: dict) -> list[str]:
-    data, staged = _result(report, "tokenize"), _result(report, "stage")
-    if not data:
+def _data(report: RunReport) -> list[str]:
+    data, staged = report.result("tokenize", TokenizedData), report.result("stage", StagedData)
+    if data is None:
         return []
-    lengths = data["lengths"]
-    rows = [("examples", f"{data['train_examples']:,} train, {data['validation_examples']:,} held out"),
-            ("tokens", f"{lengths['total_tokens']:,} ({lengths['supervised_tokens']:,} supervised)"),
-            ("tokens per example", f"p50 {lengths['p50']:g}, p99 {lengths['p99']:g}, max {lengths['max']:,}"),
-            ("max_seq_length", f"{data['max_seq_length']:,} (the model's: {data['model_max_length']:,})"),
-            ("shards", f"{data['shards']} ({data['shards_encoded']} encoded, {data['shards_reused']} reused"
-                       + (f", {data['shards_downloaded']} from the store" if data.get("shards_downloaded") else "")
-                       + (f", {data['shards_uploaded']} uploaded" if data.get("shards_uploaded") else "") + ")"),
-            ("staged files", f"{staged.get('files_copied', 0)} copied, {staged.get('files_reused', 0)} reused"
-             if staged.get("files") else ("copied" if staged.get("copied") else "reused")),
-            *_ignored(report),
-            ("skipped", ", ".join(f"{reason}: {count}" for reason, count in data["skipped"].items()) or "none"),
-            ("duplicates", f"{data['duplicates']} ({data['duplicates_dropped']} dropped)"),
-            ("train/validation overlap", f"{data.get('validation_overlap', 0)} held-out example(s) also in train"),
-            *_outliers(data.get("outliers")),
-            ("truncated", data["truncated_examples"]), ("dropped overlong", data["dropped_overlong"]),
-            ("dropped without labels", data["dropped_without_labels"])]
-    if report.get("replay"):
-        rows.append(("replay", ", ".join(f"{k}: {v}" for k, v in report["replay"].items())))
-    rows += [("corrupt in the store", problem) for problem in data.get("shards_corrupt", [])]
+    lengths = data.lengths
+    rows = [("examples", f"{data.train_examples:,} train, {data.validation_examples:,} held out"),
+            ("tokens", f"{lengths.total_tokens:,} ({lengths.supervised_tokens:,} supervised)"),
+            ("tokens per example", f"p50 {lengths.p50:g}, p99 {lengths.p99:g}, max {lengths.max:,}"),
+            ("max_seq_length", f"{data.max_seq_length:,} (the model's: {data.model_max_length:,})"),
+            ("shards", f"{data.shards} ({data.shards_encoded} encoded, {data.shards_reused} reused"
+                       + (f", {data.shards_downloaded} from the store" if data.shards_downloaded else "")
+                       + (f", {data.shards_uploaded} uploaded" if data.shards_uploaded else "") + ")"),
+            *_staged(staged), *_ignored(report),
+            ("skipped", ", ".join(f"{reason}: {count}" for reason, count in data.skipped.items()) or "none"),
+            ("duplicates", f"{data.duplicates} ({data.duplicates_dropped} dropped)"),
+            ("train/validation overlap", f"{data.validation_overlap} held-out example(s) also in train"),
+            *_outliers(data.outliers),
+            ("truncated", data.truncated_examples), ("dropped overlong", data.dropped_overlong),
+            ("dropped without labels", data.dropped_without_labels)]
+    if report.replay:
+        rows.append(("replay", ", ".join(f"{k}: {v}" for k, v in report.replay.items())))
+    rows += [("corrupt in the store", problem) for problem in data.shards_corrupt]
     return ["## Data", "", *_table(("", ""), rows)]
 
 
-def _ignored(report: dict) -> list[tuple[str, str]]:
+def _staged(staged: StagedData | None) -> list[tuple[str, str]]:
+    if staged is None:  # the stage stage was not recorded (a report of an older run)
+        return []
+    return [("staged files", f"{staged.files_copied} copied, {staged.files_reused} reused" if staged.files
+             else ("copied" if staged.copied else "reused"))]
+
+
+def _ignored(report: RunReport) -> list[tuple[str, str]]:
     """The files of the sources that were not read as data (a NOTES.txt beside the shards): counted, the first few
     named."""
     rows = []
     for stage, label in (("stage", "ignored files"), ("stage_validation", "ignored validation files")):
-        staged = _result(report, stage)
-        if staged.get("files_ignored"):
-            named = ", ".join(f"`{name}`" for name in staged["ignored_files"])
-            more = staged["files_ignored"] - len(staged["ignored_files"])
-            rows.append((label, f"{staged['files_ignored']}: {named}" + (f" and {more} more" if more else "")))
+        staged = report.result(stage, StagedData)
+        if staged is not None and staged.files_ignored:
+            named = ", ".join(f"`{name}`" for name in staged.ignored_files)
+            more = staged.files_ignored - len(staged.ignored_files)
+            rows.append((label, f"{staged.files_ignored}: {named}" + (f" and {more} more" if more else "")))
     return rows
 
 
-def _outliers(outliers: dict | None) -> list[tuple[str, str]]:
+def _outliers(outliers: Outliers | None) -> list[tuple[str, str]]:
     if not outliers:
         return [("outliers", "none")]
-    named = ", ".join(f"`{where}` ({tokens:,} tokens)" for where, tokens in outliers["longest"])
-    return [("outliers", f"{outliers['count']} longer than {outliers['threshold']:,} tokens: {named}; the other "
-                         f"examples size to {outliers['others_length']:,} (the plan's profile decides)")]
+    named = ", ".join(f"`{where}` ({tokens:,} tokens)" for where, tokens in outliers.longest)
+    return [("outliers", f"{outliers.count} longer than {outliers.threshold:,} tokens: {named}; the other "
+                         f"examples size to {outliers.others_length:,} (the plan's profile decides)")]
 
 
-def _plan(report: dict) -> list[str]:
-    plan = _result(report, "plan")
-    if not plan:
+def _plan(report: RunReport) -> list[str]:
+    plan = report.result("plan", Plan)
+    if plan is None:
         return []
-    rows = [("profile", plan["profile"]), ("hardware", f"{plan['target']} (found: {plan['detected']})"),
-            ("precision", f"{plan['precision']} (base weights {plan['base_precision']})"),
-            ("optimizer, attention", f"{plan['optimizer']}, {plan['attention']}"),
-            ("micro-batch x accumulation", f"{plan['micro_batch_size']} x {plan['gradient_accumulation']}"),
-            ("gradient checkpointing, compile", f"{plan['gradient_checkpointing']}, {plan['compile']}"),
-            ("dataloader workers", plan["dataloader_workers"]), ("max_seq_length", plan["max_seq_length"]),
-            ("epochs, steps", f"{plan['epochs']:g}, {plan['steps']:,}"), ("train tokens", f"{plan['train_tokens']:,}"),
-            ("tokens/s", f"{plan['tokens_per_second']:,.0f} ({plan['throughput_source']})"),
-            ("estimated training", _seconds(plan["estimated_train_seconds"])),
-            ("estimated total", _seconds(plan["estimated_total_seconds"])),
-            ("estimated cost", "-" if plan["estimated_cost_usd"] is None else f"${plan['estimated_cost_usd']:,.2f}")]
+    rows = [("profile", plan.profile), ("hardware", f"{plan.target} (found: {plan.detected})"),
+            ("precision", f"{plan.precision} (base weights {plan.base_precision})"),
+            ("optimizer, attention", f"{plan.optimizer}, {plan.attention}"),
+            ("micro-batch x accumulation", f"{plan.micro_batch_size} x {plan.gradient_accumulation}"),
+            ("gradient checkpointing, compile", f"{plan.gradient_checkpointing}, {plan.compile}"),
+            ("dataloader workers", plan.dataloader_workers), ("max_seq_length", plan.max_seq_length),
+            ("epochs, steps", f"{plan.epochs:g}, {plan.steps:,}"), ("train tokens", f"{plan.train_tokens:,}"),
+            ("tokens/s", f"{plan.tokens_per_second:,.0f} ({plan.throughput_source})"),
+            ("estimated training", _seconds(plan.estimated_train_seconds)),
+            ("estimated total", _seconds(plan.estimated_total_seconds)),
+            ("estimated cost", "-" if plan.estimated_cost_usd is None else f"${plan.estimated_cost_usd:,.2f}")]
     rows += _footing(plan)
-    if plan.get("window_seconds"):
-        rows.append(("window", f"{_seconds(plan['window_seconds'])}; fits: {plan['fits_in_window']}"))
-    train, validation = report.get("estimate_vs_actual") or {}, report.get("validation_estimate_vs_actual") or {}
-    pairs = (("training", train.get("estimated_train_seconds"), train.get("actual_train_seconds")),
-             ("validation", validation.get("estimated_seconds"), validation.get("actual_seconds")))
+    if plan.window_seconds:
+        rows.append(("window", f"{_seconds(plan.window_seconds)}; fits: {plan.fits_in_window}"))
+    train, validation = report.estimate_vs_actual, report.validation_estimate_vs_actual
+    pairs = (("training", train and train.estimated_train_seconds, train and train.actual_train_seconds),
+             ("validation", validation and validation.estimated_seconds, validation and validation.actual_seconds))
     compared = [(what, _seconds(estimated), _seconds(actual), _ratio(estimated, actual))
                 for what, estimated, actual in pairs if actual]
     lines = ["## Plan", "", *_table(("knob", "value"), rows)]
-    notes = [f"- {a['step']}: {a['before']} -> {a['after']} (~{a['estimated_hours']:.2f} h)"
-             for a in plan.get("adjustments", [])] + [f"- {note}" for note in plan.get("notes", [])]
+    notes = [f"- {a.step}: {a.before} -> {a.after} (~{a.estimated_hours:.2f} h)" for a in plan.adjustments] \
+        + [f"- {note}" for note in plan.notes]
     lines += [*notes, ""] if notes else []
     if compared:
         lines += ["Estimate against actual (a stage that was cached is not compared):", "",
                   *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
-    return lines + _interruptions(plan, report.get("interruptions_vs_actual"))
+    return lines + _interruptions(plan, report.interruptions_vs_actual)
 
 
-def _footing(plan: dict) -> list[tuple[str, str]]:
+def _footing(plan: Plan) -> list[tuple[str, str]]:
     """How sure the estimate is, and what calibration spent of its budget (plans written before: nothing)."""
-    estimate, calibration = plan.get("estimate") or {}, plan.get("calibration")
+    estimate, calibration = plan.estimate, plan.calibration
     rows = []
-    if estimate.get("footing"):
-        rows.append(("estimated total, range", f"{_seconds(estimate['low_total_seconds'])} to "
-                                               f"{_seconds(estimate['high_total_seconds'])} "
-                                               f"({estimate['footing']['words']})"))
-    if calibration and calibration.get("footing"):
-        needed = calibration.get("needed_seconds")
-        rows.append(("calibration", f"{calibration['seconds']:.0f} s of a {calibration['budget_seconds']:.0f} s budget"
+    if estimate.footing:
+        rows.append(("estimated total, range", f"{_seconds(estimate.low_total_seconds)} to "
+                                               f"{_seconds(estimate.high_total_seconds)} ({estimate.footing.words})"))
+    if calibration is not None:
+        needed = calibration.needed_seconds
+        rows.append(("calibration", f"{calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"
                                     + (f"; a whole measurement needs ~{needed:.0f} s" if needed else "")))
     return rows
 
 
-def _interruptions(plan: dict, outcome: dict | None) -> list[str]:
+def _interruptions(plan: Plan, outcome: InterruptionOutcome | None) -> list[str]:
     """The checkpoint interval, the interruptions the plan expected over the whole run, and what this attempt saw:
     a run knows its own start and the host it took over from, not the attempts before that."""
-    section = plan.get("interruptions")
+    section = plan.interruptions
     if not section and not outcome:
         return []
     rows = []
     if section:
-        cost, expected = section["checkpoint"], section["expected"]
-        rows += [("checkpoint interval", f"{section['interval']} ({section['interval_rule']}); a checkpoint "
-                                         f"{_seconds(cost['write_seconds'] + cost['upload_seconds'])} (write "
-                                         f"{cost['write_source']}, upload {cost['upload_source']})"),
-                 ("expected (plan)", f"{expected['interruptions']:.2f} interruptions at "
-                                     f"{section['rate_per_hour']:.4g}/h ({section['rate_source']}): lost work "
-                                     f"{_seconds(expected['lost_seconds'])}, restarts "
-                                     f"{_seconds(expected['restart_seconds'])}")]
+        cost, expected = section.checkpoint, section.expected
+        rows += [("checkpoint interval", f"{section.interval} ({section.interval_rule}); a checkpoint "
+                                         f"{_seconds(cost.write_seconds + cost.upload_seconds)} (write "
+                                         f"{cost.write_source}, upload {cost.upload_source})"),
+                 ("expected (plan)", f"{expected.interruptions:.2f} interruptions at "
+                                     f"{section.rate_per_hour:.4g}/h ({section.rate_source}): lost work "
+                                     f"{_seconds(expected.lost_seconds)}, restarts "
+                                     f"{_seconds(expected.restart_seconds)}")]
     if outcome:
-        resumed = (f"resumed from step {outcome['resumed_from_step']} in the store, after an interruption"
-                   if outcome["resumed_after_interruption"] else
-                   f"resumed from its own step {outcome['resumed_from_step']}" if outcome["resumed_from_step"]
+        resumed = (f"resumed from step {outcome.resumed_from_step} in the store, after an interruption"
+                   if outcome.resumed_after_interruption else
+                   f"resumed from its own step {outcome.resumed_from_step}" if outcome.resumed_from_step
                    else "started from step 0")
         rows.append(("this attempt", resumed))
-        if outcome.get("taken_over_from_step") is not None:
-            lost = _n(outcome.get("lost_steps"))
-            rows.append(("host taken over", f"had reached step {outcome['taken_over_from_step']}: {lost} steps "
-                                            f"lost (~{_seconds(outcome.get('lost_seconds'))} at this attempt's "
-                                            f"speed)"))
+        if outcome.taken_over_from_step is not None:
+            rows.append(("host taken over", f"had reached step {outcome.taken_over_from_step}: "
+                                            f"{_n(outcome.lost_steps)} steps lost (~{_seconds(outcome.lost_seconds)} "
+                                            f"at this attempt's speed)"))
     return ["Interruptions, the plan against this attempt:", "", *_table(("", ""), rows)]
 
 
-def _evaluations(report: dict) -> list[tuple[str, str]]:
+def _evaluations(report: RunReport) -> list[tuple[str, str]]:
     """Rows from eval.jsonl (evaluation during training), when training evaluated."""
     _, path = _train_files(report)
     lines = [line for line in run_files.read_lines(path) if isinstance(line.get("eval_loss"), (int, float))]
@@ -312,53 +318,55 @@ def _evaluations(report: dict) -> list[tuple[str, str]]:
             ("best evaluation", f"step {best[-1]['step']}: eval loss {best[-1]['eval_loss']:.4f}")]
 
 
-def _training(report: dict) -> list[str]:
-    train, plan = _result(report, "train"), _result(report, "plan")
-    if not train:
+def _steps(report: RunReport, train: TrainResult) -> str:
+    plan = report.result("plan", Plan)
+    steps = f"{train.steps:,}" + (f" of {plan.steps:,} planned" if plan and plan.steps != train.steps else "")
+    steps += f", resumed from step {train.resumed_from_step}" if train.resumed_from_step else ""
+    if train.stopped_early:  # `steps` is the plan's count: where the patience ran out says how far it went
+        patience = report.config.get("validation", {}).get("early_stopping")
+        steps += (f"; stopped early at step {train.stopped_at_step:,} (no better eval loss in {patience} "
+                  f"evaluations), the adapter from step {train.best_step:,}")
+    return steps + (" (a finished run, reused)" if train.reused_completed_run else "")
+
+
+def _training(report: RunReport) -> list[str]:
+    train = report.result("train", TrainResult)
+    if train is None:
         return []
     metrics, _ = _train_files(report)
     peaks = [line["peak_memory_gib"] for line in run_files.read_lines(metrics)
              if isinstance(line.get("peak_memory_gib"), (int, float))]
-    steps = f"{train['steps']:,}" + (f" of {plan['steps']:,} planned" if plan and plan["steps"] != train["steps"]
-                                     else "")
-    steps += f", resumed from step {train['resumed_from_step']}" if train["resumed_from_step"] else ""
-    if train.get("stopped_early"):  # `steps` is the plan's count: where the patience ran out says how far it went
-        steps += (f"; stopped early at step {train['stopped_at_step']:,} (no better eval loss in "
-                  f"{(report.get('config') or {}).get('validation', {}).get('early_stopping')} evaluations), "
-                  f"the adapter from step {train['best_step']:,}")
-    steps += " (a finished run, reused)" if train["reused_completed_run"] else ""
-    rows = [("steps", steps),
-            ("tokens", f"{train['train_tokens']:,}"), ("tokens/s", f"{train['tokens_per_second']:,.0f}"),
-            ("wall", f"{_seconds(train['wall_seconds'])} (start-up {_seconds(train.get('startup_seconds'))})"),
-            ("checkpoints", f"{train['checkpoints_written']} written, {_seconds(train['checkpoint_seconds'])} "
-                            f"({train.get('checkpoint_share', 0):.1%} of the wall time)"),
-            ("MFU", "-" if train.get("mean_mfu") is None else f"{train['mean_mfu'] * 100:.3g}%"),
+    rows = [("steps", _steps(report, train)),
+            ("tokens", f"{train.train_tokens:,}"), ("tokens/s", f"{train.tokens_per_second:,.0f}"),
+            ("wall", f"{_seconds(train.wall_seconds)} (start-up {_seconds(train.startup_seconds)})"),
+            ("checkpoints", f"{train.checkpoints_written} written, {_seconds(train.checkpoint_seconds)} "
+                            f"({train.checkpoint_share:.1%} of the wall time)"),
+            ("MFU", "-" if train.mean_mfu is None else f"{train.mean_mfu * 100:.3g}%"),
             ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
-            ("micro-batch", f"{train.get('micro_batch_size', '-')} ({train.get('out_of_memory_backoffs', 0)} "
-                            "out-of-memory back-offs)"),
-            ("final loss", _n(train.get("final_loss"), ".4f")), *_evaluations(report), *_store(train.get("store"))]
-    return ["## Training", "", f"Directory: `{train['output_dir']}`", "", *_table(("", ""), rows)]
+            ("micro-batch", f"{train.micro_batch_size} ({train.out_of_memory_backoffs} out-of-memory back-offs)"),
+            ("final loss", _n(train.final_loss, ".4f")), *_evaluations(report), *_store(train.store)]
+    return ["## Training", "", f"Directory: `{train.output_dir}`", "", *_table(("", ""), rows)]
 
 
-def _store(store: dict | None) -> list[tuple[str, str]]:
+def _store(store: StoreTraining | None) -> list[tuple[str, str]]:
     """What training took from the store and put in it (phase1a/train/train_store.py)."""
     if not store:
         return []
-    pulled = store["pulled"]
-    took = {"final": "the finished adapter", "checkpoint": f"the checkpoint of step {pulled['step']}",
-            "nothing": "nothing"}[pulled["what"]]
-    rows = [("store", f"`{store['location']}`"),
-            ("from the store", f"{took} ({_seconds(pulled['seconds'])})" if pulled["what"] != "nothing" else took),
-            ("to the store", f"{store['checkpoint_uploads']} checkpoints in the background "
-                             f"({_seconds(store['checkpoint_upload_seconds'])}), the newest step "
-                             f"{store['uploaded_step']}" + ("; the adapter" if store["final_uploaded"] else ""))]
-    if store["lease_waited_seconds"] >= 1:
-        rows.append(("lease", f"waited {_seconds(store['lease_waited_seconds'])} for another host"))
-    if store.get("taken_over_from"):
-        lost, step = store.get("lost_steps"), store["taken_over_from"].get("step")
+    pulled = store.pulled
+    took = {"final": "the finished adapter", "checkpoint": f"the checkpoint of step {pulled.step}",
+            "nothing": "nothing"}[pulled.what]
+    rows = [("store", f"`{store.location}`"),
+            ("from the store", f"{took} ({_seconds(pulled.seconds)})" if pulled.what != "nothing" else took),
+            ("to the store", f"{store.checkpoint_uploads} checkpoints in the background "
+                             f"({_seconds(store.checkpoint_upload_seconds)}), the newest step "
+                             f"{store.uploaded_step}" + ("; the adapter" if store.final_uploaded else ""))]
+    if store.lease_waited_seconds >= 1:
+        rows.append(("lease", f"waited {_seconds(store.lease_waited_seconds)} for another host"))
+    if store.taken_over_from:
+        lost, step = store.lost_steps, store.taken_over_from.get("step")
         rows.append(("taken over", f"from a host that stopped renewing its lease at step {step}"
                                    + ("" if lost is None else f"; {lost} steps lost")))
-    rows += [("upload failed", failure) for failure in store.get("upload_failures", [])]
+    rows += [("upload failed", failure) for failure in store.upload_failures]
     return rows
 
 
@@ -369,65 +377,64 @@ def _curves(plots: list[Plot]) -> list[str]:
     return lines
 
 
-def _validation(report: dict) -> list[str]:
-    section = report.get("validation")
-    if not section:
+def _validation(report: RunReport) -> list[str]:
+    section = report.validation
+    if section is None:
         return []
-    checks = {check["metric"]: check for check in section.get("checks", [])}
+    checks = {check.metric: check for check in section.checks}
 
     def gate(name: str) -> str:
         check = checks.get(name)
         if check is None:
             return "-"
-        sign = ">= baseline -" if check["higher_is_better"] else "<= baseline +"
-        return f"{'pass' if check['passed'] else '**FAIL**'} ({sign} {check['tolerance']:g})"
+        sign = ">= baseline -" if check.higher_is_better else "<= baseline +"
+        return f"{'pass' if check.passed else '**FAIL**'} ({sign} {check.tolerance:g})"
 
-    rows = [(name, _n(row["base"], ".4f"), _n(row["baseline"], ".4f"), _n(row["candidate"], ".4f"),
-             _n(row["delta"], "+.4f"), gate(name)) for name, row in section["metrics"].items()
-            if any(row[key] is not None for key in ("base", "baseline", "candidate"))]
-    verdict = "**PASS**" if section["verdict"] == "pass" else "**FAIL**"
-    return ["## Validation", "", f"{verdict} against {section['baseline']}, on {section['examples']} held-out "
+    rows = [(name, _n(row.base, ".4f"), _n(row.baseline, ".4f"), _n(row.candidate, ".4f"), _n(row.delta, "+.4f"),
+             gate(name)) for name, row in section.metrics.items()
+            if any(value is not None for value in (row.base, row.baseline, row.candidate))]
+    verdict = "**PASS**" if section.verdict == "pass" else "**FAIL**"
+    return ["## Validation", "", f"{verdict} against {section.baseline}, on {section.examples} held-out "
             "examples.", "", *_table(("metric", "base", "baseline", "candidate", "delta", "gate"), rows),
-            *[f"- {reason}" for reason in section.get("reasons", [])], *([""] if section.get("reasons") else [])]
+            *[f"- {reason}" for reason in section.reasons], *([""] if section.reasons else [])]
 
 
-def _promotion(report: dict) -> list[str]:
-    promotion = (report.get("validation") or {}).get("promotion")
-    lineage = report.get("lineage") or {}
-    promote_to = ((report.get("config") or {}).get("validation") or {}).get("promote_to")
-    rows = [("started from", lineage.get("started_from", "-"))]
+def _promotion(report: RunReport) -> list[str]:
+    promotion = report.validation.promotion if report.validation else None
+    promote_to = (report.config.get("validation") or {}).get("promote_to")
+    rows = [("started from", report.lineage.started_from if report.lineage else "-")]
     if promotion:
-        rows += [("version", f"`{promotion['version']}`" + ("" if promotion["promoted"]
-                                                              else " (already the promoted model: nothing copied)")),
-                 ("path", f"`{promotion['path']}`"), ("pointer", f"`{promote_to.rstrip('/')}/{POINTER}`")]
+        rows += [("version", f"`{promotion.version}`" + ("" if promotion.promoted
+                                                          else " (already the promoted model: nothing copied)")),
+                 ("path", f"`{promotion.path}`"), ("pointer", f"`{promote_to.rstrip('/')}/{POINTER}`")]
     elif promote_to:
-        rows.append(("promoted", "no: " + ("the gate failed" if (report.get("validation") or {}).get("verdict")
-                                           == "fail" else "the run did not get that far")))
+        failed = report.validation is not None and report.validation.verdict == "fail"
+        rows.append(("promoted", "no: " + ("the gate failed" if failed else "the run did not get that far")))
     else:
         rows.append(("promoted", "no: validation.promote_to is not set"))
     return ["## Promotion", "", *_table(("", ""), rows)]
 
 
-def _links(report: dict, run_dir: Path) -> list[str]:
-    flow_run, tracking = report.get("flow_run") or {}, report.get("tracking") or {}
+def _links(report: RunReport, run_dir: Path) -> list[str]:
+    flow_run = report.flow_run or FlowRunLink()
     lines = ["## Links", ""]
-    if flow_run.get("url"):
-        lines.append(f"- Prefect flow run: <{flow_run['url']}>")
-    elif flow_run.get("id"):
-        lines.append(f"- Prefect flow run: `{flow_run['id']}` (no PREFECT_UI_URL set)")
-    for name, section in tracking.items():
+    if flow_run.url:
+        lines.append(f"- Prefect flow run: <{flow_run.url}>")
+    elif flow_run.id:
+        lines.append(f"- Prefect flow run: `{flow_run.id}` (no PREFECT_UI_URL set)")
+    for name, section in report.tracking.items():
         where = section.get("url") or section.get("dir")
         if where:
             lines.append(f"- {name}: <{where}>" if "://" in str(where) else f"- {name}: `{where}`")
-    files = [name for name in ("report.json", "plan.json", "candidate_metrics.json") if (run_dir / name).is_file()]
+    files = [name for name in (layout.REPORT_JSON, layout.PLAN_JSON, layout.CANDIDATE_METRICS)
+             if (run_dir / name).is_file()]
     lines.append("- files: " + ", ".join(f"[{name}]({name})" for name in files))
     metrics, evaluations = _train_files(report)
     lines += [f"- training: `{path}`" for path in (metrics, evaluations) if path and path.is_file()]
     return lines + [""]
 
-
-def render_report(report: dict, run_dir: Path, plots: list[Plot]) -> str:
-    """report.md's text from report.json's dict, the files in the run directory and what became of the plots."""
+def render_report(report: RunReport, run_dir: Path, plots: list[Plot]) -> str:
+    """report.md's text from report.json, the files in the run directory and what became of the plots."""
     sections = [_header(report), _stages(report), _data(report), _plan(report), _training(report), _curves(plots),
                 _validation(report), _promotion(report), _links(report, Path(run_dir))]
     return "\n".join(line for section in sections for line in section).rstrip() + "\n"
@@ -435,10 +442,10 @@ def render_report(report: dict, run_dir: Path, plots: list[Plot]) -> str:
 
 # ---- the end of a run --------------------------------------------------------------------------------------
 
-def write_report(report: dict, run_dir: Path, plots: list[Plot] | None = None) -> Path:
+def write_report(report: RunReport, run_dir: Path, plots: list[Plot] | None = None) -> Path:
     """Write report.md into the run directory, with the plots drawn already or drawn now; returns its path."""
     run_dir = Path(run_dir)
-    path = run_dir / "report.md"
+    path = run_dir / layout.REPORT_MD
     write_atomically(path, render_report(report, run_dir, draw_plots(report, run_dir) if plots is None else plots))
     return path
 
@@ -466,7 +473,7 @@ def publish_report(path: Path) -> None:
                              description="phase1a run report: stages, plan, curves, validation, promotion")
 
 
-def finish_report(report: dict, run_dir: Path, plots: list[Plot] | None = None) -> Path | None:
+def finish_report(report: RunReport, run_dir: Path, plots: list[Plot] | None = None) -> Path | None:
     """report.md and its artifact, at the end of every run. Whatever goes wrong here is logged, never raised: the
     run's outcome is already decided and written (report.json)."""
     try:

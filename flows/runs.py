@@ -4,24 +4,25 @@ store, every run's directory is also kept there (`jobs/<name>/runs/<run>/`, a bu
 of other hosts too."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from phase1a.core import layout
 from phase1a.core.errors import DataError
+from phase1a.run_report import RunReport
 from phase1a.store.base import Store
 from phase1a.store.bundles import upload_bundle
 
 _COLUMNS = ("run", "status", "wall s", "train s", "estimate", "loss", "token acc", "exact", "promoted")
 
 
-def run_reports(runs_dir: Path) -> tuple[list[tuple[Path, dict]], int]:
+def run_reports(runs_dir: Path) -> tuple[list[tuple[Path, RunReport]], int]:
     """Every run's report under `runs_dir`, oldest first, and how many could not be read (a run killed while
     its report was written leaves none; a damaged one is counted, not fatal)."""
     reports, unreadable = [], 0
-    for path in sorted(Path(runs_dir).glob("*/report.json")):
+    for path in sorted(Path(runs_dir).glob(f"*/{layout.REPORT_JSON}")):
         try:
-            reports.append((path, json.loads(path.read_text())))
-        except (OSError, ValueError):
+            reports.append((path, RunReport.load(path)))
+        except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
             unreadable += 1
     return reports, unreadable
 
@@ -35,39 +36,38 @@ def share_run(store: Store, job: str, run_dir: Path) -> None:
     upload_bundle(store, run_dir, f"{_store_prefix(job)}{Path(run_dir).name}/")
 
 
-def stored_reports(store: Store, job: str, known: set[str]) -> list[tuple[Path, dict]]:
+def stored_reports(store: Store, job: str, known: set[str]) -> list[tuple[Path, RunReport]]:
     """The reports of the job's runs in the store whose run directories are not in `known` (other hosts' runs),
     each with where it lies in the store."""
     found = []
     for item in store.list(_store_prefix(job)):
         run, _, name = item.key.removeprefix(_store_prefix(job)).partition("/")
-        fetched = store.get(item.key) if name == "report.json" and run not in known else None
+        fetched = store.get(item.key) if name == layout.REPORT_JSON and run not in known else None
         if fetched is not None:
             try:
-                found.append((Path(store.where(item.key)), json.loads(fetched.data)))
+                found.append((Path(store.where(item.key)), RunReport.model_validate_json(fetched.data)))
             except ValueError:
                 continue
     return found
 
 
-def _row(path: Path, report: dict) -> tuple[str, ...]:
-    train = report.get("estimate_vs_actual") or {}
-    metrics = (report.get("validation") or {}).get("metrics", {})
-    promotion = (report.get("validation") or {}).get("promotion") or {}
-    accuracy = train.get("time_accuracy")
+def _row(path: Path, report: RunReport) -> tuple[str, ...]:
+    train, validation = report.estimate_vs_actual, report.validation
+    promotion = validation.promotion if validation else None
+    accuracy = train.time_accuracy if train else None
 
     def candidate(metric: str, digits: int) -> str:
-        value = metrics.get(metric, {}).get("candidate")
-        return "-" if value is None else f"{value:.{digits}f}"
+        row = validation.metrics.get(metric) if validation else None
+        return "-" if row is None or row.candidate is None else f"{row.candidate:.{digits}f}"
 
-    return (path.parent.name, report.get("status", "?"), f"{report.get('wall_seconds', 0):.0f}",
-            f"{train['actual_train_seconds']:.0f}" if train else "-",
+    return (path.parent.name, report.status or "?", f"{report.wall_seconds or 0:.0f}",
+            f"{train.actual_train_seconds:.0f}" if train else "-",
             f"{accuracy - 1:+.0%}" if accuracy else "-",
             candidate("loss", 4), candidate("token_accuracy", 3), candidate("exact_match", 3),
-            promotion.get("version", "-") if promotion.get("promoted") else "-")
+            promotion.version if promotion and promotion.promoted else "-")
 
 
-def format_runs(reports: list[tuple[Path, dict]], unreadable: int = 0) -> str:
+def format_runs(reports: list[tuple[Path, RunReport]], unreadable: int = 0) -> str:
     """A table of runs: status, wall and training seconds, the plan's training estimate against the actual
     (+: it said longer), the candidate's held-out metrics, the version it was promoted as."""
     rows = [_COLUMNS] + [_row(path, report) for path, report in reports]
@@ -82,12 +82,12 @@ def find_report(run: str, runs_dir: Path | None) -> Path:
     """A run's report.json from its directory, its report's path, or (under `runs_dir`) its directory's name or
     the flow run name it ends with."""
     given = Path(run)
-    for candidate in (given, given / "report.json"):
+    for candidate in (given, given / layout.REPORT_JSON):
         if candidate.is_file():
             return candidate
     if runs_dir is None:
         raise DataError(f"{run}: no such run directory or report.json (give --config to look a run up by name)")
-    matches = [path for path in sorted(Path(runs_dir).glob("*/report.json"))
+    matches = [path for path in sorted(Path(runs_dir).glob(f"*/{layout.REPORT_JSON}"))
                if path.parent.name == run or path.parent.name.endswith(f"-{run}")]
     if len(matches) != 1:
         found = "no run" if not matches else f"{len(matches)} runs ({', '.join(p.parent.name for p in matches)})"

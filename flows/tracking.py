@@ -21,11 +21,12 @@ from typing import Any
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
-from flows.report import RunReport
+from flows.report import ReportWriter
 from phase1a.config.schema import Phase1aConfig
-from phase1a.results import RunOutcome, TrainResult, ValidationResult
+from phase1a.results import Plan, RunOutcome, TrainResult, ValidationResult
+from phase1a.run_report import ValidationSection
 from phase1a.tracking import Follower, RunContext, Trackers, redacted, require_packages, wanted
-from tasks.train import train_settings
+from tasks.train import training_dir
 from tasks.validate import format_table
 
 # What the plan's params leave out: nested detail that is in plan.json (an artifact of the flow run).
@@ -33,12 +34,12 @@ PLAN_DETAIL = {"model", "memory", "estimate", "calibration", "options", "adjustm
 
 
 class RunTracking:
-    def __init__(self, config: Phase1aConfig, report: RunReport, trackers: Trackers) -> None:
+    def __init__(self, config: Phase1aConfig, report: ReportWriter, trackers: Trackers) -> None:
         self.config, self.report, self.trackers = config, report, trackers
         self.plan_logged, self.adapter_dir = False, None
 
     @classmethod
-    def start(cls, config: Phase1aConfig, report: RunReport) -> "RunTracking":
+    def start(cls, config: Phase1aConfig, report: ReportWriter) -> "RunTracking":
         """A tracker the config asks for but that is not installed fails here, before any stage. The trackers
         finish as the report closes: after the plots are drawn (they log them), before report.json is written
         (it records their sections)."""
@@ -56,7 +57,7 @@ class RunTracking:
         if not self.trackers.sections:
             return self.report.run(stage, task, **inputs)
         self._log_plan(inputs["plan"].model_dump(mode="json"))
-        output_dir = Path(train_settings(**inputs).output_dir)
+        output_dir = training_dir(**inputs)
 
         def unreadable(error: BaseException) -> None:
             self.trackers.log.warning("tracking: reading %s: %s", output_dir, error)
@@ -75,20 +76,21 @@ class RunTracking:
             self.trackers.log_params({"plan": {k: v for k, v in plan.items() if k not in PLAN_DETAIL}})
             self.plan_logged = True
 
-    def _log_validation(self, section: dict, verdict: ValidationResult) -> None:
+    def _log_validation(self, section: ValidationSection, verdict: ValidationResult) -> None:
         """report.json's `validation` section: the table, the verdict, each model's metrics, the promotion."""
-        self.trackers.log_table("validation", [{"metric": name, **row} for name, row in section["metrics"].items()])
-        values: dict[str, float | str] = {"gate": section["verdict"]}
-        for name, row in section["metrics"].items():
+        rows = {name: row.model_dump() for name, row in section.metrics.items()}
+        self.trackers.log_table("validation", [{"metric": name, **row} for name, row in rows.items()])
+        values: dict[str, float | str] = {"gate": section.verdict}
+        for name, row in rows.items():
             values.update({f"{role}_{name}": row[role] for role in ("base", "baseline", "candidate")
                            if row[role] is not None})
-        if section.get("promotion"):
-            values["promoted_version"] = section["promotion"]["version"]
+        if section.promotion:
+            values["promoted_version"] = section.promotion.version
         self.trackers.log_summary(values)
-        self.trackers.log_text("gate.txt", f"baseline: {section['baseline']}\n{format_table(verdict)}\n")
+        self.trackers.log_text("gate.txt", f"baseline: {section.baseline}\n{format_table(verdict)}\n")
 
     def _announce(self) -> None:
-        self.report.set("tracking", self.trackers.sections)
+        self.report.data.tracking = self.trackers.sections
         for name, section in self.trackers.sections.items():
             where = section.get("url") or section.get("dir") or section.get("run_id")
             print(f"tracking: {name} run {where}" if where else f"tracking: {name} did not start")
@@ -100,16 +102,16 @@ class RunTracking:
 
     def _finish(self, outcome: RunOutcome) -> None:
         if self.trackers.sections:
-            stages = self.report.data["stages"]
-            if "result" in stages.get("plan", {}):
-                self._log_plan(stages["plan"]["result"])
-            if "validation" in self.report.data and "result" in stages.get("validate", {}):
-                verdict = ValidationResult.model_validate(stages["validate"]["result"])
-                self._log_validation(self.report.data["validation"], verdict)
+            report = self.report.data
+            plan, verdict = report.result("plan", Plan), report.result("validate", ValidationResult)
+            if plan is not None:
+                self._log_plan(plan.model_dump(mode="json"))
+            if report.validation is not None and verdict is not None:
+                self._log_validation(report.validation, verdict)
             self.trackers.log_images(sorted(self.report.run_dir.glob("*.png")))
             self._log_adapter()
             self.trackers.finish(outcome)
-        self.report.set("tracking", self.trackers.sections)
+        self.report.data.tracking = self.trackers.sections
 
     def _log_adapter(self) -> None:
         if not (self.adapter_dir and Path(self.adapter_dir).is_dir()):

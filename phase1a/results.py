@@ -161,11 +161,11 @@ class ValidationResult(BaseModel):
     promoted_seen: str | None = None  # the pointer's version the gate compared against (baseline: promoted)
 
 
-def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> dict | None:
+def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> InterruptionOutcome | None:
     """report.json's `interruptions_vs_actual`; None where the plan expected none and the run had no store."""
     if plan.interruptions is None and trained.store is None:
         return None
-    return interruptions_outcome(plan, trained).model_dump(mode="json")
+    return interruptions_outcome(plan, trained)
 
 
 def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutcome:

@@ -53,6 +53,7 @@ from pydantic import BaseModel
 
 from phase1a.config.schema import HardwareConfig, Phase1aConfig
 from phase1a.config.stores import open_store
+from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
@@ -693,9 +694,15 @@ def _outlier_note(profile: str, outliers: Outliers, max_seq_length: int, truncat
 
 # ---- reading a plan ------------------------------------------------------------------------------------------
 
+def present_plan(plan: Plan, run_dir: Path) -> None:
+    """What a run shows of its plan, cached or not: plan.json and the plan artifact, and the plan printed."""
+    publish_plan(plan, run_dir)
+    print(format_plan(plan))
+
+
 def publish_plan(plan: Plan, run_dir: Path) -> Path:
     """plan.json in the run directory, and the plan as a Prefect table artifact."""
-    path = Path(run_dir) / "plan.json"
+    path = Path(run_dir) / layout.PLAN_JSON
     write_atomically(path, plan.model_dump_json(indent=2) + "\n")
     try:
         from prefect.artifacts import create_table_artifact

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from phase1a.config.schema import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.config.stores import open_store
+from phase1a.core import layout
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import detect
@@ -54,6 +55,7 @@ from phase1a.store.base import Store
 from phase1a.store.lease import LeaseLost
 from phase1a.train import distributed, run_files
 from phase1a.train.checkpoints import (
+    MARKER,
     TrainingState,
     list_checkpoints,
     load_checkpoint,
@@ -124,11 +126,9 @@ def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: Met
     return hash_json(key)[:16]
 
 
-def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
-                   start: StartPoint) -> TrainSettings:
-    """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
-    them), its truncation, its starting adapter; the output directory is keyed by what makes two runs the same
-    run."""
+def training_dir(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
+                 start: StartPoint) -> Path:
+    """The run's training directory, keyed by what makes two runs the same run (`training_key`)."""
     method = config.method.model_copy(update={"epochs": plan.epochs})
     evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
     interval = plan.checkpoint_interval or config.checkpoint.interval  # auto's choice, or as configured
@@ -139,14 +139,25 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
         early_stopping["interval"] = AUTO
     run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint,
                            early_stopping)
+    return config.work_dir / config.name / f"train-{run_key}"
+
+
+def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
+                   start: StartPoint) -> TrainSettings:
+    """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
+    them), its truncation, its starting adapter, its directory (`training_dir`)."""
+    method = config.method.model_copy(update={"epochs": plan.epochs})
+    evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
+    interval = plan.checkpoint_interval or config.checkpoint.interval  # auto's choice, or as configured
+    output_dir = training_dir(config, plan, data, model, start)
     return TrainSettings(
         model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
-        output_dir=str(config.work_dir / config.name / f"train-{run_key}"), init_adapter=start.adapter_dir,
+        output_dir=str(output_dir), init_adapter=start.adapter_dir,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, progress=config.progress,
-        launch=launch_for(config.hardware, f"train-{run_key}"), strategy=config.hardware.strategy,
+        launch=launch_for(config.hardware, output_dir.name), strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
         planned_seconds=plan.estimated_train_seconds, evaluation=evaluation,
     )
@@ -164,10 +175,10 @@ def train(settings: TrainSettings, on_model=None, stop: threading.Event | None =
 
 
 def finished_run(output_dir: Path) -> TrainResult | None:
-    final_dir = output_dir / "final"
-    if not (final_dir / "COMPLETE").is_file():
+    final_dir = output_dir / layout.FINAL
+    if not (final_dir / MARKER).is_file():
         return None
-    summary = TrainResult.model_validate_json((final_dir / "result.json").read_text())
+    summary = TrainResult.model_validate_json((final_dir / layout.RESULT).read_text())
     return summary.model_copy(update={"reused_completed_run": True})
 
 
@@ -247,7 +258,7 @@ class TrainRecipe:
         resumed_from = self._resume()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.world.main:  # later steps and their evaluations are redone
-            for curve in (run_files.METRICS, run_files.EVALUATIONS):
+            for curve in (layout.METRICS, layout.EVALUATIONS):
                 _trim_metrics(self.output_dir / curve, self.progress.step)
         yardstick = Yardstick(settings.model_flops_per_token, settings.peak_flops, settings.planned_seconds)
         self.reporter = ProgressReporter(self.output_dir, self.total_steps, self.progress.step, yardstick,
@@ -412,7 +423,7 @@ class TrainRecipe:
 
     def _carried(self) -> dict[str, Path]:
         """What a checkpoint takes along to another host: the curves so far and the best weights it names."""
-        curves = (run_files.METRICS, run_files.EVALUATIONS, run_files.EVENTS)
+        curves = (layout.METRICS, layout.EVALUATIONS, layout.EVENTS)
         carried = {name: self.output_dir / name for name in curves}
         best = self.evaluator.stopping.best_step if self.evaluator is not None else None
         if best is not None:
@@ -432,7 +443,7 @@ class TrainRecipe:
         progress, world = self.progress, self.world
         wall = time.perf_counter() - progress.started
         tokens = progress.tokens  # every rank's: summed at each step
-        final_dir = self.output_dir / "final"
+        final_dir = self.output_dir / layout.FINAL
         result = TrainResult(
             adapter_dir=str(final_dir), output_dir=str(self.output_dir), steps=self.total_steps,
             resumed_from_step=self.resumed_from_step, reused_completed_run=False, wall_seconds=round(wall, 3),
@@ -482,8 +493,8 @@ def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, we
     with atomic_path(final_dir) as partial:
         model.save_pretrained(partial, **({"state_dict": weights} if weights is not None else {}))
         write_trained_on(partial, train_path)
-        (partial / "result.json").write_text(result.model_dump_json(indent=2))
-        (partial / "COMPLETE").write_text("ok\n")
+        (partial / layout.RESULT).write_text(result.model_dump_json(indent=2))
+        (partial / MARKER).write_text("ok\n")
 
 
 # ---- several processes ---------------------------------------------------------------------------------------
@@ -495,7 +506,7 @@ def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainRe
         return train(settings, stop=stop)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    settings_path = output_dir / "settings.json"
+    settings_path = output_dir / layout.SETTINGS
     _out_of_memory_notes(output_dir)  # a crashed launcher's leftovers do not count for this launch
     backoffs, restarts, launch = 0, 0, settings.launch
     while True:
@@ -519,7 +530,7 @@ def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainRe
                                      f"({restarts} of {launch.max_restarts} restarts)")
             else:
                 raise
-    result_path = output_dir / "final" / "result.json"
+    result_path = output_dir / layout.FINAL / layout.RESULT
     result = TrainResult.model_validate_json(result_path.read_text())
     if backoffs:
         result = result.model_copy(update={"out_of_memory_backoffs": result.out_of_memory_backoffs + backoffs})
@@ -565,7 +576,7 @@ def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig)
                 report.checkpoint_uploads, report.uploaded_step = mirror.uploads, mirror.uploaded_step
                 report.checkpoint_upload_seconds = round(mirror.upload_seconds, 3)
                 report.upload_failures = mirror.failures
-        report.final_uploaded = remote.push_final(output_dir / "final")
+        report.final_uploaded = remote.push_final(output_dir / layout.FINAL)
     if lease.taken_over is not None and lease.taken_over.step is not None:
         report.lost_steps = max(0, lease.taken_over.step - (result.resumed_from_step or 0))
     return result.model_copy(update={"store": report})

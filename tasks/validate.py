@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from phase1a.config.schema import Phase1aConfig, ValidationConfig
+from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json, sha256_file, sha256_tree
 from phase1a.core.hardware import training_device, training_dtype
@@ -37,8 +38,9 @@ from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, metric_settings_key, sample_fingerprint
 from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
-from phase1a.promote.promotion import PromotedPointer, PromotionOutcome, fetch_adapter, read_pointer
+from phase1a.promote.promotion import PromotedPointer, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
+from phase1a.run_report import ValidationSection
 from phase1a.train.packing import TokenRows
 from tasks.caching import StageCache, task
 
@@ -214,33 +216,23 @@ def format_table(verdict: ValidationResult) -> str:
                               f"tokens: {verdict.candidate.tokens}; gate: {verdict_text}"])
 
 
-def validation_section(verdict: ValidationResult, promotion: PromotionOutcome | None = None) -> dict:
-    """report.json's `validation`: base, baseline and candidate side by side, deltas, checks and the verdict."""
-    rows = {}
-    for name in HIGHER_IS_BETTER:
-        candidate, baseline = verdict.candidate.value(name), verdict.baseline.metrics.get(name)
-        rows[name] = {"base": verdict.base.value(name), "baseline": baseline, "candidate": candidate,
-                      "delta": None if candidate is None or baseline is None else candidate - baseline}
-    section = {"verdict": "pass" if verdict.passed else "fail", "reasons": verdict.reasons,
-               "baseline": verdict.baseline.source, "examples": verdict.candidate.examples, "metrics": rows,
-               "checks": [check.model_dump() for check in verdict.checks],
-               "answers": [answer.model_dump() for answer in verdict.candidate.answers]}
-    if promotion is not None:
-        section["promotion"] = {"promoted": promotion.promoted, "version": promotion.pointer.version,
-                                "path": promotion.pointer.path}
-    return section
+def present_validation(verdict: ValidationResult, run_dir: Path) -> None:
+    """What a run shows of its verdict, cached or not: candidate_metrics.json and the table artifact, and the
+    table printed."""
+    publish_validation(verdict, run_dir)
+    print(format_table(verdict))
 
 
 def publish_validation(verdict: ValidationResult, run_dir: Path) -> Path:
     """candidate_metrics.json in the run directory (usable as another run's baseline_file) and a table artifact."""
-    path = write_baseline_file(Path(run_dir) / "candidate_metrics.json", verdict.candidate, verdict.sample_fingerprint,
+    path = write_baseline_file(Path(run_dir) / layout.CANDIDATE_METRICS, verdict.candidate, verdict.sample_fingerprint,
                                source=f"run {Path(run_dir).name}")
     try:
         from prefect.artifacts import create_table_artifact
     except ImportError:
         return path
-    table = [{"metric": name, **{k: "-" if v is None else f"{v:.4f}" for k, v in row.items()}}
-             for name, row in validation_section(verdict)["metrics"].items()]
+    table = [{"metric": name, **{k: "-" if v is None else f"{v:.4f}" for k, v in row.model_dump().items()}}
+             for name, row in ValidationSection.of(verdict).metrics.items()]
     create_table_artifact(key="validation", table=table,
                           description=f"phase1a validation against {verdict.baseline.source}: "
                                       + ("PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)))

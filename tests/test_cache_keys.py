@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import PREPARED
 from phase1a.core.fingerprint import PROJECT_ROOT, code_fingerprint, project_imports
 
 CODE = ("phase1a", "tasks", "flows")
@@ -74,10 +75,10 @@ def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tre
         assert Path(report["run_dir"]).is_relative_to(runs)
         return {name: section["state"] for name, section in report["stages"].items()}
 
-    assert plan() == {"stage": "Completed", "tokenize": "Completed", "plan": "Completed"}
+    assert plan() == {**PREPARED, "stage": "Completed", "tokenize": "Completed", "plan": "Completed"}
     edit(code / "phase1a" / "evaluate" / "answers.py")
-    assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
-    assert plan() == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
+    assert plan() == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
+    assert plan() == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
 
 
 def test_the_training_key_changes_with_the_starting_adapter():

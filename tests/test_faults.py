@@ -143,14 +143,22 @@ def run_flow(tree: dict, plan_only: bool = False) -> tuple[object, dict]:
 
 
 @pytest.mark.prefect_server
-def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_tree, endpoint, bucket, proxy):
-    """The data's GET cut off twice mid-object, the pointer's PUT answered 503 past botocore's own attempts: the
-    stage resumes its download on each Prefect retry, promotion is retried, and report.json counts both."""
+def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_tree, endpoint, bucket, proxy,
+                                                                        tiny_model_dir):
+    """The model's weights and the data cut off mid-object, the pointer's PUT answered 503 past botocore's own
+    attempts: the model and stage stages resume their downloads on each Prefect retry, promotion is retried, and
+    report.json counts them."""
     data = padded_jsonl(64, pad=12_000)
     s3_client(endpoint).put_object(Bucket=bucket, Key="data/dates.jsonl", Body=data)
+    files = {p.relative_to(tiny_model_dir).as_posix(): p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    for name, body in files.items():
+        s3_client(endpoint).put_object(Bucket=bucket, Key=f"models/tiny/{name}", Body=body)
     get, pointer = rf"^/{bucket}/data/dates\.jsonl$", rf"^/{bucket}/promoted/promoted\.json"
+    weights = rf"^/{bucket}/models/tiny/model\.safetensors$"
     proxy.faults = [Fault("drop", "GET", get, times=2, after_bytes=300_000),
-                    Fault("slow_down", "PUT", pointer, times=3)]
+                    Fault("slow_down", "PUT", pointer, times=3),
+                    Fault("drop", "GET", weights, times=1, after_bytes=len(files["model.safetensors"]) // 2)]
+    config_tree["model"]["name_or_path"] = f"s3://{bucket}/models/tiny/"
     config_tree["data"] |= {"source": f"s3://{bucket}/data/dates.jsonl", "s3_endpoint_url": proxy.url}
     config_tree["validation"]["promote_to"] = f"s3://{bucket}/promoted/"
     config_tree["retries"] = {"count": 3, "delay": "0.2s", "jitter": 0}
@@ -171,6 +179,11 @@ def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_t
     assert first.range is None and 0 < starts[0] < starts[1] < len(data), starts
     assert [seen.fault for seen in (first, second, third)] == ["drop", "drop", None]
     assert [seen.fault for seen in proxy.requests("PUT", pointer)] == ["slow_down"] * 3 + [None]
+    model = report["stages"]["model"]
+    assert (model["state"], model["retries"]) == ("Completed", 1)
+    assert {name: (Path(model["result"]["path"]) / name).read_bytes() for name in files} == files
+    cut, resumed = proxy.requests("GET", weights)
+    assert cut.fault == "drop" and resumed.range.startswith("bytes=") and resumed.range != "bytes=0-"
     promoted = json.loads(s3_client(endpoint).get_object(Bucket=bucket, Key="promoted/promoted.json")["Body"].read())
     assert promoted["version"] == Path(report["run_dir"]).name == report["validation"]["promotion"]["version"]
 
@@ -188,24 +201,3 @@ def test_a_permanent_error_fails_the_stage_at_once_with_its_own_message(config_t
     assert stage["error"] == "DataError: s3://no-such-bucket-r/d.jsonl: no such bucket 'no-such-bucket-r'"
     # One HEAD of the key and one of the bucket, for the cache key and then for the one attempt.
     assert len(proxy.requests("HEAD", "^/no-such-bucket-r")) == 4
-
-
-def test_preparing_a_model_from_s3_retries_and_resumes_outside_any_task(tmp_path, tiny_model_dir, endpoint, bucket,
-                                                                           proxy):
-    """The model is prepared before the first task, so the library retries it (phase1a/core/retries.py: retrying)."""
-    from phase1a.config.schema import Phase1aConfig
-    from phase1a.model.loading import prepare_model
-
-    files = {p.relative_to(tiny_model_dir).as_posix(): p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
-    for name, body in files.items():
-        s3_client(endpoint).put_object(Bucket=bucket, Key=f"models/tiny/{name}", Body=body)
-    weights = rf"^/{bucket}/models/tiny/model\.safetensors$"
-    proxy.faults = [Fault("drop", "GET", weights, times=1, after_bytes=len(files["model.safetensors"]) // 2)]
-    config = Phase1aConfig.model_validate({
-        "data": {"source": "unused.jsonl", "staging_dir": str(tmp_path / "staging"), "s3_endpoint_url": proxy.url},
-        "model": {"name_or_path": f"s3://{bucket}/models/tiny/"}, "retries": {"delay": "0.1s"}})
-
-    model = Path(prepare_model(config).path)
-    assert {name: (model / name).read_bytes() for name in files} == files
-    cut, resumed = proxy.requests("GET", weights)
-    assert cut.fault == "drop" and resumed.range.startswith("bytes=") and resumed.range != "bytes=0-"

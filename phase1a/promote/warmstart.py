@@ -20,7 +20,7 @@ from phase1a.model.adapters import AdapterError, adapter_fingerprint, check_adap
 from phase1a.model.loading import ResolvedModel
 
 if TYPE_CHECKING:
-    from phase1a.promote.promotion import PromotionOutcome
+    pass
 
 
 class StartPoint(BaseModel):
@@ -87,11 +87,3 @@ def _local_copy(location: str, config: Phase1aConfig) -> Path:
         raise AdapterError(f"method.init_from: {location} is not a directory (an adapter directory, base or "
                            "promoted)")
     return path
-
-
-def lineage(start: StartPoint, promotion: PromotionOutcome | None = None) -> dict:
-    """report.json's `lineage`: what the run started from and, once promoted, the version it became."""
-    section = {"started_from": start.describe(), **start.model_dump(mode="json", exclude={"adapter_dir"})}
-    if promotion is not None:
-        section["promoted_as"] = promotion.pointer.version
-    return section

@@ -10,10 +10,10 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from phase1a.train import run_files
+from phase1a.core import layout
 
 FOLLOW_SECONDS = 5.0
-SOURCES = {"train": run_files.METRICS, "eval": run_files.EVALUATIONS}  # the source names metric_values knows
+SOURCES = {"train": layout.METRICS, "eval": layout.EVALUATIONS}  # the source names metric_values knows
 
 
 class JsonlTail:

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from phase1a.core import layout
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, duration, emit, resolved_display
 from phase1a.core.units import GIB, KIB
 from phase1a.model.cost_model import mfu
-from phase1a.train import run_files
 from phase1a.train.history import ESTIMATE_BAND
 
 
@@ -57,9 +57,9 @@ class ProgressReporter:
         `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.output_dir, self.enabled = Path(output_dir), enabled
-        self.metrics = open(Path(output_dir) / run_files.METRICS, "a") if enabled else None
+        self.metrics = open(Path(output_dir) / layout.METRICS, "a") if enabled else None
         self.evaluations = None  # eval.jsonl, opened at the first evaluation: a run without any has no file
-        self.events = open(Path(output_dir) / run_files.EVENTS, "a") if enabled else None
+        self.events = open(Path(output_dir) / layout.EVENTS, "a") if enabled else None
         self.watch = _Watch(display if enabled else None, total_steps, start_step)
         self.tensorboard = _tensorboard(Path(output_dir) / "tensorboard") if enabled else None
         self.artifact = ProgressArtifact.create("train", "phase1a training: optimizer steps done") if enabled else None
@@ -103,7 +103,7 @@ class ProgressReporter:
         if not self.enabled:
             return
         if self.evaluations is None:
-            self.evaluations = open(self.output_dir / run_files.EVALUATIONS, "a")
+            self.evaluations = open(self.output_dir / layout.EVALUATIONS, "a")
         self._write(self.evaluations, record)
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("eval/loss", record["eval_loss"], record["step"])
@@ -133,7 +133,7 @@ class ProgressReporter:
 
 def append_event(output_dir: Path, kind: str, **fields) -> None:
     """An event from outside a training process (the launcher of its ranks), in the same file and format."""
-    with open(Path(output_dir) / run_files.EVENTS, "a") as events:
+    with open(Path(output_dir) / layout.EVENTS, "a") as events:
         events.write(json.dumps(_event(kind, **fields)) + "\n")
 
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-METRICS = "metrics.jsonl"  # a line per optimizer step: loss, lr, grad norm, tokens/s, MFU, memory
-EVALUATIONS = "eval.jsonl"  # a line per evaluation during training
-EVENTS = "events.jsonl"  # resumed, preempted, early stopping, out of memory
-
 
 def read_lines(path: Path | None) -> list[dict]:
     """The JSON objects of a JSONL file; a missing file is empty, and a line that does not parse (the torn last

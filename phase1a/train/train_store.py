@@ -24,13 +24,14 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from phase1a.core import layout
 from phase1a.core.atomic import remove
 from phase1a.core.logs import run_logger
 from phase1a.store.base import Store, StoreConflict
 from phase1a.store.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
 from phase1a.store.lease import Lease
 from phase1a.train import run_files
-from phase1a.train.checkpoints import RUN_FILES, checkpoint_step, list_checkpoints
+from phase1a.train.checkpoints import MARKER, RUN_FILES, checkpoint_step, list_checkpoints
 
 
 class Pulled(BaseModel):
@@ -62,7 +63,7 @@ class RemoteRun:
 
     def lease(self, ttl: float, wait: float | None, output_dir: Path) -> Lease:
         return Lease(self.store, self.prefix + "lease.json", ttl, wait,
-                     progress=lambda: run_files.last_step(Path(output_dir) / run_files.METRICS))
+                     progress=lambda: run_files.last_step(Path(output_dir) / layout.METRICS))
 
     # ---- pull ----------------------------------------------------------------------------------------------
 
@@ -70,10 +71,10 @@ class RemoteRun:
         """The final adapter when the store has it; else the latest checkpoint when it is newer than the local
         one (with its curves and best weights); else nothing."""
         output_dir, started = Path(output_dir), time.perf_counter()
-        if (output_dir / "final" / "COMPLETE").is_file():
+        if (output_dir / layout.FINAL / MARKER).is_file():
             return Pulled(what="nothing")
         corrupt: list[str] = []
-        final = self._usable(self.prefix + "final/", output_dir / "final", corrupt)
+        final = self._usable(f"{self.prefix}{layout.FINAL}/", output_dir / layout.FINAL, corrupt)
         if final is not None:
             return Pulled(what="final", corrupt=corrupt, bytes=final, seconds=time.perf_counter() - started)
         local = list_checkpoints(output_dir / "checkpoints")
@@ -143,9 +144,9 @@ class RemoteRun:
     def push_final(self, final_dir: Path) -> bool:
         """The finished adapter, unless the store has it already (this run came from it, or uploaded it before);
         whether it was uploaded now."""
-        if read_bundle(self.store, self.prefix + "final/") is not None:
+        if read_bundle(self.store, f"{self.prefix}{layout.FINAL}/") is not None:
             return False
-        upload_bundle(self.store, final_dir, self.prefix + "final/")
+        upload_bundle(self.store, final_dir, f"{self.prefix}{layout.FINAL}/")
         return True
 
 

@@ -126,6 +126,10 @@ def read_arrow(path: str | Path) -> pa.Table:
     return split_table(path) if str(path).endswith(".json") else read_mapped(path)
 
 
+# The stages a flow run checks every time, never from Prefect's cache: the model and where training starts.
+PREPARED = {"model": "Completed", "start": "Completed"}
+
+
 def resolved(config):
     """The run's model as the flow prepares it (a local directory: nothing is downloaded)."""
     from phase1a.model.loading import prepare_model

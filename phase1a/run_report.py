@@ -1,0 +1,135 @@
+"""report.json as a type: what a run's report holds, written by the flow (flows/report.py) and read through this
+model by the CLI, `phase1a runs`, report.md and the trackers (file names: phase1a/core/layout.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+from phase1a.core.atomic import write_atomically
+from phase1a.evaluate.gate import GateCheck
+from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Answer
+from phase1a.plan.interruptions import InterruptionOutcome
+from phase1a.promote.promotion import PromotionOutcome
+from phase1a.promote.warmstart import StartPoint
+from phase1a.results import RunOutcome, ValidationResult
+from phase1a.train.history import RunRecord
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class StageRecord(BaseModel):
+    """One stage as it ended: its Prefect state (Completed, Cached, Failed, Crashed), seconds, retries, result."""
+
+    state: str
+    seconds: float
+    retries: int = 0
+    error: str | None = None
+    result: Any = None  # the stage's result as JSON; `RunReport.result` reads it as its type
+
+
+class FlowRunLink(BaseModel):
+    id: str | None = None
+    name: str | None = None
+    url: str | None = None  # only where PREFECT_UI_URL names a UI
+
+
+class StageEstimate(BaseModel):
+    """The plan's estimate of a stage against its measured seconds (a stage that ran, not one cached)."""
+
+    estimated_seconds: float
+    actual_seconds: float
+    estimated_over_actual: float | None
+    base_cached: bool | None = None  # validation: the base model's metrics came from the cache
+
+
+class MetricRow(BaseModel):
+    base: float | None
+    baseline: float | None
+    candidate: float | None
+    delta: float | None  # candidate - baseline
+
+
+class PromotionSummary(BaseModel):
+    promoted: bool  # False: the pointer already named this adapter
+    version: str
+    path: str
+
+
+def promoted_line(version: str, path: str, promoted: bool) -> str:
+    """What the flow prints and `phase1a show` repeats once a version is promoted."""
+    return f"promoted: {version} at {path}" + ("" if promoted else " (already the promoted model)")
+
+
+class ValidationSection(BaseModel):
+    """Base, baseline and candidate side by side, deltas, the gate's checks and verdict, and the promotion."""
+
+    verdict: Literal["pass", "fail"]
+    reasons: list[str]
+    baseline: str  # where the baseline's metrics came from
+    examples: int
+    metrics: dict[str, MetricRow]
+    checks: list[GateCheck]
+    answers: list[Answer]
+    promotion: PromotionSummary | None = None
+
+    @classmethod
+    def of(cls, verdict: ValidationResult, promotion: PromotionOutcome | None = None) -> ValidationSection:
+        rows = {}
+        for name in HIGHER_IS_BETTER:
+            candidate, baseline = verdict.candidate.value(name), verdict.baseline.metrics.get(name)
+            rows[name] = MetricRow(base=verdict.base.value(name), baseline=baseline, candidate=candidate,
+                                   delta=None if candidate is None or baseline is None else candidate - baseline)
+        summary = None if promotion is None else PromotionSummary(
+            promoted=promotion.promoted, version=promotion.pointer.version, path=promotion.pointer.path)
+        return cls(verdict="pass" if verdict.passed else "fail", reasons=verdict.reasons,
+                   baseline=verdict.baseline.source, examples=verdict.candidate.examples, metrics=rows,
+                   checks=verdict.checks, answers=verdict.candidate.answers, promotion=summary)
+
+
+class Lineage(StartPoint):
+    """What the run started from (`method.init_from`) and, once promoted, the version it became."""
+
+    adapter_dir: str | None = Field(None, exclude=True)  # a local copy: no part of the report
+    started_from: str
+    promoted_as: str | None = None
+
+    @classmethod
+    def of(cls, start: StartPoint, promotion: PromotionOutcome | None = None) -> Lineage:
+        return cls(**start.model_dump(), started_from=start.describe(),
+                   promoted_as=promotion.pointer.version if promotion is not None else None)
+
+
+class RunReport(BaseModel):
+    """report.json: the run's stages as they ended, the plan against the actual, validation, lineage, links."""
+
+    started_at: str
+    run_dir: str
+    config: dict[str, Any]  # the run's resolved config as written, credentials cut out of its URLs
+    stages: dict[str, StageRecord] = {}
+    flow_run: FlowRunLink | None = None
+    lineage: Lineage | None = None
+    replay: dict[str, float] | None = None  # a warm start's mix of new and replayed examples
+    estimate_vs_actual: RunRecord | None = None  # training: the history line the run appended
+    interruptions_vs_actual: InterruptionOutcome | None = None
+    validation_estimate_vs_actual: StageEstimate | None = None
+    validation: ValidationSection | None = None
+    tracking: dict[str, dict[str, Any]] = {}  # a section per tracker: its run's id, address, or error
+    error: str | None = None  # what ended the run, when not a pass
+    status: RunOutcome | None = None
+    finished_at: str | None = None
+    wall_seconds: float | None = None
+
+    def result(self, stage: str, kind: type[T]) -> T | None:
+        """The stage's result as its type, when the stage got as far as one."""
+        section = self.stages.get(stage)
+        return None if section is None or section.result is None else kind.model_validate(section.result)
+
+    @classmethod
+    def load(cls, path: Path) -> RunReport:
+        return cls.model_validate_json(Path(path).read_text())
+
+    def save(self, path: Path) -> Path:
+        write_atomically(path, self.model_dump_json(indent=2, exclude_none=False) + "\n")
+        return path
