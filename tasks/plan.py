@@ -19,27 +19,7 @@ The recipe, `make_plan`, in named phases:
   6. estimate     seconds and dollars (below)
   7. plan         the knobs, the estimate and the options table
 
-Estimate (seconds):
-    startup      load the model, wrap it, build the optimizer (measured; else the weights at 1 GiB/s + 10 s)
-    train        train_tokens x seconds per token + the warm-up steps' excess (compilation, allocator growth)
-                 + checkpoints x seconds per checkpoint (measured: one real checkpoint written in calibration)
-                 + evaluations during training x seconds per evaluation
-    checkpoints  how often the interval fires within the train time (`phase1a/core/units.py`: Interval): the
-                 configured one, or `auto`'s choice (Plan.checkpoint_interval); the upload to a store runs in the
-                 background and is not in the train time
-    evaluations during training   how often `validation.during_training` fires (the checkpoints' count for
-                 'checkpoint'), plus one on the final weights; each the forward pass over its sample at the
-                 validate stage's forward speed, plus with early stopping a write of the trainable weights
-                 (phase1a/evaluate/during_training.py). Early stopping can only shorten the run: the estimate is
-                 the whole run
-    evaluation   the validate stage for the base, the trained (and a promoted baseline's) model: a teacher-forced
-                 pass over the sample and greedy generation (a prefill per batch, a step per token of the batch's
-                 longest reference, at most max_new_tokens), timed in calibration on the planned model; else a
-                 forward pass at 2N of the step's FLOPs a token and a step at the weights' read from memory
-    interruptions  with an interruption rate (hardware.spot, hardware.interruptions_per_hour): the expected
-                 lost work and restarts (phase1a/plan/interruptions.py: Plan.interruptions)
-    total        startup + train + evaluation + interruptions; cost = GPUs x price per GPU-hour x total, the spot
-                 price with hardware.spot
+The estimate's formulas: docs/plan-models.md#the-estimate.
 """
 from __future__ import annotations
 

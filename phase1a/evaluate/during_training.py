@@ -1,36 +1,6 @@
 """Evaluation during training: the eval loss and token accuracy of the weights being trained, on a small fixed
-held-out sample, at an interval, and early stopping's bookkeeping. Without it a diverging night is found when
-the validate stage runs, six hours later.
-
-When: `validation.during_training` is 'checkpoint' (each time a checkpoint is written, so every point of the
-curve has weights to go back to), an interval in checkpoint.interval's units (`500steps`, `30m`, `0.25ep`;
-phase1a/core/units.py), or never; and once more on the final weights, so the curve ends where training ended. The
-plan counts them with the same `Interval.count` (`EvalSettings.evaluations`) and prices each with the forward
-speed it measured for the validate stage.
-
-What: the first `validation.during_training_examples` examples of the validation split, the same at every
-evaluation (a subset of the validate stage's sample), cut to training's max length as training's examples are
-(`TokenRows.load`), scored by phase1a/evaluate/metrics.py's teacher-forced pass in rows of training's own token budget
-(what is known to fit on the device beside the optimizer state). Uncut, an example longer than a plan that
-shortened max_seq_length would sit alone in a row bigger than that budget, and could run out of memory at the
-same step on every resume.
-
-Without changing training: eval mode (no dropout), no autograd, uncompiled (a compiled model would recompile
-for the other mode), the RNG states put back afterwards and train mode restored: a run's losses and weights are
-the same with evaluation on or off (tests/test_eval_during_training.py). Every rank evaluates the whole sample:
-FSDP's forward gathers each layer's shards, a collective every rank must join the same number of times, and
-DDP's wrapper is bypassed (its forward may broadcast buffers). Rank 0's numbers decide for every rank.
-
-Early stopping (`validation.early_stopping`, a patience in evaluations): an evaluation improves when its eval
-loss is below the best so far by more than `early_stopping_min_delta` (a NaN never improves). Each improvement
-writes the trainable weights to `best/step-N.safetensors` (to disk: a full fine-tune's do not fit beside it in
-memory) and names them in `best/evaluation.json` ({step, eval_loss}); when the patience is spent training
-stops, and the final adapter is made from the best weights, so validation scores them. The bookkeeping (best
-step and loss, evaluations since) is saved in every checkpoint and restored on resume, with `best/` as it was
-then: the weights of the best the checkpoint names are kept until a later checkpoint names another, and a
-resume drops those of bests written after its checkpoint. A run that trains every step does not stop early,
-whatever its final evaluation: that one can only become the best (tasks/train.py).
-"""
+held-out sample, at an interval, and early stopping's bookkeeping, without changing training (docs/validation.md,
+"Evaluation during training": when, what, how training stays the same, early stopping across a resume)."""
 from __future__ import annotations
 
 import json

@@ -1,40 +1,5 @@
 """What a training step costs in memory and FLOPs, from the model's shape alone (no weights are read).
-
-Memory model (bytes). N parameters, of which P sit in the layers' linear projections; T trainable; b bytes
-per element of the compute dtype (4 fp32, 2 bf16/fp16); L layers, h hidden, i intermediate, V vocabulary;
-t tokens in one micro-batch.
-
-    weights      LoRA: N*b, or with a 4-bit base (QLoRA) P*0.52 + (N-P)*b: NF4 is 4 bits a weight plus one
-                 fp32 scale per 64 weights, itself quantised to 8 bits per block of 256 (double quantisation);
-                 full: N*4, fp32 master weights (the compute dtype's copies are made per step by autocast)
-    trainable    T*(4 gradient + optimizer state): AdamW keeps 2 fp32 moments (8 bytes), 8-bit AdamW 2 bytes;
-                 LoRA adapters add their own fp32 weights (4); the unfused (for-each) AdamW step also needs
-                 one temporary of T*4 that the fused kernel does not
-    activations  saved for backward, without checkpointing: t*b*(L*(9h + 4i) + 4h): per layer the inputs that
-                 backward keeps (two RMSNorm inputs and outputs, q/k before and after RoPE, v, the attention
-                 output and its contiguous copy) and four intermediate-sized tensors (gate, its SiLU, up, their
-                 product); 4h outside the layers (embedding output, final norm). With checkpointing t*b*(L+4)*h
-                 (each layer's input), plus at the peak the larger of the logits and one layer's recomputed
-                 activations, which are never alive together
-    logits       the loss runs over chunks of c = min(t, 1024) tokens (phase1a/model/chunked_loss.py): one chunk's fp32
-                 logits and the log-sum-exp's temporary of the same size, c*V*8, then the gradient with respect to
-                 the hidden states, t*h*b, kept for backward (a full fine-tune also keeps the output projection's,
-                 V*h*b)
-    mask         only with `method.attention: sdpa`: packed rows of several examples attend through a
-                 block-diagonal mask that SDPA receives as a t x t tensor: t^2 bytes (bool) plus t^2*4 (its
-                 additive float form) kept by every layer that saves its attention inputs (L, or 1 with
-                 checkpointing). Quadratic in the row: it caps the token budget of a packed row. sdpa_packed and
-                 FlashAttention build none; one example a row (micro-batch 1) needs none either
-    sharded      FSDP over n GPUs: weights/n + 2 layers' weights gathered whole (the one computing, the one
-                 prefetched), trainable/n; activations, logits and mask stay per GPU
-Measured on CPU (fp32, torch profiler, `tests/test_cost_model.py`): activations + logits + mask + gradients
-cover the peak a real packed forward/backward allocates, by at most 20 %.
-
-Throughput model: FLOPs per token = 4N for LoRA (forward 2N, input gradients 2N, no weight gradients for the
-frozen base), 6N for a full fine-tune, plus 2N when checkpointing recomputes the forward, plus causal
-attention 6*L*s*h for mean example length s. Seconds = FLOPs / (peak FLOP/s x efficiency), the efficiency
-measured (calibration, or the history of earlier runs), never assumed where the hardware is present.
-"""
+The formulas, and how they were checked against a measured peak: docs/plan-models.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,33 +1,6 @@
-"""Interruptions: spot / preemptible hosts, the checkpoint interval that costs least (`checkpoint.interval: auto`),
-and what the interruptions a run should expect cost it.
-
-Checkpoint cost and interval (Young 1974, Daly 2006):
-
-    delta   = one checkpoint written locally + uploaded to the store (0 upload without a store): the upload runs
-              beside training, but a checkpoint is safe from an interruption only once it is in the store
-    M       = mean time between interruptions = 1 / rate (rate: interruptions per hour of a host)
-    tau     = sqrt(2 delta M) - delta     for delta < 2 M (Daly's first order), else M
-    rate 0 (on demand) has no optimum: tau = the train time in BOUNDED_PARTS (four) parts, at most
-              BOUNDED_MAX_SECONDS (30 min, so that a crash loses at most that much), and at least
-              BOUNDED_MIN_COST_MULTIPLE (10) checkpoint costs (so writes take at most ~10 % of training)
-    without a store a fresh host has none of the local checkpoints, so the interval cannot trade against
-              interruptions: the bounded rule too
-
-Expected cost of the interruptions of one run (the same first-order model):
-
-    lost each     = min(tau, T_train) / 2 + delta     the work since the last checkpoint in the store, plus the
-                    upload that had not finished; without a store T_train / 2: a fresh host starts over
-    restart each  = lease_ttl (the gone host's lease runs out) + start-up (the model load) + warm-up
-                    + the checkpoint's download (its size at the upload's speed: the upload's seconds);
-                    without a store the re-stage and re-tokenize are not counted (unknown to the plan)
-    c             = lost each + restart each
-    n             = r T / (1 - r c)     r per second, T the uninterrupted run (start-up + train + evaluation):
-                    the lost work and restarts are exposed to interruptions too; r c >= 1: not expected to finish
-    extra         = n c = T r c / (1 - r c): the run's time grows by the factor 1 / (1 - r c)
-
-The model charges every interruption as a hard kill: a spot notice (AWS 2 min, GCP 30 s) that lets the train stage
-write and upload a final checkpoint within `checkpoint.grace_period` loses less, so this is an upper bound.
-"""
+"""Interruptions: spot / preemptible hosts, the checkpoint interval that costs least (`checkpoint.interval: auto`,
+Young/Daly), and what the interruptions a run should expect cost it
+(docs/plan-models.md#checkpoints-and-interruptions)."""
 from __future__ import annotations
 
 import math

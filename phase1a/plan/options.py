@@ -1,41 +1,5 @@
-"""The options table: the same training job on several hardware options, with hours and dollars for each.
-
-Inputs are the single-GPU plan's numbers: the tokens to train on, the FLOPs per token, the throughput measured
-(or assumed) on a reference catalogue GPU, the memory the unsharded job needs on one GPU, and how much of that
-is shardable weights, gradients and optimizer state. For n GPUs of kind k under a strategy:
-
-    efficiency         = compute / (compute + exposed communication) of one step on n GPUs over `nodes` nodes
-                         (phase1a/plan/communication.py, from the job's step traffic); `scaling_efficiency ** log2(n)`
-                         instead where a policy sets that (a user's own measurement) or the job has no traffic
-    tokens_per_second  = reference_tps * peak(k) / peak(reference) * n * efficiency
-    hours              = train_tokens / tokens_per_second / 3600 + (host_seconds + evaluation) / 3600
-    evaluation         = forward_tokens * reference_forward * peak(reference) / peak(k)
-                         + decode_steps * reference_decode * bandwidth(reference) / bandwidth(k)
-                         on one GPU of the option (the validate stage runs in one process), at that GPU's
-                         speed: the reference's measured (or modelled) evaluation speed scaled by peak FLOP/s for
-                         forward tokens and by memory bandwidth for greedy steps (peak FLOP/s where a bandwidth
-                         is not catalogued); host_seconds (start-up, warm-up, checkpoint writes) are the host's
-    dollars            = n * price(k) * hours                    price: `prices[k]`, else the catalogue's
-    mfu                = tokens_per_second * flops_per_token / (n * peak(k))    a sanity check on the above
-    memory per GPU     single, ddp:   memory_needed              (DDP replicates weights, grads and state)
-                       fsdp, zero3:   memory_needed - shardable + shardable / n  (activations stay per GPU)
-    fits               = memory per GPU <= memory(k) * (1 - memory_headroom)
-    global batch       = n * global_batch, the per-GPU micro-batch and accumulation kept (default), or
-                         global_batch with accumulation n times shorter when keep_global_batch
-    learning rate      sqrt: lr * sqrt(n) (Adam: gradient noise falls with sqrt of the batch), linear: lr * n
-                         (SGD-style rule), none: lr; always lr unchanged when keep_global_batch
-    spot hours         hours + the expected lost work and restarts at this option's speed and its kind's
-                         interruption rate (`interruption_rates[k]`, else the catalogue's spot rate; a rate is
-                         per host, whatever its GPU count), phase1a/plan/interruptions.py: hours / (1 - r c)
-    spot dollars       n * spot_price(k) * spot hours         spot_price: `spot_prices[k]`, else the catalogue's
-
-Assumptions: throughput scales with dense peak FLOP/s between GPU kinds, which holds for compute-bound
-training and overstates GPUs with little memory bandwidth per FLOP (memory-bound small models); transfers
-run at data-sheet bandwidth with no latency term (phase1a/plan/communication.py); DDP gradient
-buckets and sharding's gathered-layer buffers are not counted in memory. FSDP and ZeRO-3 get the same memory
-model here (full sharding of parameters, gradients and optimizer state). A larger global batch also means n
-times fewer optimizer steps for the same tokens, which the learning-rate rule only partly compensates.
-"""
+"""The options table: the same training job on several hardware options, with hours and dollars for each
+(docs/plan-models.md#the-options-table: the formulas and their assumptions)."""
 from __future__ import annotations
 
 import math
