@@ -21,6 +21,7 @@ import numpy as np
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.logs import run_logger
+from phase1a.core.units import format_seconds
 from phase1a.data.lengths import Outliers
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
@@ -119,15 +120,6 @@ def _n(value, spec: str = ",") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 120:
-        return f"{value:.1f} s"
-    minutes, seconds = divmod(round(value), 60)
-    return f"{minutes} min {seconds:02d} s" if minutes < 120 else f"{minutes // 60} h {minutes % 60:02d} min"
-
-
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
@@ -162,7 +154,7 @@ def _header(report: RunReport) -> list[str]:
     run = f"[{name}]({flow_run.url})" if flow_run.url else f"`{name}`"
     rows = [("flow run", run + (f" (`{flow_run.id}`)" if flow_run.id else "")),
             ("started", report.started_at), ("finished", report.finished_at or "-"),
-            ("wall", _seconds(report.wall_seconds)),
+            ("wall", format_seconds(report.wall_seconds)),
             ("model", f"`{config.get('model', {}).get('name_or_path', '-')}`"),
             ("run directory", f"`{report.run_dir}`")]
     return [f"# Run report: {config.get('name', '?')}: {report.status or '?'}", "", *_failure(report),
@@ -170,7 +162,7 @@ def _header(report: RunReport) -> list[str]:
 
 
 def _stages(report: RunReport) -> list[str]:
-    rows = [(name, section.state, _seconds(section.seconds), section.retries,
+    rows = [(name, section.state, format_seconds(section.seconds), section.retries,
              "yes" if section.state == "Cached" else "no")
             for name, section in report.stages.items()]
     return ["## Stages", "", *_table(("stage", "state", "seconds", "retries", "cached"), rows)] if rows else []
@@ -241,16 +233,16 @@ def _plan(report: RunReport) -> list[str]:
             ("dataloader workers", plan.dataloader_workers), ("max_seq_length", plan.max_seq_length),
             ("epochs, steps", f"{plan.epochs:g}, {plan.steps:,}"), ("train tokens", f"{plan.train_tokens:,}"),
             ("tokens/s", f"{plan.tokens_per_second:,.0f} ({plan.throughput_source})"),
-            ("estimated training", _seconds(plan.estimated_train_seconds)),
-            ("estimated total", _seconds(plan.estimated_total_seconds)),
+            ("estimated training", format_seconds(plan.estimated_train_seconds)),
+            ("estimated total", format_seconds(plan.estimated_total_seconds)),
             ("estimated cost", "-" if plan.estimated_cost_usd is None else f"${plan.estimated_cost_usd:,.2f}")]
     rows += _footing(plan)
     if plan.window_seconds:
-        rows.append(("window", f"{_seconds(plan.window_seconds)}; fits: {plan.fits_in_window}"))
+        rows.append(("window", f"{format_seconds(plan.window_seconds)}; fits: {plan.fits_in_window}"))
     train, validation = report.estimate_vs_actual, report.validation_estimate_vs_actual
     pairs = (("training", train and train.estimated_train_seconds, train and train.actual_train_seconds),
              ("validation", validation and validation.estimated_seconds, validation and validation.actual_seconds))
-    compared = [(what, _seconds(estimated), _seconds(actual), _ratio(estimated, actual))
+    compared = [(what, format_seconds(estimated), format_seconds(actual), _ratio(estimated, actual))
                 for what, estimated, actual in pairs if actual]
     lines = ["## Plan", "", *_table(("knob", "value"), rows)]
     notes = [f"- {a.step}: {a.before} -> {a.after} (~{a.estimated_hours:.2f} h)" for a in plan.adjustments] \
@@ -267,8 +259,8 @@ def _footing(plan: Plan) -> list[tuple[str, str]]:
     estimate, calibration = plan.estimate, plan.calibration
     rows = []
     if estimate.footing:
-        rows.append(("estimated total, range", f"{_seconds(estimate.low_total_seconds)} to "
-                                               f"{_seconds(estimate.high_total_seconds)} ({estimate.footing.words})"))
+        low, high = format_seconds(estimate.low_total_seconds), format_seconds(estimate.high_total_seconds)
+        rows.append(("estimated total, range", f"{low} to {high} ({estimate.footing.words})"))
     if calibration is not None:
         needed = calibration.needed_seconds
         rows.append(("calibration", f"{calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"
@@ -286,12 +278,12 @@ def _interruptions(plan: Plan, outcome: InterruptionOutcome | None) -> list[str]
     if section:
         cost, expected = section.checkpoint, section.expected
         rows += [("checkpoint interval", f"{section.interval} ({section.interval_rule}); a checkpoint "
-                                         f"{_seconds(cost.write_seconds + cost.upload_seconds)} (write "
+                                         f"{format_seconds(cost.write_seconds + cost.upload_seconds)} (write "
                                          f"{cost.write_source}, upload {cost.upload_source})"),
                  ("expected (plan)", f"{expected.interruptions:.2f} interruptions at "
                                      f"{section.rate_per_hour:.4g}/h ({section.rate_source}): lost work "
-                                     f"{_seconds(expected.lost_seconds)}, restarts "
-                                     f"{_seconds(expected.restart_seconds)}")]
+                                     f"{format_seconds(expected.lost_seconds)}, restarts "
+                                     f"{format_seconds(expected.restart_seconds)}")]
     if outcome:
         resumed = (f"resumed from step {outcome.resumed_from_step} in the store, after an interruption"
                    if outcome.resumed_after_interruption else
@@ -299,9 +291,9 @@ def _interruptions(plan: Plan, outcome: InterruptionOutcome | None) -> list[str]
                    else "started from step 0")
         rows.append(("this attempt", resumed))
         if outcome.taken_over_from_step is not None:
-            rows.append(("host taken over", f"had reached step {outcome.taken_over_from_step}: "
-                                            f"{_n(outcome.lost_steps)} steps lost (~{_seconds(outcome.lost_seconds)} "
-                                            f"at this attempt's speed)"))
+            lost = (f"{_n(outcome.lost_steps)} steps lost (~{format_seconds(outcome.lost_seconds)} at this attempt's "
+                    "speed)")
+            rows.append(("host taken over", f"had reached step {outcome.taken_over_from_step}: {lost}"))
     return ["Interruptions, the plan against this attempt:", "", *_table(("", ""), rows)]
 
 
@@ -338,8 +330,8 @@ def _training(report: RunReport) -> list[str]:
              if isinstance(line.get("peak_memory_gib"), (int, float))]
     rows = [("steps", _steps(report, train)),
             ("tokens", f"{train.train_tokens:,}"), ("tokens/s", f"{train.tokens_per_second:,.0f}"),
-            ("wall", f"{_seconds(train.wall_seconds)} (start-up {_seconds(train.startup_seconds)})"),
-            ("checkpoints", f"{train.checkpoints_written} written, {_seconds(train.checkpoint_seconds)} "
+            ("wall", f"{format_seconds(train.wall_seconds)} (start-up {format_seconds(train.startup_seconds)})"),
+            ("checkpoints", f"{train.checkpoints_written} written, {format_seconds(train.checkpoint_seconds)} "
                             f"({train.checkpoint_share:.1%} of the wall time)"),
             ("MFU", "-" if train.mean_mfu is None else f"{train.mean_mfu * 100:.3g}%"),
             ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
@@ -356,12 +348,12 @@ def _store(store: StoreTraining | None) -> list[tuple[str, str]]:
     took = {"final": "the finished adapter", "checkpoint": f"the checkpoint of step {pulled.step}",
             "nothing": "nothing"}[pulled.what]
     rows = [("store", f"`{store.location}`"),
-            ("from the store", f"{took} ({_seconds(pulled.seconds)})" if pulled.what != "nothing" else took),
+            ("from the store", f"{took} ({format_seconds(pulled.seconds)})" if pulled.what != "nothing" else took),
             ("to the store", f"{store.checkpoint_uploads} checkpoints in the background "
-                             f"({_seconds(store.checkpoint_upload_seconds)}), the newest step "
+                             f"({format_seconds(store.checkpoint_upload_seconds)}), the newest step "
                              f"{store.uploaded_step}" + ("; the adapter" if store.final_uploaded else ""))]
     if store.lease_waited_seconds >= 1:
-        rows.append(("lease", f"waited {_seconds(store.lease_waited_seconds)} for another host"))
+        rows.append(("lease", f"waited {format_seconds(store.lease_waited_seconds)} for another host"))
     if store.taken_over_from:
         lost, step = store.lost_steps, store.taken_over_from.get("step")
         rows.append(("taken over", f"from a host that stopped renewing its lease at step {step}"

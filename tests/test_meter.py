@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
-from phase1a.core.meter import MeterSettings, artifact_key, duration, stage_meter
-from phase1a.core.units import MIB
+from phase1a.core.meter import MeterSettings, artifact_key, stage_meter
+from phase1a.core.units import MIB, format_seconds
 from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
 
 
@@ -41,11 +41,11 @@ def test_log_lines_give_done_rate_and_time_left_at_most_once_an_interval(info_li
             meter.advance(100, tokens=2000)
     assert info_lines() == [
         "tokenize: 1,000 examples to do; 2 shards",
-        "tokenize: 200 of 1,000 examples (20.0 %), 20 examples/s, 400 tokens/s, 40s left",
-        "tokenize: 400 of 1,000 examples (40.0 %), 20 examples/s, 400 tokens/s, 30s left",
-        "tokenize: 600 of 1,000 examples (60.0 %), 20 examples/s, 400 tokens/s, 20s left",
-        "tokenize: 800 of 1,000 examples (80.0 %), 20 examples/s, 400 tokens/s, 10s left",
-        "tokenize: 1,000 examples in 50s (20,000 tokens; 20 examples/s, 400 tokens/s)",
+        "tokenize: 200 of 1,000 examples (20.0 %), 20 examples/s, 400 tokens/s, 40.0 s left",
+        "tokenize: 400 of 1,000 examples (40.0 %), 20 examples/s, 400 tokens/s, 30.0 s left",
+        "tokenize: 600 of 1,000 examples (60.0 %), 20 examples/s, 400 tokens/s, 20.0 s left",
+        "tokenize: 800 of 1,000 examples (80.0 %), 20 examples/s, 400 tokens/s, 10.0 s left",
+        "tokenize: 1,000 examples in 50.0 s (20,000 tokens; 20 examples/s, 400 tokens/s)",
     ]
 
 
@@ -57,7 +57,7 @@ def test_the_time_left_never_reads_past_a_budgets_end(info_lines):
         meter.ends_by = clock.now + 30
         clock.now += 20
         meter.advance(1)
-    assert info_lines()[1] == "calibration: 1 of 8 trials (12.5 %), 0.1 trials/s, 10s left"
+    assert info_lines()[1] == "calibration: 1 of 8 trials (12.5 %), 0.1 trials/s, 10.0 s left"
 
 
 def test_bytes_in_mib_a_note_and_resumed_bytes_left_out_of_the_rate(info_lines):
@@ -71,9 +71,9 @@ def test_bytes_in_mib_a_note_and_resumed_bytes_left_out_of_the_rate(info_lines):
         meter.advance(32 * MIB)
     assert info_lines() == [
         "stage: 64.0 MiB to do",
-        "stage: 32.0 MiB of 64.0 MiB (50.0 %), 409.6 KiB/s, 1m 20s left",
+        "stage: 32.0 MiB of 64.0 MiB (50.0 %), 409.6 KiB/s, 80.0 s left",
         "stage: 3 of 4 objects",
-        "stage: 64.0 MiB in 2m 00s (409.6 KiB/s)",
+        "stage: 64.0 MiB in 2 min 00 s (409.6 KiB/s)",
     ]
 
 
@@ -87,7 +87,7 @@ def test_an_unknown_total_a_failure_and_nothing_to_do(info_lines):
     with stage_meter("stage", 0, "bytes", settings=settings):  # every file already staged: silent
         pass
     assert info_lines() == ["tokenize: started", "tokenize: 50 examples, 5 examples/s",
-                            "tokenize: stopped after 50 examples in 10s (5 examples/s)"]
+                            "tokenize: stopped after 50 examples in 10.0 s (5 examples/s)"]
 
 
 def test_without_logging_set_up_the_lines_reach_stderr_and_off_prints_nothing(capsys):
@@ -96,7 +96,7 @@ def test_without_logging_set_up_the_lines_reach_stderr_and_off_prints_nothing(ca
         meter.advance(2 * MIB)
     with stage_meter("promote", 2 * MIB, "bytes", settings=MeterSettings("off", 10.0, FakeClock())) as meter:
         meter.advance(2 * MIB)
-    assert capsys.readouterr().err.splitlines() == ["promote: 2.0 MiB to do", "promote: 2.0 MiB in 0s"]
+    assert capsys.readouterr().err.splitlines() == ["promote: 2.0 MiB to do", "promote: 2.0 MiB in 0.0 s"]
 
 
 def first_line(unit: str) -> str:
@@ -106,7 +106,8 @@ def first_line(unit: str) -> str:
 
 def test_names_formats_and_the_bar():
     assert artifact_key("validate candidate, loss") == "validate-candidate-loss-progress"
-    assert [duration(s) for s in (0.4, 59.6, 125, 3720)] == ["0s", "1m 00s", "2m 05s", "1h 02m"]
+    assert [format_seconds(s) for s in (0.4, 59.6, 125, 7320, None)] == ["0.4 s", "59.6 s", "2 min 05 s",
+                                                                          "2 h 02 min", "-"]
     assert [first_line(unit) for unit in ("batches", "examples", "trials", "bytes")] == [
         "x: 1 batch to do", "x: 1 example to do", "x: 1 trial to do", "x: 1 B to do"]  # one, not "1 batches"
     clock = FakeClock()

@@ -55,9 +55,9 @@ def test_without_a_terminal_training_logs_lines_not_bar_frames(tmp_path, capsys)
     reporter.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "train: step 1 of 4 (25.0 %), loss 1.0000, 50 tokens/s, 6s left",
-        "train: step 3 of 4 (75.0 %), loss 0.3333, 50 tokens/s, 2s left",
-        "train: step 4 of 4 (100.0 %), loss 0.2500, 50 tokens/s, 0s left",
+        "train: step 1 of 4 (25.0 %), loss 1.0000, 50 tokens/s, 6.0 s left",
+        "train: step 3 of 4 (75.0 %), loss 0.3333, 50 tokens/s, 2.0 s left",
+        "train: step 4 of 4 (100.0 %), loss 0.2500, 50 tokens/s, 0.0 s left",
         "eval at step 4: loss 0.5000, token accuracy 0.7500 on 8 examples in 0.2 s (best)",
         "resumed: from_step=2",
     ]

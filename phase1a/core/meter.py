@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from phase1a.core.logs import run_logger
-from phase1a.core.units import GIB, KIB, MIB, parse_duration_seconds
+from phase1a.core.units import GIB, KIB, MIB, format_seconds, parse_duration_seconds
 
 
 class ProgressConfig(Protocol):
@@ -179,13 +179,13 @@ class Meter:
             left = (count.total - count.done) / rate
             if self.ends_by is not None:
                 left = min(left, self.ends_by - (self.clock() if now is None else now))
-            parts.append(f"{duration(max(0.0, left))} left")
+            parts.append(f"{format_seconds(max(0.0, left))} left")
         line = f"{self.name}: " + ", ".join(parts)
         return f"{line}; {self.note_text}" if self.note_text else line
 
     def final_line(self, finished: bool) -> str:
         count, elapsed = self.count, self.clock() - self.began
-        summary = f"{_amount(count.done, count.unit)} in {duration(elapsed)}"
+        summary = f"{_amount(count.done, count.unit)} in {format_seconds(elapsed)}"
         extras = ", ".join(f"{_number(value)} {key}" for key, value in count.extras.items())
         rates = ", ".join(_rates(count, elapsed))
         details = "; ".join(part for part in (extras, rates) if part)
@@ -268,16 +268,6 @@ def _rates(count: _Count, elapsed: float) -> list[str]:
     own = (count.done - count.carried) / elapsed
     first = f"{_bytes(own)}/s" if count.unit == "bytes" else f"{_number(own)} {count.unit}/s"
     return [first, *(f"{_number(value / elapsed)} {key}/s" for key, value in count.extras.items())]
-
-
-def duration(seconds: float) -> str:
-    """45s, 2m 05s, 1h 02m."""
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m {seconds % 60:02d}s"
-    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
 
 
 # ---- the sinks ----------------------------------------------------------------------------------------------

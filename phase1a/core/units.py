@@ -95,3 +95,14 @@ def parse_duration_seconds(text: str) -> float:
     if interval.seconds is None or interval != Interval(seconds=interval.seconds):
         raise ValueError(f"{text!r} must be a wall-time span such as '30m' or '12h'")
     return interval.seconds
+
+
+def format_seconds(seconds: float | None) -> str:
+    """A duration as a person reads it in a log line or a report: 12.4 s below two minutes, then 2 min 05 s,
+    then 1 h 02 min; '-' for none."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes < 120 else f"{minutes // 60} h {minutes % 60:02d} min"

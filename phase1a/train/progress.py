@@ -25,8 +25,8 @@ import torch
 
 from phase1a.core import layout
 from phase1a.core.logs import run_logger
-from phase1a.core.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, duration, emit, resolved_display
-from phase1a.core.units import GIB, KIB
+from phase1a.core.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressArtifact, emit, resolved_display
+from phase1a.core.units import GIB, KIB, format_seconds
 from phase1a.model.cost_model import mfu
 from phase1a.train.history import ESTIMATE_BAND
 
@@ -179,7 +179,7 @@ class _Watch:
     def step(self, step: int, total: int, loss: float, tokens_per_second: float, remaining: float) -> str:
         """The bar's update; a line when one is due. Returns the line (the artifact's description)."""
         line = (f"train: step {step} of {total} ({100.0 * step / max(total, 1):.1f} %), loss {loss:.4f}, "
-                f"{tokens_per_second:,.0f} tokens/s, {duration(remaining)} left")
+                f"{tokens_per_second:,.0f} tokens/s, {format_seconds(remaining)} left")
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
         now = self.clock()
