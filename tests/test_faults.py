@@ -17,7 +17,10 @@ from helpers.servers import s3_client
 from phase1a.core.errors import DataError
 from phase1a.core.meter import MeterSettings, stage_meter
 from phase1a.core.retries import is_transient
-from phase1a.data.staging import stage_dataset
+from phase1a.data.staging import StagedData, stage_dataset
+from phase1a.data.tokenized import TokenizedData
+from phase1a.model.loading import ResolvedModel
+from phase1a.run_report import RunReport
 from phase1a.store.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 
 MiB = 1024 * 1024
@@ -132,14 +135,14 @@ def padded_jsonl(count: int, pad: int) -> bytes:
     return b"".join(json.dumps({**record, "note": "x" * pad}).encode() + b"\n" for record in date_records(count))
 
 
-def run_flow(tree: dict, plan_only: bool = False) -> tuple[object, dict]:
+def run_flow(tree: dict, plan_only: bool = False) -> tuple[object, RunReport]:
     from flows.phase1a import phase1a
     from phase1a.config.schema import Phase1aConfig
 
     config = Phase1aConfig.model_validate(tree)
     state = phase1a(config, plan_only=plan_only, return_state=True)
     [report] = (config.work_dir / config.name).glob("*/report.json")
-    return state, json.loads(report.read_text())
+    return state, RunReport.load(report)
 
 
 @pytest.mark.prefect_server
@@ -164,13 +167,14 @@ def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_t
     config_tree["retries"] = {"count": 3, "delay": "0.2s", "jitter": 0}
 
     state, report = run_flow(config_tree)
-    assert state.is_completed(), report["stages"]
-    stage, promote = report["stages"]["stage"], report["stages"]["promote"]
-    assert (stage["state"], stage["retries"], promote["state"], promote["retries"]) == ("Completed", 2, "Completed", 1)
-    assert report["stages"]["tokenize"]["retries"] == 0 and report["stages"]["tokenize"]["result"]["train_examples"]
-    staged = Path(stage["result"]["path"])
-    assert hashlib.sha256(staged.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest() == \
-        stage["result"]["fingerprint"]
+    assert state.is_completed(), report.stages
+    stage, promote = report.stages["stage"], report.stages["promote"]
+    assert (stage.state, stage.retries, promote.state, promote.retries) == ("Completed", 2, "Completed", 1)
+    assert report.stages["tokenize"].retries == 0 and report.result("tokenize", TokenizedData).train_examples
+    staged = report.result("stage", StagedData)
+    assert hashlib.sha256(Path(staged.path).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest() == \
+        staged.fingerprint
+    staged = Path(staged.path)
     assert sorted(p.name for p in staged.parent.iterdir()) == [staged.name, staged.name + ".manifest.json"]  # no resume
 
     # Each retry asked for what the one before had not received.
@@ -179,13 +183,13 @@ def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_t
     assert first.range is None and 0 < starts[0] < starts[1] < len(data), starts
     assert [seen.fault for seen in (first, second, third)] == ["drop", "drop", None]
     assert [seen.fault for seen in proxy.requests("PUT", pointer)] == ["slow_down"] * 3 + [None]
-    model = report["stages"]["model"]
-    assert (model["state"], model["retries"]) == ("Completed", 1)
-    assert {name: (Path(model["result"]["path"]) / name).read_bytes() for name in files} == files
+    assert (report.stages["model"].state, report.stages["model"].retries) == ("Completed", 1)
+    model = Path(report.result("model", ResolvedModel).path)
+    assert {name: (model / name).read_bytes() for name in files} == files
     cut, resumed = proxy.requests("GET", weights)
     assert cut.fault == "drop" and resumed.range.startswith("bytes=") and resumed.range != "bytes=0-"
     promoted = json.loads(s3_client(endpoint).get_object(Bucket=bucket, Key="promoted/promoted.json")["Body"].read())
-    assert promoted["version"] == Path(report["run_dir"]).name == report["validation"]["promotion"]["version"]
+    assert promoted["version"] == Path(report.run_dir).name == report.validation.promotion.version
 
 
 @pytest.mark.prefect_server
@@ -196,8 +200,8 @@ def test_a_permanent_error_fails_the_stage_at_once_with_its_own_message(config_t
     started = time.monotonic()
     state, report = run_flow(config_tree, plan_only=True)
     assert state.is_failed() and time.monotonic() - started < 30
-    stage = report["stages"]["stage"]
-    assert (stage["state"], stage["retries"]) == ("Failed", 0) and stage["seconds"] < 5
-    assert stage["error"] == "DataError: s3://no-such-bucket-r/d.jsonl: no such bucket 'no-such-bucket-r'"
+    stage = report.stages["stage"]
+    assert (stage.state, stage.retries) == ("Failed", 0) and stage.seconds < 5
+    assert stage.error == "DataError: s3://no-such-bucket-r/d.jsonl: no such bucket 'no-such-bucket-r'"
     # One HEAD of the key and one of the bucket, for the cache key and then for the one attempt.
     assert len(proxy.requests("HEAD", "^/no-such-bucket-r")) == 4

@@ -13,19 +13,23 @@ from flows.cli import main as cli_main
 from flows.phase1a import phase1a
 from helpers import PREPARED, date_records, without_session_server, write_jsonl
 from phase1a.config.schema import Phase1aConfig
+from phase1a.data.staging import StagedData
+from phase1a.data.tokenized import TokenizedData
+from phase1a.results import Plan, TrainResult, ValidationResult
+from phase1a.run_report import RunReport
 
 pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
 
 
-def run_flow(tree: dict) -> tuple[object, dict]:
+def run_flow(tree: dict) -> tuple[object, RunReport]:
     config = Phase1aConfig.model_validate(tree)
     state = phase1a(config, return_state=True)
     reports = sorted((config.work_dir / config.name).glob("*/report.json"), key=lambda p: p.stat().st_mtime)
-    return state, json.loads(reports[-1].read_text())
+    return state, RunReport.load(reports[-1])
 
 
-def states(report: dict) -> dict[str, str]:
-    return {name: section["state"] for name, section in report["stages"].items()}
+def states(report: RunReport) -> dict[str, str]:
+    return {name: section.state for name, section in report.stages.items()}
 
 
 @pytest.mark.slow
@@ -34,39 +38,38 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert state.is_completed(), state.message
     ran = dict.fromkeys(["stage", "tokenize", "plan", "train", "validate"], "Completed")
     assert states(first) == {**PREPARED, **ran}
-    assert first["status"] == "passed" and first["stages"]["validate"]["result"]["passed"]
-    assert first["stages"]["plan"]["result"]["calibrated"] and first["estimate_vs_actual"]["actual_train_seconds"] > 0
-    assert first["stages"]["train"]["result"]["tokens_per_second"] > 0
+    plan, trained = first.result("plan", Plan), first.result("train", TrainResult)
+    assert first.status == "passed" and first.result("validate", ValidationResult).passed
+    assert plan.calibrated and first.estimate_vs_actual.actual_train_seconds > 0 and trained.tokens_per_second > 0
     # Evaluated during training by default, at each checkpoint and at the end, as many times as the plan counted.
-    trained = first["stages"]["train"]["result"]
-    assert trained["evaluations"] == first["stages"]["plan"]["result"]["estimate"]["evaluations_during_training"] == 3
-    assert len((Path(trained["output_dir"]) / "eval.jsonl").read_text().splitlines()) == 3
+    assert trained.evaluations == plan.estimate.evaluations_during_training == 3
+    assert len((Path(trained.output_dir) / "eval.jsonl").read_text().splitlines()) == 3
     # The plan's estimate of validation (timed in calibration: teacher-forced pass and greedy steps) against the
     # stage. A validation this small (0.2 s) is mostly fixed costs, so only the order of magnitude is asserted;
     # the demo's figures are in docs/benchmarks.md.
-    validation = first["validation_estimate_vs_actual"]
-    assert validation["actual_seconds"] == first["stages"]["validate"]["seconds"] and not validation["base_cached"]
-    assert 0.1 < validation["estimated_over_actual"] < 10.0, validation
-    assert first["stages"]["plan"]["result"]["calibration"]["validation"]["decode_seconds_per_step"] > 0
-    assert (Path(first["run_dir"]) / "lengths.png").is_file()
+    validation = first.validation_estimate_vs_actual
+    assert validation.actual_seconds == first.stages["validate"].seconds and not validation.base_cached
+    assert 0.1 < validation.estimated_over_actual < 10.0, validation
+    assert plan.calibration.validation.decode_seconds_per_step > 0
+    assert (Path(first.run_dir) / "lengths.png").is_file()
 
     _, second = run_flow(config_tree)
     assert states(second) == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Cached",
                               "train": "Completed", "validate": "Cached"}
-    assert second["stages"]["train"]["result"]["reused_completed_run"]
-    assert second["stages"]["validate"]["result"] == first["stages"]["validate"]["result"]
+    assert second.result("train", TrainResult).reused_completed_run
+    assert second.stages["validate"].result == first.stages["validate"].result
 
     # Deleting the tokenized output re-runs tokenize (a cached manifest must not point at nothing).
-    shutil.rmtree(first["stages"]["tokenize"]["result"]["dir"])
+    shutil.rmtree(first.result("tokenize", TokenizedData).dir)
     _, third = run_flow(config_tree)
     assert states(third)["stage"] == "Cached" and states(third)["tokenize"] == "Completed"
-    assert Path(third["stages"]["tokenize"]["result"]["train_path"]).is_file()
+    assert Path(third.result("tokenize", TokenizedData).train_path).is_file()
 
     # New bytes under the same path re-run both stages.
     write_jsonl(dataset, date_records(64, seed=1))
     _, fourth = run_flow(config_tree)
     assert states(fourth)["stage"] == "Completed" and states(fourth)["tokenize"] == "Completed"
-    assert fourth["stages"]["stage"]["result"]["fingerprint"] != first["stages"]["stage"]["result"]["fingerprint"]
+    assert fourth.result("stage", StagedData).fingerprint != first.result("stage", StagedData).fingerprint
 
     # The runs read back in a terminal: `phase1a runs` lists all four, `phase1a show` prints one's summary.
     config_path = Path(config_tree["work_dir"]).parent / "tiny.yaml"
@@ -75,14 +78,14 @@ def test_second_run_reuses_stage_and_tokenize_and_changes_invalidate(config_tree
     assert cli_main(["runs", "--config", str(config_path)]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
     assert header.split()[:3] == ["run", "status", "wall"] and len(rows) == 4
-    assert [row.split()[0] for row in rows] == [Path(r["run_dir"]).name for r in (first, second, third, fourth)]
+    assert [row.split()[0] for row in rows] == [Path(r.run_dir).name for r in (first, second, third, fourth)]
     assert all(row.split()[1] == "passed" for row in rows)
-    loss = first["validation"]["metrics"]["loss"]["candidate"]
-    assert f"{loss:.4f}" in rows[0] and f"{first['estimate_vs_actual']['time_accuracy'] - 1:+.0%}" in rows[0]
-    name = Path(first["run_dir"]).name.split("-", 1)[1]  # the flow run's name
+    loss = first.validation.metrics["loss"].candidate
+    assert f"{loss:.4f}" in rows[0] and f"{first.estimate_vs_actual.time_accuracy - 1:+.0%}" in rows[0]
+    name = Path(first.run_dir).name.split("-", 1)[1]  # the flow run's name
     assert cli_main(["show", name, "--config", str(config_path)]) == 0
     shown = capsys.readouterr().out  # the run's report.md
-    assert "## Validation" in shown and f"report: {first['run_dir']}/report.md" in shown
+    assert "## Validation" in shown and f"report: {first.run_dir}/report.md" in shown
     assert cli_main(["show", "no-such-run", "--config", str(config_path)]) == 2
     assert "no-such-run: no run of that name under" in capsys.readouterr().err
 
@@ -100,21 +103,21 @@ def test_parquet_shards_with_a_separate_validation_source(config_tree, tmp_path)
     config_tree["data"] |= {"source": str(shards / "part-*.parquet"),
                             "validation_source": str(write_jsonl(tmp_path / "held-out.jsonl", date_records(8, seed=6)))}
     state, report = run_flow(config_tree)
-    assert state.is_completed(), report["stages"]
+    assert state.is_completed(), report.stages
     assert states(report)["stage"] == states(report)["stage_validation"] == "Completed"
-    tokenized = report["stages"]["tokenize"]["result"]
-    assert (tokenized["train_examples"], tokenized["validation_examples"], tokenized["shards"]) == (48, 8, 3)
-    assert report["stages"]["stage"]["result"]["files"] == ["part-0.parquet", "part-1.parquet"]
+    tokenized = report.result("tokenize", TokenizedData)
+    assert (tokenized.train_examples, tokenized.validation_examples, tokenized.shards) == (48, 8, 3)
+    assert report.result("stage", StagedData).files == ["part-0.parquet", "part-1.parquet"]
 
 
 def test_bad_data_fails_the_run_and_the_report_says_where(config_tree, dataset):
     dataset.write_text(dataset.read_text() + '{"messages": [oops\n')
     state, report = run_flow(config_tree)
-    assert state.is_failed() and report["status"] == "failed"
+    assert state.is_failed() and report.status == "failed"
     assert states(report)["tokenize"] == "Failed"
-    staged = Path(report["stages"]["stage"]["result"]["path"]).name
-    assert f"{staged}:65: malformed JSON" in report["stages"]["tokenize"]["error"]
-    readable = (Path(report["run_dir"]) / "report.md").read_text()
+    staged = Path(report.result("stage", StagedData).path).name
+    assert f"{staged}:65: malformed JSON" in report.stages["tokenize"].error
+    readable = (Path(report.run_dir) / "report.md").read_text()
     assert "> **Failed at stage `tokenize`** (Failed): " in readable and f"{staged}:65: malformed JSON" in readable
 
 
@@ -135,8 +138,8 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
                           env=without_session_server())  # as a user without a Prefect server runs it
     assert done.returncode == 0, done.stderr[-3000:]
     report_line = [line for line in done.stdout.splitlines() if line.startswith("report: ")][-1]
-    report = json.loads(Path(report_line.removeprefix("report: ")).read_text())
-    assert report["config"]["method"]["epochs"] == 0.5
+    report = RunReport.load(Path(report_line.removeprefix("report: ")))
+    assert report.config["method"]["epochs"] == 0.5
     assert "token_accuracy" in done.stdout and "gate: PASS" in done.stdout
     assert re.search(r"^validate: [\d.]+ s; plan estimated [\d.]+ s$", done.stdout, re.MULTILINE)
 
@@ -154,9 +157,9 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "estimate: start-up" in done.stdout and "micro-batch" in done.stdout and "calibration (" in done.stdout
     report_path = Path([line for line in done.stdout.splitlines() if line.startswith("report: ")][-1][8:])
-    report = json.loads(report_path.read_text())
-    assert report["status"] == "planned" and list(report["stages"]) == ["model", "start", "stage", "tokenize", "plan"]
-    assert report["stages"]["tokenize"]["result"]["workers"] == 2
+    report = RunReport.load(report_path)
+    assert report.status == "planned" and list(report.stages) == ["model", "start", "stage", "tokenize", "plan"]
+    assert report.result("tokenize", TokenizedData).workers == 2
     plan = json.loads((report_path.parent / "plan.json").read_text())
     assert plan["steps"] > 0 and plan["micro_batch_size"] * plan["gradient_accumulation"] == 8
     assert plan["calibration"]["trials"][0]["status"] == "measured" and plan["estimate"]["startup_seconds"] > 0
@@ -171,35 +174,35 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
     config_tree["validation"].update({"promote_to": str(promoted), "promote_merged": True})
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
-    section = first["validation"]
-    assert section["verdict"] == "pass" and section["promotion"]["promoted"]
-    assert set(section["metrics"]) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece"}
-    loss = section["metrics"]["loss"]
-    assert loss["delta"] == loss["candidate"] - loss["baseline"]
+    section = first.validation
+    assert section.verdict == "pass" and section.promotion.promoted
+    assert set(section.metrics) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece"}
+    loss = section.metrics["loss"]
+    assert loss.delta == loss.candidate - loss.baseline
     pointer = (promoted / "promoted.json").read_bytes()
-    assert json.loads(pointer)["version"] == section["promotion"]["version"] == Path(first["run_dir"]).name
-    version = promoted / "versions" / section["promotion"]["version"]
+    assert json.loads(pointer)["version"] == section.promotion.version == Path(first.run_dir).name
+    version = promoted / "versions" / section.promotion.version
     assert (version / "adapter" / "adapter_config.json").is_file() and (version / "merged" / "config.json").is_file()
-    assert not (Path(first["run_dir"]) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
+    assert not (Path(first.run_dir) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation"])))
         reports = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["run-report"]),
-            flow_run_id=ArtifactFilterFlowRunId(any_=[first["flow_run"]["id"]])))
+            flow_run_id=ArtifactFilterFlowRunId(any_=[first.flow_run.id])))
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["train-progress"]),
-            flow_run_id=ArtifactFilterFlowRunId(any_=[first["flow_run"]["id"]])))
-    steps = first["stages"]["train"]["result"]["steps"]
+            flow_run_id=ArtifactFilterFlowRunId(any_=[first.flow_run.id])))
+    steps = first.result("train", TrainResult).steps
     assert [(a.type, a.data) for a in progress] == [("progress", 100.0)]  # training's progress, done
     assert progress[0].description.startswith(f"train: step {steps} of {steps} (100.0 %)")
     assert artifacts and {row["metric"] for row in json.loads(artifacts[0].data)} >= {"loss", "exact_match"}
     # The run report: report.md beside report.json, its plots, and the same report as an artifact, images inline.
-    run_dir = Path(first["run_dir"])
+    run_dir = Path(first.run_dir)
     readable = (run_dir / "report.md").read_text()
     for png in ("lengths.png", "loss.png", "throughput.png", "estimate_vs_actual.png"):
         assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in readable
     assert readable.startswith("# Run report: tiny: passed")
-    assert f"| version | `{section['promotion']['version']}`" in readable
+    assert f"| version | `{section.promotion.version}`" in readable
     assert [report.type for report in reports] == ["markdown"]
     assert reports[0].data.count("](data:image/png;base64,") == 4 and "## Validation" in reports[0].data
 
@@ -209,12 +212,12 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
                                                                           "exact_match": 1.0}}))
     config_tree["validation"].update({"baseline": "file", "baseline_file": str(reference)})
     state, second = run_flow(config_tree)
-    assert state.is_failed() and second["status"] == "failed" and second["validation"]["verdict"] == "fail"
-    loss = second["validation"]["metrics"]["loss"]["candidate"]
+    assert state.is_failed() and second.status == "failed" and second.validation.verdict == "fail"
+    loss = second.validation.metrics["loss"].candidate
     with pytest.raises(Exception, match=f"validation gate failed against file {reference}.*: loss {loss:.4f} > "
                                         "baseline 0.0000 \\+ tolerance 0.05"):
         state.result()
-    assert "promote" not in second["stages"] and (promoted / "promoted.json").read_bytes() == pointer
-    readable = (Path(second["run_dir"]) / "report.md").read_text()
+    assert "promote" not in second.stages and (promoted / "promoted.json").read_bytes() == pointer
+    readable = (Path(second.run_dir) / "report.md").read_text()
     assert "> **Failed**: GateFailed: validation gate failed against file" in readable
     assert "**FAIL** against file" in readable and "| promoted | no: the gate failed |" in readable
