@@ -73,12 +73,25 @@ def _publish_lengths(data: TokenizedData, run_dir: Path) -> None:
         f"truncated: {data.truncated_examples}; dropped overlong: {data.dropped_overlong}"))
 
 
-def _train_files(report: RunReport) -> tuple[Path | None, Path | None]:
-    """metrics.jsonl and eval.jsonl of the run's training directory, when training got as far as a result."""
-    trained = report.result("train", TrainResult)
-    if trained is None:
-        return None, None
-    return Path(trained.output_dir) / layout.METRICS, Path(trained.output_dir) / layout.EVALUATIONS
+@dataclass(frozen=True)
+class _Results:
+    """The stages' results the report reads, each parsed once as its type (None: the stage got no result)."""
+
+    staged: StagedData | None
+    data: TokenizedData | None
+    plan: Plan | None
+    train: TrainResult | None
+
+    @classmethod
+    def of(cls, report: RunReport) -> "_Results":
+        return cls(report.result("stage", StagedData), report.result("tokenize", TokenizedData),
+                   report.result("plan", Plan), report.result("train", TrainResult))
+
+    def train_files(self) -> tuple[Path | None, Path | None]:
+        """metrics.jsonl and eval.jsonl of the run's training directory, when training got as far as a result."""
+        if self.train is None:
+            return None, None
+        return Path(self.train.output_dir) / layout.METRICS, Path(self.train.output_dir) / layout.EVALUATIONS
 
 
 def draw_plots(report: RunReport, run_dir: Path) -> list[Plot]:
@@ -86,11 +99,11 @@ def draw_plots(report: RunReport, run_dir: Path) -> list[Plot]:
     becomes its `missing`, never the run's."""
     from phase1a import plots
 
-    metrics, evaluations = _train_files(report)
+    results = _Results.of(report)
+    metrics, evaluations = results.train_files()
     cache_dir = report.config.get("cache_dir")
     history = history_path(Path(cache_dir)) if cache_dir else None
-    plan = report.result("plan", Plan)
-    planned = plan.tokens_per_second if plan is not None else None
+    planned = results.plan.tokens_per_second if results.plan is not None else None
     drawings: list[tuple[Plot, Callable[[Path], Path | None]]] = [
         (Plot("loss.png", "loss by step: training (raw and smoothed) and evaluation"),
          lambda path: plots.save_loss(metrics, evaluations, path) if metrics else None),
@@ -168,8 +181,8 @@ def _stages(report: RunReport) -> list[str]:
     return ["## Stages", "", *_table(("stage", "state", "seconds", "retries", "cached"), rows)] if rows else []
 
 
-def _data(report: RunReport) -> list[str]:
-    data, staged = report.result("tokenize", TokenizedData), report.result("stage", StagedData)
+def _data(report: RunReport, results: _Results) -> list[str]:
+    data, staged = results.data, results.staged
     if data is None:
         return []
     lengths = data.lengths
@@ -221,8 +234,8 @@ def _outliers(outliers: Outliers | None) -> list[tuple[str, str]]:
                          f"examples size to {outliers.others_length:,} (the plan's profile decides)")]
 
 
-def _plan(report: RunReport) -> list[str]:
-    plan = report.result("plan", Plan)
+def _plan(report: RunReport, results: _Results) -> list[str]:
+    plan = results.plan
     if plan is None:
         return []
     rows = [("profile", plan.profile), ("hardware", f"{plan.target} (found: {plan.detected})"),
@@ -297,9 +310,8 @@ def _interruptions(plan: Plan, outcome: InterruptionOutcome | None) -> list[str]
     return ["Interruptions, the plan against this attempt:", "", *_table(("", ""), rows)]
 
 
-def _evaluations(report: RunReport) -> list[tuple[str, str]]:
+def _evaluations(path: Path | None) -> list[tuple[str, str]]:
     """Rows from eval.jsonl (evaluation during training), when training evaluated."""
-    _, path = _train_files(report)
     lines = [line for line in run_files.read_lines(path) if isinstance(line.get("eval_loss"), (int, float))]
     if not lines:
         return []
@@ -310,8 +322,7 @@ def _evaluations(report: RunReport) -> list[tuple[str, str]]:
             ("best evaluation", f"step {best[-1]['step']}: eval loss {best[-1]['eval_loss']:.4f}")]
 
 
-def _steps(report: RunReport, train: TrainResult) -> str:
-    plan = report.result("plan", Plan)
+def _steps(report: RunReport, train: TrainResult, plan: Plan | None) -> str:
     steps = f"{train.steps:,}" + (f" of {plan.steps:,} planned" if plan and plan.steps != train.steps else "")
     steps += f", resumed from step {train.resumed_from_step}" if train.resumed_from_step else ""
     if train.stopped_early:  # `steps` is the plan's count: where the patience ran out says how far it went
@@ -321,14 +332,14 @@ def _steps(report: RunReport, train: TrainResult) -> str:
     return steps + (" (a finished run, reused)" if train.reused_completed_run else "")
 
 
-def _training(report: RunReport) -> list[str]:
-    train = report.result("train", TrainResult)
+def _training(report: RunReport, results: _Results) -> list[str]:
+    train = results.train
     if train is None:
         return []
-    metrics, _ = _train_files(report)
+    metrics, evaluations = results.train_files()
     peaks = [line["peak_memory_gib"] for line in run_files.read_lines(metrics)
              if isinstance(line.get("peak_memory_gib"), (int, float))]
-    rows = [("steps", _steps(report, train)),
+    rows = [("steps", _steps(report, train, results.plan)),
             ("tokens", f"{train.train_tokens:,}"), ("tokens/s", f"{train.tokens_per_second:,.0f}"),
             ("wall", f"{format_seconds(train.wall_seconds)} (start-up {format_seconds(train.startup_seconds)})"),
             ("checkpoints", f"{train.checkpoints_written} written, {format_seconds(train.checkpoint_seconds)} "
@@ -336,7 +347,7 @@ def _training(report: RunReport) -> list[str]:
             ("MFU", "-" if train.mean_mfu is None else f"{train.mean_mfu * 100:.3g}%"),
             ("peak memory", f"{max(peaks):.2f} GiB" if peaks else "-"),
             ("micro-batch", f"{train.micro_batch_size} ({train.out_of_memory_backoffs} out-of-memory back-offs)"),
-            ("final loss", _n(train.final_loss, ".4f")), *_evaluations(report), *_store(train.store)]
+            ("final loss", _n(train.final_loss, ".4f")), *_evaluations(evaluations), *_store(train.store)]
     return ["## Training", "", f"Directory: `{train.output_dir}`", "", *_table(("", ""), rows)]
 
 
@@ -407,7 +418,7 @@ def _promotion(report: RunReport) -> list[str]:
     return ["## Promotion", "", *_table(("", ""), rows)]
 
 
-def _links(report: RunReport, run_dir: Path) -> list[str]:
+def _links(report: RunReport, results: _Results, run_dir: Path) -> list[str]:
     flow_run = report.flow_run or FlowRunLink()
     lines = ["## Links", ""]
     if flow_run.url:
@@ -421,14 +432,16 @@ def _links(report: RunReport, run_dir: Path) -> list[str]:
     files = [name for name in (layout.REPORT_JSON, layout.PLAN_JSON, layout.CANDIDATE_METRICS)
              if (run_dir / name).is_file()]
     lines.append("- files: " + ", ".join(f"[{name}]({name})" for name in files))
-    metrics, evaluations = _train_files(report)
+    metrics, evaluations = results.train_files()
     lines += [f"- training: `{path}`" for path in (metrics, evaluations) if path and path.is_file()]
     return lines + [""]
 
 def render_report(report: RunReport, run_dir: Path, plots: list[Plot]) -> str:
     """report.md's text from report.json, the files in the run directory and what became of the plots."""
-    sections = [_header(report), _stages(report), _data(report), _plan(report), _training(report), _curves(plots),
-                _validation(report), _promotion(report), _links(report, Path(run_dir))]
+    results = _Results.of(report)
+    sections = [_header(report), _stages(report), _data(report, results), _plan(report, results),
+                _training(report, results), _curves(plots), _validation(report), _promotion(report),
+                _links(report, results, Path(run_dir))]
     return "\n".join(line for section in sections for line in section).rstrip() + "\n"
 
 

@@ -131,5 +131,5 @@ class RunReport(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
     def save(self, path: Path) -> Path:
-        write_atomically(path, self.model_dump_json(indent=2, exclude_none=False) + "\n")
+        write_atomically(path, self.model_dump_json(indent=2) + "\n")
         return path

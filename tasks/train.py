@@ -126,40 +126,57 @@ def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: Met
     return hash_json(key)[:16]
 
 
+@dataclass(frozen=True)
+class _Choices:
+    """What the config and the plan decide for a run's training: the method at the plan's epochs (a window may
+    have cut them), evaluation during training, and the checkpoint interval (auto's choice, or as configured)."""
+
+    method: MethodConfig
+    evaluation: EvalSettings | None
+    interval: str
+
+    @classmethod
+    def of(cls, config: Phase1aConfig, plan: Plan, data: TokenizedData) -> "_Choices":
+        return cls(method=config.method.model_copy(update={"epochs": plan.epochs}),
+                   evaluation=EvalSettings.of(config.validation, data.validation_path, data.validation_examples),
+                   interval=plan.checkpoint_interval or config.checkpoint.interval)
+
+
 def training_dir(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
                  start: StartPoint) -> Path:
     """The run's training directory, keyed by what makes two runs the same run (`training_key`)."""
-    method = config.method.model_copy(update={"epochs": plan.epochs})
-    evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
-    interval = plan.checkpoint_interval or config.checkpoint.interval  # auto's choice, or as configured
-    early_stopping = evaluation.key(interval) if evaluation else None
+    return _directory(config, plan, data, model, start, _Choices.of(config, plan, data))
+
+
+def _directory(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel, start: StartPoint,
+               choices: _Choices) -> Path:
+    evaluation = choices.evaluation
+    early_stopping = evaluation.key(choices.interval) if evaluation else None
     if early_stopping and evaluation.at_checkpoints and config.checkpoint.interval == AUTO:
         # The key holds the policy, not auto's choice, which hosts measuring a few seconds apart make differently:
         # a resume on another host must find the same training directory.
         early_stopping["interval"] = AUTO
-    run_key = training_key(data.fingerprint, model.fingerprint, method, plan.max_seq_length, start.fingerprint,
-                           early_stopping)
+    run_key = training_key(data.fingerprint, model.fingerprint, choices.method, plan.max_seq_length,
+                           start.fingerprint, early_stopping)
     return config.work_dir / config.name / f"train-{run_key}"
 
 
 def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model: ResolvedModel,
                    start: StartPoint) -> TrainSettings:
-    """The train stage's settings from the config and the plan: its knobs, its epochs (a window may have cut
-    them), its truncation, its starting adapter, its directory (`training_dir`)."""
-    method = config.method.model_copy(update={"epochs": plan.epochs})
-    evaluation = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
-    interval = plan.checkpoint_interval or config.checkpoint.interval  # auto's choice, or as configured
-    output_dir = training_dir(config, plan, data, model, start)
+    """The train stage's settings from the config and the plan: its knobs, its epochs, its truncation, its
+    starting adapter, its directory (`training_dir`)."""
+    choices = _Choices.of(config, plan, data)
+    output_dir = _directory(config, plan, data, model, start, choices)
     return TrainSettings(
-        model_dir=model.path, train_path=data.train_path, method=method, max_seq_length=plan.max_seq_length,
+        model_dir=model.path, train_path=data.train_path, method=choices.method, max_seq_length=plan.max_seq_length,
         output_dir=str(output_dir), init_adapter=start.adapter_dir,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, dataloader_workers=plan.dataloader_workers,
-        checkpoint_interval=interval, keep_last=config.checkpoint.keep_last,
+        checkpoint_interval=choices.interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, progress=config.progress,
         launch=launch_for(config.hardware, output_dir.name), strategy=config.hardware.strategy,
         model_flops_per_token=plan.model_flops_per_token, peak_flops=detect()[1].peak_flops,
-        planned_seconds=plan.estimated_train_seconds, evaluation=evaluation,
+        planned_seconds=plan.estimated_train_seconds, evaluation=choices.evaluation,
     )
 
 
