@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from phase1a.core.atomic import write_atomically
 from phase1a.evaluate.gate import GateCheck
-from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Answer
+from phase1a.evaluate.metrics import Answer
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.promote.promotion import PromotionOutcome
 from phase1a.promote.warmstart import StartPoint
@@ -77,7 +77,7 @@ class ValidationSection(BaseModel):
     @classmethod
     def of(cls, verdict: ValidationResult, promotion: PromotionOutcome | None = None) -> ValidationSection:
         rows = {}
-        for name in HIGHER_IS_BETTER:
+        for name in verdict.candidate.names():
             candidate, baseline = verdict.candidate.value(name), verdict.baseline.metrics.get(name)
             rows[name] = MetricRow(base=verdict.base.value(name), baseline=baseline, candidate=candidate,
                                    delta=None if candidate is None or baseline is None else candidate - baseline)

@@ -20,13 +20,14 @@ The recipe, `validate`, in named phases:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
 from phase1a.config.schema import Phase1aConfig, ValidationConfig
 from phase1a.core import layout
@@ -34,9 +35,10 @@ from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json, sha256_file, sha256_tree
 from phase1a.core.hardware import training_device, training_dtype
 from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
 from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
-from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
 from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
 from phase1a.promote.promotion import PromotedPointer, fetch_adapter, read_pointer
 from phase1a.results import TrainResult, ValidationResult
@@ -44,6 +46,7 @@ from phase1a.run_report import ValidationSection
 from phase1a.train.packing import TokenRows
 from tasks.caching import StageCache, task
 
+T = TypeVar("T", bound=BaseModel)
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
 
 
@@ -72,22 +75,53 @@ class Scoring:
                          "settings": self.key(device)})
         return Path(self.cache_dir) / "metrics" / f"{key[:32]}.json"
 
+    benchmarks: list[Benchmark] = field(default_factory=list)  # validation.benchmarks, loaded
+
+    def precision(self, device: torch.device) -> str:
+        return f"{device.type}/{training_dtype(device)}"
+
     def evaluate(self, model, name: str) -> Metrics:
         """`name` ("base", "candidate", "promoted v3") labels the model's progress: `validate candidate, loss`."""
         return evaluate(model, self.tokenizer, self.rows, self.indices, self.settings, label=f"validate {name}")
 
+    def missing(self, metrics: Metrics, device: torch.device) -> list[Benchmark]:
+        """The benchmarks `metrics` has no comparable score of."""
+        precision = self.precision(device)
+        return [b for b in self.benchmarks if b.key not in metrics.benchmarks
+                or metrics.benchmarks[b.key].identity != b.identity(precision)]
 
-def cached_evaluate(path: Path, compute: Callable[[], Metrics]) -> tuple[Metrics, bool]:
-    """The metrics stored at `path`, or computed and stored there (tmp + rename). Returns (metrics, from_cache)."""
+    def with_benchmarks(self, metrics: Metrics, model, weights: str | None) -> Metrics:
+        """`metrics` with every benchmark's score: those it has (comparable), else cached by model, `weights`
+        ("base" or an adapter hash; None: not cached) and benchmark, else scored on `model`."""
+        device = next(model.parameters()).device
+        precision, scores = self.precision(device), dict(metrics.benchmarks)
+        for benchmark in self.missing(metrics, device):
+            compute = partial(score_benchmark, model, self.tokenizer, benchmark, self.settings.batch_size, precision)
+            if weights is None:
+                scores[benchmark.key] = compute()
+                continue
+            key = hash_json({"model": self.model_fingerprint, "weights": weights,
+                             "benchmark": benchmark.identity(precision)})
+            path = Path(self.cache_dir) / "benchmarks" / f"{key[:32]}.json"
+            scores[benchmark.key], _ = cached(path, BenchmarkScore, compute)
+        return metrics.model_copy(update={"benchmarks": {b.key: scores[b.key] for b in self.benchmarks}})
+
+
+def cached(path: Path, kind: type[T], compute: Callable[[], T]) -> tuple[T, bool]:
+    """The record stored at `path`, or computed and stored there (tmp + rename). Returns (record, from_cache)."""
     if path.is_file():
         try:
-            return Metrics.model_validate_json(path.read_text()), True
+            return kind.model_validate_json(path.read_text()), True
         except ValueError:  # a damaged record: compute again and overwrite it
             pass
-    metrics = compute()
+    record = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, metrics.model_dump_json(indent=2) + "\n")
-    return metrics, False
+    write_atomically(path, record.model_dump_json(indent=2) + "\n")
+    return record, False
+
+
+def cached_evaluate(path: Path, compute: Callable[[], Metrics]) -> tuple[Metrics, bool]:
+    return cached(path, Metrics, compute)
 
 
 def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
@@ -96,12 +130,9 @@ def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
     from peft import PeftModel
 
     path = scoring.cache_path("base", next(model.parameters()).device)
-
-    def compute() -> Metrics:
-        with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
-            return scoring.evaluate(model, "base")
-
-    return cached_evaluate(path, compute)
+    with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
+        metrics, from_cache = cached_evaluate(path, lambda: scoring.evaluate(model, "base"))
+        return scoring.with_benchmarks(metrics, model, "base"), from_cache
 
 
 @dataclass
@@ -122,16 +153,20 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
     """The promoted model's metrics: from its pointer when they were computed on this sample with this
     scoring, else by scoring its weights here (cached like the base model's)."""
     name = f"promoted {pointer.version}"
-    if pointer.sample_fingerprint == scoring.sample and pointer.metric_settings == scoring.key(device):
-        return Baseline.of(name, Metrics.model_validate(pointer.metrics), scoring.sample)
+    stored = Metrics.model_validate(pointer.metrics)
+    same_sample = pointer.sample_fingerprint == scoring.sample and pointer.metric_settings == scoring.key(device)
+    if same_sample and not scoring.missing(stored, device):
+        return Baseline.of(name, stored, scoring.sample)
     if pointer.base_model_fingerprint != scoring.model_fingerprint:
         raise BaselineError(f"{name} was trained from another base model ({pointer.base_model_fingerprint[:12]}, "
-                            f"this run's is {scoring.model_fingerprint[:12]}) and scored on another sample; "
-                            "nothing to compare")
-    weights = source.fetch(pointer)
-    metrics, _ = cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device), lambda: scoring.evaluate(
-        for_scoring(load_for_eval(source.model_dir, weights, device, source.trust_remote_code)), "promoted"))
-    return Baseline.of(f"{name} (scored on this sample)", metrics, scoring.sample)
+                            f"this run's is {scoring.model_fingerprint[:12]}) and scored on another sample or "
+                            "benchmarks; nothing to compare")
+    model = for_scoring(load_for_eval(source.model_dir, source.fetch(pointer), device, source.trust_remote_code))
+    metrics = stored if same_sample else cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device),
+                                                         lambda: scoring.evaluate(model, "promoted"))[0]
+    metrics = scoring.with_benchmarks(metrics, model, pointer.adapter_sha256)
+    return Baseline.of(f"{name} (scored on this {'sample' if not same_sample else 'benchmarks'})", metrics,
+                       scoring.sample)
 
 
 def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
@@ -152,7 +187,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
     # 1. sample; the baseline read before any model loads
     rows = TokenRows.load(validation_path)
     scoring = Scoring(load_tokenizer(Path(model.path), trust), rows, np.arange(min(len(rows), settings.max_examples)),
-                      settings, config.cache_dir, model.fingerprint)
+                      settings, config.cache_dir, model.fingerprint, [load_benchmark(b) for b in settings.benchmarks])
     file_baseline = read_baseline_file(settings.baseline_file, scoring.sample) if settings.baseline == "file" else None
     pointer = _promoted_pointer(config) if settings.baseline == "promoted" else None
     # 2. score
@@ -167,7 +202,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
         first = " (nothing promoted yet)" if settings.baseline == "promoted" else ""
         baseline = Baseline.of("base model" + first + (" (cached)" if base_cached else ""), base, scoring.sample)
     # 4. gate
-    checks = gate(candidate, baseline, settings.tolerances)
+    checks = gate(candidate, baseline, settings)
     reasons = [check.describe() for check in checks if not check.passed]
     return ValidationResult(
         base=base, candidate=candidate, baseline=baseline, checks=checks, passed=not reasons, reasons=reasons,
@@ -189,7 +224,8 @@ def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path,
         base, base_cached = base_model_metrics(base_model, scoring)
         del base_model
         model = load_for_eval(model_dir, adapter_dir, device, trust_remote_code)
-    return base, base_cached, scoring.evaluate(for_scoring(model), "candidate")
+    model = for_scoring(model)
+    return base, base_cached, scoring.with_benchmarks(scoring.evaluate(model, "candidate"), model, None)
 
 
 # ---- reading a verdict ---------------------------------------------------------------------------------------
@@ -197,18 +233,15 @@ def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path,
 def format_table(verdict: ValidationResult) -> str:
     tolerances = {check.metric: check for check in verdict.checks}
     rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
-    for name in HIGHER_IS_BETTER:
-        base, candidate = verdict.base.value(name), verdict.candidate.value(name)
-        baseline = verdict.baseline.metrics.get(name)
-        if base is None and baseline is None and candidate is None:
+    cell = lambda value, sign="": "-" if value is None else f"{value:{sign}.4f}"  # noqa: E731
+    for name, row in ValidationSection.of(verdict).metrics.items():
+        if row.base is None and row.baseline is None and row.candidate is None:
             continue
-        cell = lambda value: "-" if value is None else f"{value:.4f}"  # noqa: E731
-        delta = "-" if candidate is None or baseline is None else f"{candidate - baseline:+.4f}"
         check = tolerances.get(name)
         status = "-" if check is None else ("pass" if check.passed else "FAIL") + \
             f" ({'>=' if check.higher_is_better else '<='} baseline {'-' if check.higher_is_better else '+'} " \
             f"{check.tolerance:g})"
-        rows.append((name, cell(base), cell(baseline), cell(candidate), delta, status))
+        rows.append((name, cell(row.base), cell(row.baseline), cell(row.candidate), cell(row.delta, "+"), status))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     verdict_text = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
@@ -257,9 +290,11 @@ def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Token
     the same baseline give the same verdict."""
     endpoint = config.data.s3_endpoint_url
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
-    settings = config.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
+    # What is exported is the promote stage's (never cached): the verdict is the same.
+    settings = config.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS | {"export"})
+    benchmarks = [load_benchmark(spec).definition for spec in config.validation.benchmarks]  # their YAML and data
     return hash_json({"model": model.fingerprint, "adapter": sha256_tree(Path(trained.adapter_dir), ADAPTER_FILES),
-                      "data": data.fingerprint, "settings": settings,
+                      "data": data.fingerprint, "settings": settings, "benchmarks": benchmarks,
                       "baseline": baseline_identity(config.validation, endpoint)})
 
 

@@ -76,7 +76,8 @@ def metrics(**values) -> Metrics:
     return Metrics(**{**defaults, **values})
 
 
-ALL_GATED = GateTolerances(loss=0.02, perplexity=0.05, token_accuracy=0.01, exact_match=0.01, ece=0.02)
+ALL_GATED = ValidationConfig(tolerances=GateTolerances(loss=0.02, perplexity=0.05, token_accuracy=0.01,
+                                                      exact_match=0.01, ece=0.02))
 
 
 def test_gate_passes_within_every_tolerance():
@@ -92,7 +93,7 @@ def test_gate_fails_on_each_metric_and_says_by_how_much(metric, worse):
     checks = gate(metrics(**{metric: worse}), Baseline.of("base model", metrics()), ALL_GATED)
     failed = [c for c in checks if not c.passed]
     assert [c.metric for c in failed] == [metric]
-    tolerance = getattr(ALL_GATED, metric)
+    tolerance = getattr(ALL_GATED.tolerances, metric)
     baseline_value = getattr(metrics(), metric)
     sign = "-" if HIGHER_IS_BETTER[metric] else "+"
     relation = "<" if HIGHER_IS_BETTER[metric] else ">"
@@ -101,19 +102,19 @@ def test_gate_fails_on_each_metric_and_says_by_how_much(metric, worse):
 
 
 def test_gate_fails_a_diverged_candidate():
-    checks = gate(metrics(loss=float("nan")), Baseline.of("base model", metrics()), GateTolerances())
+    checks = gate(metrics(loss=float("nan")), Baseline.of("base model", metrics()), ValidationConfig())
     assert not next(c for c in checks if c.metric == "loss").passed
 
 
 def test_a_gated_metric_missing_on_either_side_is_an_error_not_a_pass():
     no_answers = metrics(exact_match=None, ece=None, unavailable={"exact_match": "no prompt to generate from"})
     with pytest.raises(BaselineError, match="exact_match: no value for the candidate \\(no prompt to generate from\\)"):
-        gate(no_answers, Baseline.of("base model", metrics()), GateTolerances())
+        gate(no_answers, Baseline.of("base model", metrics()), ValidationConfig())
     partial = Baseline(source="file ref.json", metrics={"loss": 1.0, "token_accuracy": 0.8})
     with pytest.raises(BaselineError, match="exact_match: the baseline \\(file ref.json\\) has no value"):
-        gate(metrics(), partial, GateTolerances())
+        gate(metrics(), partial, ValidationConfig())
     # Left out of the gate, a missing metric is only missing from the report.
-    assert all(c.passed for c in gate(metrics(), partial, GateTolerances(exact_match=None)))
+    assert all(c.passed for c in gate(metrics(), partial, ValidationConfig(tolerances={"exact_match": None})))
 
 
 def test_baseline_file_round_trip_and_clear_errors(tmp_path):

@@ -363,6 +363,28 @@ class GateTolerances(_Section):
     ece: float | None = Field(None, ge=0.0, le=1.0, description="candidate calibration error <= baseline + this")
 
 
+class BenchmarkConfig(_Section):
+    """One lm-evaluation-harness task scored on the baseline and the candidate, on the same documents."""
+
+    task: str = Field(description=(
+        "An lm-eval task name (arc_easy, hellaswag: its dataset comes from the Hub) or a path to a task YAML of "
+        "your own (relative paths in its `dataset_kwargs.data_files` are relative to the YAML): works offline."))
+    metric: str = Field(description="The task's metric that is reported and gated, e.g. acc_norm, exact_match.")
+    limit: int | None = Field(None, ge=1, description="The task's first N documents; None: all of them.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; None: the task's own default.")
+    apply_chat_template: bool = Field(False, description=(
+        "Render each request with the tokenizer's chat template (lm-eval's --apply_chat_template)."))
+    tolerance: float | None = Field(0.0, ge=0.0, description=(
+        "How much worse than the baseline the candidate may score; null: reported, not gated."))
+
+    @property
+    def is_file(self) -> bool:
+        return self.task.endswith((".yaml", ".yml"))
+
+
+EXPORTS = ("merged", "gguf")
+
+
 class ValidationConfig(_Section):
     max_examples: int = Field(200, ge=1, description="Held-out examples scored: the first N of the validation split.")
     batch_size: int = Field(16, ge=1, description="Examples per packed row of the loss and token-accuracy pass.")
@@ -386,7 +408,12 @@ class ValidationConfig(_Section):
         "(reported only)."))
     promote_to: str | None = Field(None, description="On a pass, copy the adapter here (a local directory or "
                                                      "s3://bucket/prefix/) and move its `promoted.json` pointer.")
-    promote_merged: bool = Field(False, description="Also promote the model with the LoRA adapter merged in.")
+    benchmarks: list[BenchmarkConfig] = Field([], description=(
+        "lm-evaluation-harness tasks scored on the baseline and the candidate (did the fine-tune forget?), each "
+        "gated with its own tolerance: [{task: arc_easy, metric: acc_norm, limit: 500, tolerance: 0.01}]."))
+    export: list[Literal["merged", "gguf"]] = Field([], description=(
+        "Also promote, beside the adapter: 'merged' (the model with the LoRA adapter merged in, safetensors) and "
+        "'gguf' (the merged model as GGUF f16 and q8_0, for llama.cpp and Ollama; Llama-family models)."))
     during_training: str | None = Field("checkpoint", description=(
         "Evaluate eval loss and token accuracy on a fixed held-out sample while training, written to `eval.jsonl` "
         "beside `metrics.jsonl`: 'checkpoint' (at each checkpoint: every eval point has weights to go back to), "
@@ -401,6 +428,22 @@ class ValidationConfig(_Section):
         "train every step, the final adapter is the last weights."))
     early_stopping_min_delta: float = Field(0.0, ge=0.0, description=(
         "An evaluation improves only when its eval loss is below the best so far by more than this."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _promote_merged(cls, tree: Any) -> Any:
+        """`promote_merged: true`, from before `export` existed, still means export: [merged]."""
+        if isinstance(tree, dict) and "promote_merged" in tree:
+            tree = dict(tree)
+            if tree.pop("promote_merged"):
+                tree["export"] = list(dict.fromkeys([*(tree.get("export") or []), "merged"]))
+        return tree
+
+    @field_validator("export")
+    @classmethod
+    def _export(cls, value: list[str]) -> list[str]:
+        """Each once, in a fixed order (the GGUF files are written from the merged model)."""
+        return [name for name in EXPORTS if name in value]
 
     @field_validator("during_training")
     @classmethod
@@ -431,6 +474,9 @@ class ValidationConfig(_Section):
             raise ValueError("baseline 'file' needs baseline_file")
         if self.baseline == "promoted" and not self.promote_to:
             raise ValueError("baseline 'promoted' needs promote_to, where the promoted pointer lives")
+        names = [(b.task, b.metric) for b in self.benchmarks]
+        if len(set(names)) != len(names):
+            raise ValueError("benchmarks: a task and metric listed twice")
         if self.early_stopping is not None and self.during_training != "checkpoint" \
                 and str(parse_interval(self.during_training)) == "never":
             raise ValueError(f"early_stopping {self.early_stopping} counts evaluations during training, and "
@@ -681,6 +727,8 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
     validation = config.validation
     if validation.baseline_file is not None:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
+    validation = validation.model_copy(update={"benchmarks": [
+        b.model_copy(update={"task": str(absolute(Path(b.task)))}) if b.is_file else b for b in validation.benchmarks]})
     if validation.promote_to and "://" not in validation.promote_to:
         validation = validation.model_copy(update={"promote_to": str(absolute(Path(validation.promote_to)))})
     store = config.store

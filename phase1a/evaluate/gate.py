@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from phase1a.config.schema import GateTolerances
+from phase1a.config.schema import ValidationConfig
 from phase1a.core.atomic import write_atomically
 from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics
 
@@ -30,7 +30,7 @@ class Baseline(BaseModel):
 
     @classmethod
     def of(cls, source: str, metrics: Metrics, sample_fingerprint: str | None = None) -> "Baseline":
-        values = {name: metrics.value(name) for name in HIGHER_IS_BETTER}
+        values = {name: metrics.value(name) for name in metrics.names()}
         return cls(source=source, metrics=values, unavailable=metrics.unavailable,
                    sample_fingerprint=sample_fingerprint)
 
@@ -59,26 +59,40 @@ class GateCheck(BaseModel):
         return f"{self.metric} {self.candidate:.4f} {relation} baseline {self.baseline:.4f} {bound}"
 
 
-def gate(candidate: Metrics, baseline: Baseline, tolerances: GateTolerances) -> list[GateCheck]:
+def gate(candidate: Metrics, baseline: Baseline, settings: ValidationConfig) -> list[GateCheck]:
+    """Each metric with a tolerance: the held-out sample's (`tolerances`), then each benchmark's."""
     checks = []
-    for metric, tolerance in tolerances.model_dump().items():
-        if tolerance is None:
-            continue
+    for metric, tolerance, setting in _tolerances(settings, candidate):
         ours, theirs = candidate.value(metric), baseline.metrics.get(metric)
         if ours is None:
             why = candidate.unavailable.get(metric, "not computed")
             raise BaselineError(f"gate metric {metric}: no value for the candidate ({why}); set "
-                                f"validation.tolerances.{metric}: null to leave it out of the gate")
+                                f"{setting}: null to leave it out of the gate")
         if theirs is None:
             why = baseline.unavailable.get(metric, "no value recorded")
             raise BaselineError(f"gate metric {metric}: the baseline ({baseline.source}) has no value for it "
-                                f"({why}); set validation.tolerances.{metric}: null to leave it out of the gate")
-        higher = HIGHER_IS_BETTER[metric]
+                                f"({why}); set {setting}: null to leave it out of the gate")
+        higher = candidate.higher_is_better(metric)
         # Written so that NaN on either side fails: every comparison with NaN is False.
         passed = ours >= theirs - tolerance - _EPSILON if higher else ours <= theirs + tolerance + _EPSILON
         checks.append(GateCheck(metric=metric, candidate=ours, baseline=theirs, tolerance=tolerance,
                                 higher_is_better=higher, passed=bool(passed)))
     return checks
+
+
+def _tolerances(settings: ValidationConfig, candidate: Metrics) -> list[tuple[str, float, str]]:
+    """(metric, tolerance, the setting that holds it) for each gated metric; a benchmark's row is named by its
+    task's name, which a task YAML holds, so it is found among the candidate's scores by what was configured."""
+    gated = [(metric, tolerance, f"validation.tolerances.{metric}")
+             for metric, tolerance in settings.tolerances.model_dump().items() if tolerance is not None]
+    for i, benchmark in enumerate(settings.benchmarks):
+        if benchmark.tolerance is None:
+            continue
+        keys = [key for key, score in candidate.benchmarks.items()
+                if (score.source, score.metric) == (benchmark.task, benchmark.metric)]
+        gated.append((keys[0] if keys else f"{benchmark.task}/{benchmark.metric}", benchmark.tolerance,
+                      f"validation.benchmarks[{i}].tolerance"))
+    return gated
 
 
 def read_baseline_file(path: Path, sample_fingerprint: str) -> Baseline:
@@ -90,10 +104,10 @@ def read_baseline_file(path: Path, sample_fingerprint: str) -> Baseline:
     except (ValueError, ValidationError) as error:
         raise BaselineError(f"validation.baseline_file {path}: not a baseline metrics file "
                             f"({{\"metrics\": {{\"exact_match\": ..., \"loss\": ...}}}}): {error}") from None
-    unknown = sorted(set(record.metrics) - set(HIGHER_IS_BETTER))
+    unknown = sorted(name for name in set(record.metrics) - set(HIGHER_IS_BETTER) if "/" not in name)
     if unknown:
         raise BaselineError(f"validation.baseline_file {path}: unknown metrics {unknown} "
-                            f"(known: {', '.join(HIGHER_IS_BETTER)})")
+                            f"(known: {', '.join(HIGHER_IS_BETTER)}, and benchmarks as task/metric)")
     if record.sample_fingerprint not in (None, sample_fingerprint):
         raise BaselineError(f"validation.baseline_file {path}: computed on another held-out sample "
                             f"({record.sample_fingerprint[:12]}, this run's is {sample_fingerprint[:12]}); "
@@ -104,6 +118,6 @@ def read_baseline_file(path: Path, sample_fingerprint: str) -> Baseline:
 
 def write_baseline_file(path: Path, metrics: Metrics, sample_fingerprint: str, source: str) -> Path:
     record = BaselineFile(source=source, sample_fingerprint=sample_fingerprint,
-                          metrics={name: metrics.value(name) for name in HIGHER_IS_BETTER})
+                          metrics={name: metrics.value(name) for name in metrics.names()})
     write_atomically(Path(path), record.model_dump_json(indent=2) + "\n")  # another run may read it as its baseline
     return Path(path)

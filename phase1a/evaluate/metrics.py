@@ -45,6 +45,23 @@ class Answer(BaseModel):
     confidence: float
 
 
+class BenchmarkScore(BaseModel):
+    """One lm-eval benchmark's metric for one model (phase1a/evaluate/benchmarks.py)."""
+
+    task: str  # the lm-eval task's name
+    source: str  # as configured (`validation.benchmarks[].task`): the name, or the path of the task's YAML
+    metric: str
+    value: float
+    stderr: float | None = None
+    samples: int
+    higher_is_better: bool = True
+    identity: str  # what the score depends on besides the weights: comparable only where it is equal
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.metric}"
+
+
 class Metrics(BaseModel):
     examples: int
     tokens: int
@@ -57,9 +74,19 @@ class Metrics(BaseModel):
     generated_tokens: int = 0
     unavailable: dict[str, str] = {}  # metric -> why it could not be computed on this sample
     answers: list[Answer] = []  # the first few, for the report
+    benchmarks: dict[str, BenchmarkScore] = {}  # "task/metric" -> its score
 
     def value(self, metric: str) -> float | None:
-        return getattr(self, metric)
+        if metric in self.benchmarks:
+            return self.benchmarks[metric].value
+        return getattr(self, metric, None)
+
+    def names(self) -> list[str]:
+        """Every metric it can hold: the held-out sample's, then its benchmarks'."""
+        return [*HIGHER_IS_BETTER, *self.benchmarks]
+
+    def higher_is_better(self, metric: str) -> bool:
+        return self.benchmarks[metric].higher_is_better if metric in self.benchmarks else HIGHER_IS_BETTER[metric]
 
 
 def sample_fingerprint(rows: TokenRows, indices: np.ndarray) -> str:

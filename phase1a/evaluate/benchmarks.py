@@ -1,0 +1,185 @@
+"""Benchmarks through EleutherAI's lm-evaluation-harness (`validation.benchmarks`): did the fine-tune forget?
+
+A benchmark is an lm-eval task (a registry name, or a task YAML of the user's over local data) scored on the
+first `limit` documents, the same documents for every model. Its score is cached by model, weights and the
+benchmark's identity (the task's definition and data, limit, shots, precision and this code), so the base
+model's is computed once. docs/validation.md says how they are gated and estimated.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phase1a.config.schema import BenchmarkConfig
+from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
+from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork
+
+_STDERR_ITERATIONS = 1000  # bootstrap draws for a metric without a closed-form standard error
+
+
+class BenchmarkError(ValueError):
+    """A benchmark that cannot be loaded or scored: names the task, its file and field."""
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One configured benchmark, resolved: what lm-eval loads and what its score depends on."""
+
+    spec: BenchmarkConfig
+    name: str  # the lm-eval task's name
+    source: str | dict[str, Any]  # a registry name, or the YAML's config with its data files made absolute
+    definition: str  # a hash of the task's definition: its YAML and data files, or its name and lm-eval's version
+
+    @property
+    def key(self) -> str:
+        """The benchmark's row in the validation table, report.json and the trackers."""
+        return f"{self.name}/{self.spec.metric}"
+
+    def identity(self, precision: str) -> str:
+        """What a score depends on besides the model and its weights."""
+        return hash_json({"definition": self.definition, "limit": self.spec.limit, "shots": self.spec.num_fewshot,
+                          "chat": self.spec.apply_chat_template, "precision": precision,
+                          "code": code_fingerprint(__name__)})
+
+
+def load_benchmark(spec: BenchmarkConfig) -> Benchmark:
+    if not spec.is_file:
+        import lm_eval
+
+        return Benchmark(spec, spec.task, spec.task, hash_json({"task": spec.task, "lm_eval": lm_eval.__version__}))
+    path = Path(spec.task)
+    if not path.is_file():
+        raise BenchmarkError(f"validation.benchmarks: no such task YAML: {path}")
+    config = _task_yaml(path)
+    files = _data_files(config, path)
+    definition = hash_json({"yaml": path.read_text(), "data": {str(f): sha256_file(f) for f in files}})
+    return Benchmark(spec, config["task"], config, definition)
+
+
+def _task_yaml(path: Path) -> dict[str, Any]:
+    # lm-eval's own loader: `include:` and `!function` resolve as the harness resolves them.
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        config = load_yaml(path)
+    except Exception as error:  # a YAML or include error, named with its file
+        raise BenchmarkError(f"validation.benchmarks: {path}: not an lm-eval task YAML: {error}") from None
+    if not isinstance(config.get("task"), str):
+        raise BenchmarkError(f"validation.benchmarks: {path}: no `task:` name (one task per YAML)")
+    return config
+
+
+def _data_files(config: dict[str, Any], path: Path) -> list[Path]:
+    """`dataset_kwargs.data_files` made absolute against the YAML's directory (in place), each checked to exist:
+    the task then loads the same files from any working directory."""
+    kwargs = config.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files")
+    if files is None:
+        return []
+
+    def absolute(value: str) -> str:
+        resolved = Path(value).expanduser()
+        resolved = resolved if resolved.is_absolute() else (path.parent / resolved).resolve()
+        if not resolved.is_file():
+            raise BenchmarkError(f"validation.benchmarks: {path}: dataset_kwargs.data_files: no such file: {resolved}")
+        return str(resolved)
+
+    def each(value):
+        return absolute(value) if isinstance(value, str) else [absolute(v) for v in value]
+
+    kwargs["data_files"] = {k: each(v) for k, v in files.items()} if isinstance(files, dict) else each(files)
+    found = kwargs["data_files"].values() if isinstance(files, dict) else [kwargs["data_files"]]
+    return sorted({Path(f) for value in found for f in ([value] if isinstance(value, str) else value)})
+
+
+def build_task(benchmark: Benchmark):
+    """The lm-eval Task. The registry is indexed only when a benchmark names a registered task (seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    _quiet()
+    manager = TaskManager(include_defaults=not benchmark.spec.is_file)
+    try:
+        tasks = manager.load(benchmark.source)["tasks"]
+    except KeyError:
+        raise BenchmarkError(f"validation.benchmarks: lm-eval has no task {benchmark.spec.task!r} (a task of your "
+                             "own is the path to its YAML)") from None
+    except Exception as error:  # its dataset could not be loaded: offline, a bad file, a missing split
+        raise BenchmarkError(f"validation.benchmarks: {benchmark.spec.task}: could not load the task "
+                             f"({type(error).__name__}: {error})") from None
+    if benchmark.name not in tasks:
+        raise BenchmarkError(f"validation.benchmarks: {benchmark.spec.task} is a group of tasks "
+                             f"({', '.join(sorted(tasks))}): name one task")
+    task = tasks[benchmark.name]
+    if benchmark.spec.num_fewshot is not None:
+        task.set_config(key="num_fewshot", value=benchmark.spec.num_fewshot)
+    return task
+
+
+def score_benchmark(model, tokenizer, benchmark: Benchmark, batch_size: int, precision: str) -> BenchmarkScore:
+    """The benchmark's metric for `model` (a transformers or peft model, in eval mode), through lm-eval's HFLM."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    _quiet()
+    spec = benchmark.spec
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = lm_eval.simple_evaluate(
+        # The task comes built: an empty manager, else the harness indexes its whole registry (seconds) again.
+        model=lm, tasks=[build_task(benchmark)], task_manager=TaskManager(include_defaults=False), limit=spec.limit, apply_chat_template=spec.apply_chat_template,
+        log_samples=False, bootstrap_iters=_STDERR_ITERATIONS, random_seed=0, numpy_random_seed=0,
+        torch_random_seed=0, fewshot_random_seed=0)
+    values = results["results"][benchmark.name]
+    column = _column(values, spec.metric, benchmark)
+    stderr = values.get(column.replace(",", "_stderr,", 1))
+    return BenchmarkScore(
+        task=benchmark.name, source=spec.task, metric=spec.metric, value=float(values[column]),
+        stderr=float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None,
+        samples=int(results["n-samples"][benchmark.name]["effective"]),
+        higher_is_better=bool(results["higher_is_better"][benchmark.name].get(spec.metric.split(",")[0], True)),
+        identity=benchmark.identity(precision))
+
+
+def _column(values: dict[str, Any], metric: str, benchmark: Benchmark) -> str:
+    """lm-eval's results column of `metric`: "acc,none"; a metric with several filters names one
+    ("exact_match,strict-match")."""
+    if "," in metric:
+        columns = [metric] if metric in values else []
+    else:
+        columns = sorted(c for c in values if c.startswith(metric + ",") and "_stderr" not in c)
+        columns = [f"{metric},none"] if f"{metric},none" in columns else columns
+    if len(columns) != 1:
+        known = sorted(c for c in values if "," in c and "_stderr" not in c)
+        why = "names several filters" if columns else "is not one of its metrics"
+        raise BenchmarkError(f"validation.benchmarks: {benchmark.spec.task}: metric {metric!r} {why} "
+                             f"({', '.join(known)}); name one as metric: <metric>,<filter>")
+    return columns[0]
+
+
+def benchmark_work(benchmark: Benchmark, tokenizer, batch_size: int) -> EvaluationWork:
+    """The benchmark's requests as the harness will run them: each loglikelihood request a forward pass over its
+    context and continuation; each generation a prefill of its context and, per batch, up to `max_gen_toks`
+    greedy steps (an upper bound: a batch stops early when every row has met a stop sequence)."""
+    task = build_task(benchmark)
+    task.build_all_requests(limit=benchmark.spec.limit, rank=0, world_size=1)
+    forward = prefill = generations = 0
+    longest = 0
+    for instance in task.instances:
+        if instance.request_type == "generate_until":
+            context, options = instance.args[0], instance.args[1]
+            prefill += len(tokenizer(context)["input_ids"])
+            generations += 1
+            longest = max(longest, int(options.get("max_gen_toks", 256)))
+        else:  # loglikelihood (context, continuation), or a rolling loglikelihood over one text
+            forward += len(tokenizer("".join(instance.args))["input_ids"])
+    steps = math.ceil(generations / batch_size) * longest
+    return EvaluationWork(forward_tokens=forward, prefill_tokens=prefill, decode_steps=steps)
+
+
+def _quiet() -> None:
+    """The harness logs every request batch at INFO; a run shows its own progress."""
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)

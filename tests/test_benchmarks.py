@@ -1,0 +1,117 @@
+"""Benchmarks through lm-evaluation-harness in the validate stage: custom task YAMLs over local JSONL, offline,
+scored on the base and the candidate, cached for the base, gated, and counted in the plan's work."""
+from pathlib import Path
+
+import pytest
+
+from helpers import date_records, make_tokenizer, resolved, write_jsonl
+from helpers.benchmarks import write_date_tasks
+from phase1a.config.schema import BenchmarkConfig, DataConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
+from phase1a.evaluate.gate import Baseline, BaselineError, gate
+from phase1a.evaluate.metrics import BenchmarkScore, Metrics
+from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from tasks.train import TrainSettings, train
+from tasks.validate import format_table, validate
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    root = tmp_path_factory.mktemp("benchmark-data")
+    return tokenize_dataset(write_jsonl(root / "d.jsonl", date_records(80)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_fraction=0.2), root / "cache" / "fp")
+
+
+@pytest.fixture(scope="module")
+def date_tasks(tmp_path_factory) -> dict[str, Path]:
+    return write_date_tasks(tmp_path_factory.mktemp("tasks"), date_records(24, seed=7))
+
+
+def specs(tasks: dict[str, Path], limit: int = 12, tolerance: float | None = 0.0) -> list[BenchmarkConfig]:
+    return [BenchmarkConfig(task=str(tasks["dates_choice"]), metric="acc", limit=limit, tolerance=tolerance),
+            BenchmarkConfig(task=str(tasks["dates_written"]), metric="exact_match", limit=limit, tolerance=tolerance)]
+
+
+def validated(model_dir: Path, adapter_dir, validation_path, settings: ValidationConfig, cache: Path):
+    config = Phase1aConfig(data=DataConfig(source="unused"), model=ModelConfig(name_or_path=str(model_dir)),
+                           cache_dir=cache, validation=settings)
+    return validate(config, resolved(config), Path(validation_path), Path(adapter_dir))
+
+
+def test_custom_tasks_are_scored_on_base_and_candidate_offline_and_the_base_is_cached(
+        tiny_model_dir, split, date_tasks, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # the YAMLs' relative data_files resolve against the YAMLs, not here
+    adapter = train(TrainSettings(
+        model_dir=str(tiny_model_dir), train_path=split.train_path, output_dir=str(tmp_path / "run"),
+        method={"learning_rate": 1e-2, "batch_size": 8, "epochs": 1, "lora": {"r": 4, "alpha": 8}},
+        micro_batch_size=8, gradient_checkpointing=False, show_progress=False)).adapter_dir
+    settings = ValidationConfig(max_examples=8, tolerances={"loss": None, "token_accuracy": None, "exact_match": None},
+                                benchmarks=specs(date_tasks, tolerance=None))
+    verdict = validated(tiny_model_dir, adapter, split.validation_path, settings, tmp_path / "cache")
+
+    keys = ["dates_choice/acc", "dates_written/exact_match"]
+    for metrics in (verdict.base, verdict.candidate):
+        assert list(metrics.benchmarks) == keys
+        assert all(score.samples == 12 and 0.0 <= score.value <= 1.0 for score in metrics.benchmarks.values())
+    assert [verdict.baseline.metrics[key] for key in keys] == [verdict.base.value(key) for key in keys]
+    table = format_table(verdict)
+    assert all(key in table for key in keys) and "gate: PASS" in table
+    cached = sorted((tmp_path / "cache" / "benchmarks").glob("*.json"))
+    assert len(cached) == 2  # the base's two scores; the candidate's are the verdict's
+
+    again = validated(tiny_model_dir, adapter, split.validation_path, settings, tmp_path / "cache")
+    assert again.base.benchmarks == verdict.base.benchmarks and again.candidate.benchmarks == verdict.candidate.benchmarks
+    assert sorted((tmp_path / "cache" / "benchmarks").glob("*.json")) == cached
+
+
+def test_a_changed_data_file_or_limit_is_another_benchmark(date_tasks, tmp_path):
+    spec = specs(date_tasks)[0]
+    first = load_benchmark(spec)
+    assert first.name == "dates_choice" and first.key == "dates_choice/acc"
+    copy = tmp_path / "copy"
+    changed = write_date_tasks(copy, date_records(24, seed=8))
+    assert load_benchmark(spec.model_copy(update={"task": str(changed["dates_choice"])})).definition != first.definition
+    assert first.identity("cpu/float32") != load_benchmark(spec.model_copy(update={"limit": 5})).identity("cpu/float32")
+
+
+def test_plan_work_counts_each_request(date_tasks):
+    tokenizer = make_tokenizer()
+    choice, written = (load_benchmark(spec) for spec in specs(date_tasks, limit=6))
+    choice_work = benchmark_work(choice, tokenizer, batch_size=4)
+    assert choice_work.forward_tokens > 0 and choice_work.decode_steps == 0
+    written_work = benchmark_work(written, tokenizer, batch_size=4)
+    assert written_work.forward_tokens == 0 and written_work.prefill_tokens > 0
+    assert written_work.decode_steps == 2 * 12  # two batches of up to max_gen_toks greedy steps
+
+
+def test_a_bad_benchmark_is_named(tmp_path, date_tasks):
+    with pytest.raises(BenchmarkError, match=f"no such task YAML: {tmp_path / 'nope.yaml'}"):
+        load_benchmark(BenchmarkConfig(task=str(tmp_path / "nope.yaml"), metric="acc"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(Path(date_tasks["dates_choice"]).read_text().replace("dates.jsonl", "missing.jsonl"))
+    with pytest.raises(BenchmarkError, match=f"{broken}: dataset_kwargs.data_files: no such file: "
+                                             f"{tmp_path / 'missing.jsonl'}"):
+        load_benchmark(BenchmarkConfig(task=str(broken), metric="acc"))
+
+
+def score(value: float, higher: bool = True) -> BenchmarkScore:
+    return BenchmarkScore(task="dates_choice", source="/t/dates_choice.yaml", metric="acc", value=value, samples=10,
+                          higher_is_better=higher, identity="x")
+
+
+def metrics(value: float) -> Metrics:
+    return Metrics(examples=10, tokens=100, loss=1.0, perplexity=2.7, token_accuracy=0.8,
+                   benchmarks={"dates_choice/acc": score(value)})
+
+
+def test_the_gate_holds_each_benchmark_to_its_tolerance():
+    settings = ValidationConfig(tolerances={"loss": None, "token_accuracy": None, "exact_match": None},
+                                benchmarks=[{"task": "/t/dates_choice.yaml", "metric": "acc", "tolerance": 0.05}])
+    baseline = Baseline.of("base model", metrics(0.60))
+    assert all(check.passed for check in gate(metrics(0.56), baseline, settings))
+    failed = [check for check in gate(metrics(0.54), baseline, settings) if not check.passed]
+    assert [check.describe() for check in failed] == ["dates_choice/acc 0.5400 < baseline 0.6000 - tolerance 0.05"]
+    with pytest.raises(BaselineError, match=r"dates_choice/acc: the baseline \(file x\) has no value for it .*"
+                                            r"validation.benchmarks\[0\].tolerance: null"):
+        gate(metrics(0.6), Baseline(source="file x", metrics={"loss": 1.0}), settings)
