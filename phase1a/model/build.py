@@ -32,8 +32,10 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
-        # fp32 norms and input gradients for the frozen NF4 base, as QLoRA trains it.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        # fp32 norms and input gradients for the frozen NF4 base, as QLoRA trains it. Checkpointing is left to
+        # set_gradient_checkpointing below, which sets it last anyway: peft would turn it on through transformers'
+        # deprecated gradient_checkpointing_enable (a FutureWarning) with torch's default use_reentrant.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if method.kind == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -100,10 +102,12 @@ def release_device_memory() -> None:
 
 
 def set_gradient_checkpointing(model, enabled: bool) -> None:
+    """Activation checkpointing on or off, through transformers' activation_checkpointing_* methods (its
+    gradient_checkpointing_* aliases are deprecated since 5.23). A PeftModel hands the call to its base model."""
     if not enabled:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
         return
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if any(not p.requires_grad for p in model.get_input_embeddings().parameters()):
         model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
 
