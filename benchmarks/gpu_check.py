@@ -31,7 +31,12 @@ import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.data.tokenized import TokenizedData
+    from phase1a.model.loading import ResolvedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,6 +94,7 @@ class Part:
     result: str  # the file the part writes, relative to the results folder
     cuda_only: str | None = None  # why the dry run skips it
     gpus: int = 1  # a host with fewer skips it, saying so
+    skip_unless: Callable[[Run], str | None] | None = None  # a reason to skip it on this host, asked before it starts
 
 
 def _python(*args: str) -> list[str]:
@@ -146,6 +152,18 @@ def _ranks(run: Run) -> list[str]:
                    "tests/test_distributed.py")
 
 
+def _serve(run: Run) -> list[str]:
+    """This script again, in the part's own process: `serve_vllm` below."""
+    return _python("benchmarks/gpu_check.py", "--serve-vllm", "--work", str(run.work / "serve"),
+                   "--results", str(run.results), *(["--dry-run"] if run.dry_run else []))
+
+
+def _vllm_missing(run: Run) -> str | None:
+    """On a GPU host without vLLM the part skips before training anything (lease time); the dry run goes on up to
+    the point that needs CUDA."""
+    return None if run.dry_run or importlib.util.find_spec("vllm") is not None else VLLM_MISSING
+
+
 EIGHT_B = "needs CUDA: a Llama-3-8B shape is 16 GB of bf16 weights"
 PARTS = [
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
@@ -158,6 +176,8 @@ PARTS = [
          _ranks, "ranks.xml", cuda_only="needs two CUDA GPUs (NCCL)", gpus=2),
     Part("tokenize-scaling", "the tokenize stage at 1, 2, 4, ... processes up to the host's cores, 200k chat examples",
          240, _tokenize, "tokenize-scaling.json"),
+    Part("serve-vllm", "a promoted adapter checked for vLLM multi-LoRA, served by vLLM: exact match against the "
+         "validate stage's", 150, _serve, "serve-vllm.json", skip_unless=_vllm_missing),
 ]
 
 
@@ -173,9 +193,12 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=540.0, help="seconds this command may take")
     parser.add_argument("--parts", nargs="+", help="only these parts (names as in the summary)")
     parser.add_argument("--retry-failed", action="store_true", help="run failed parts again")
+    parser.add_argument("--serve-vllm", action="store_true", help=argparse.SUPPRESS)  # the serve-vllm part's process
     args = parser.parse_args()
     if args.prepare:
         return prepare(args.python_version)
+    if args.serve_vllm:
+        return serve_vllm(args.work, args.results / "serve-vllm.json", args.dry_run)
 
     began = time.monotonic()
     installed = install_missing()
@@ -216,8 +239,10 @@ def run_part(part: Part, run: Run) -> bool:
         write_json(status_file, {"part": part.name, "status": "skipped", "reason": part.cuda_only})
         print(f"[{part.name}] skipped: {part.cuda_only}")
         return True
+    reason = part.skip_unless(run) if part.skip_unless else None
     if not run.dry_run and run.gpus < part.gpus:
         reason = f"needs {part.gpus} GPUs, this host has {run.gpus}"
+    if reason:
         write_json(status_file, {"part": part.name, "status": "skipped", "reason": reason})
         print(f"[{part.name}] skipped: {reason}")
         return True
@@ -240,17 +265,245 @@ def run_part(part: Part, run: Run) -> bool:
     produced = (run.results / part.result).is_file()
     status = {"part": part.name, "status": "ok" if code == 0 and produced else "failed", "seconds": seconds,
               "result": part.result}
+    if produced and part.result.endswith(".json"):  # a part that ran as far as this host allows says why it stopped
+        reported = json.loads((run.results / part.result).read_text())
+        if reported.get("status") in ("skipped", "failed"):
+            status.update(status=reported["status"] if code == 0 else "failed", reason=reported.get("reason", ""))
     if status["status"] == "failed":
         status["returncode"] = code
         status["log_tail"] = log.read_text(errors="replace")[-4000:]
     write_json(status_file, status)
-    print(f"[{part.name}] {status['status']} in {seconds} s", flush=True)
+    print(f"[{part.name}] {status['status']} in {seconds} s" + (f": {status['reason']}" if "reason" in status else ""),
+          flush=True)
     return True
 
 
 def _status(results: Path, name: str) -> dict:
     path = results / "parts" / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ------------------------------------------------------------------------------- serve-vllm: the adapter in vLLM
+
+VLLM_MISSING = "vLLM not importable on this host: install it as docs/gpu.md says"
+# vLLM's kernels and transformers' round bf16 differently, so a near tie between two tokens may go either way;
+# 0.05 is 2 of the 48 answers. An adapter vLLM failed to apply scores near the base model's 0, far outside it.
+SERVE_TOLERANCE = 0.05
+SERVE_EXAMPLES = 48
+# The task: a key word's fixed answer. A randomly initialised model (no network, no real weights here) learns it
+# within seconds from its LoRA alone, so the validate stage's exact match is far above the base model's.
+LOOKUP_KEYS, LOOKUP_ANSWERS = ("the", "a", "date", "rewrite"), ("answer", "european", "form", "long")
+
+
+def serve_vllm(work: Path, out: Path, dry_run: bool) -> int:
+    """The serve-vllm part: train an adapter, validate and promote it, check it for vLLM multi-LoRA, then (CUDA
+    and vLLM here) serve it with vLLM on the validation prompts and compare the exact match with the validate
+    stage's. Writes `out`; 1 when the adapter is incompatible or the two exact matches differ."""
+    from phase1a.promote.serving import check_vllm_adapter
+
+    began = time.monotonic()
+    job = _serve_job(work, dry_run)
+    validated = _validated(job)
+    verdict = check_vllm_adapter(Path(validated["adapter"]), json.loads((Path(job.model.path) / "config.json")
+                                                                         .read_text()))
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": job.shape, **validated,
+              "verdict": verdict.model_dump(), "verdict_line": verdict.describe(), "tolerance": SERVE_TOLERANCE,
+              "prepare_seconds": round(time.monotonic() - began, 1)}
+    reason = _serving_blocker(verdict, validated)
+    if reason is not None:
+        result.update(status="failed" if not verdict.compatible else "skipped", reason=reason)
+    else:
+        result.update(_serve_and_compare(job, validated, verdict.max_lora_rank))
+    write_json(out, result)
+    print(f"serve-vllm: {result['status']}" + (f": {result['reason']}" if "reason" in result else ""))
+    return 1 if result["status"] == "failed" else 0
+
+
+@dataclass
+class ServeJob:
+    """The job the part trains: its config, model and tokenized data."""
+
+    shape: str
+    config: Phase1aConfig
+    model: ResolvedModel
+    data: TokenizedData
+    run_dir: Path
+
+
+def _serve_job(work: Path, dry_run: bool) -> ServeJob:
+    """The tiny shape (head size 64, which every vLLM attention backend takes) trained 12 epochs on the lookup
+    task: exact match 1.0 on a CPU, where the base model scores 0. A dry run trains the test suite's tiny Llama
+    6 epochs (0.7 to 0.9) on one thread: on a shared 2-core VM, two threads waiting on each other under load
+    took 25 times as long. A fresh run directory each time."""
+    from train_throughput import config_target, make_model_dir
+
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.model.loading import load_tokenizer, prepare_model
+    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+
+    shape, epochs = ("test", 6) if dry_run else ("tiny", 12)
+    if dry_run:
+        import torch
+
+        torch.set_num_threads(1)
+    model_dir = make_model_dir(shape, None, work / f"model-{shape}")
+    data_path = _lookup_data(work / "lookup.jsonl", 256 + SERVE_EXAMPLES)
+    run_dir = work / f"run-{time.time_ns()}"
+    config = Phase1aConfig.model_validate({
+        "name": "serve-vllm", "work_dir": str(run_dir), "cache_dir": str(run_dir / "cache"),
+        "data": {"source": str(data_path)}, "model": {"name_or_path": str(model_dir)},
+        "method": {"batch_size": 16, "epochs": epochs, "learning_rate": 3e-3, "lora": {"r": 8, "alpha": 16}},
+        "hardware": {"target": config_target()},
+        "validation": {"max_examples": SERVE_EXAMPLES, "generation_batch_size": SERVE_EXAMPLES, "extractor": "whole",
+                       "baseline": "base", "promote_to": str(run_dir / "promoted")}})
+    model = prepare_model(config)
+    data = tokenize_dataset(data_path, load_tokenizer(Path(model.path)), 256,
+                            TokenizeOptions(validation_count=SERVE_EXAMPLES), run_dir / "cache" / "tokenized")
+    return ServeJob(shape, config, model, data, run_dir)
+
+
+def _lookup_data(path: Path, count: int) -> Path:
+    import random
+
+    rng, words = random.Random(0), LOOKUP_KEYS + LOOKUP_ANSWERS + ("in", "us", "with", "only", "month", "day")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for _ in range(count):
+            key = rng.randrange(len(LOOKUP_KEYS))
+            question = " ".join([LOOKUP_KEYS[key], *(rng.choice(words) for _ in range(3))]) + "?"
+            handle.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                                  {"role": "assistant", "content": LOOKUP_ANSWERS[key]}]}) + "\n")
+    return path
+
+
+def _validated(job: ServeJob) -> dict:
+    """Train, then the validate stage and promotion where they import; on a bare GPU host (no botocore, which
+    promotion imports) the candidate is scored as the validate stage scores it (the same `evaluate`) instead."""
+    from phase1a.evaluate.metrics import evaluate
+    from phase1a.model.loading import for_scoring, load_for_eval, load_tokenizer
+    from tasks.train import TrainSettings, train
+
+    trained = train(TrainSettings(model_dir=job.model.path, train_path=job.data.train_path,
+                                  output_dir=str(job.run_dir / "train"), method=job.config.method, micro_batch_size=16,
+                                  gradient_checkpointing=False, show_progress=False))
+    adapter = Path(trained.adapter_dir)
+    try:
+        from tasks.promote import promote_candidate
+        from tasks.validate import validate
+    except ImportError as missing:
+        model = for_scoring(load_for_eval(Path(job.model.path), adapter, _device()))
+        metrics = evaluate(model, load_tokenizer(Path(job.model.path)), *_sample(job), job.config.validation)
+        return {"adapter": str(adapter), "validate_exact_match": metrics.exact_match, **_trained(trained),
+                "validated_by": f"the validate stage's scoring of the candidate (no promotion: {missing.name} is "
+                                "not installed)"}
+    verdict = validate(job.config, job.model, Path(job.data.validation_path), adapter)
+    if not verdict.passed:
+        raise SystemExit("serve-vllm: the trained adapter failed the gate: " + "; ".join(verdict.reasons))
+    pointer = promote_candidate(job.config, job.model, verdict, trained=trained, run_dir=job.run_dir).pointer
+    return {"adapter": pointer.artifacts["adapter"], "validate_exact_match": verdict.candidate.exact_match,
+            **_trained(trained), "validated_by": f"the validate stage; promoted as {pointer.version}"}
+
+
+def _trained(trained) -> dict:
+    return {"train_steps": trained.steps, "train_seconds": trained.wall_seconds, "final_loss": trained.final_loss}
+
+
+def _device():
+    from phase1a.core.hardware import training_device
+
+    return training_device()
+
+
+def _sample(job: ServeJob) -> tuple:
+    """The validate stage's sample: the validation split's first max_examples rows."""
+    import numpy as np
+
+    from phase1a.train.packing import TokenRows
+
+    rows = TokenRows.load(job.data.validation_path)
+    return rows, np.arange(min(len(rows), job.config.validation.max_examples))
+
+
+def _serving_blocker(verdict, validated: dict) -> str | None:
+    """Why this host does not serve the adapter: it is incompatible, vLLM is missing, or there is no CUDA."""
+    import torch
+
+    done = (f"trained, validated (exact match {validated['validate_exact_match']:.3f}) and checked "
+            f"({verdict.describe()}) up to serving, which needs CUDA")
+    if not verdict.compatible:
+        return verdict.describe()
+    if importlib.util.find_spec("vllm") is None:
+        return f"{VLLM_MISSING}; {done}"
+    return None if torch.cuda.is_available() else f"needs CUDA: vLLM serves on a GPU; {done}"
+
+
+def _serve_and_compare(job: ServeJob, validated: dict, max_lora_rank: int) -> dict:
+    """The validation prompts through vLLM with the adapter as a LoRARequest, greedy, scored by the project's
+    extractor as the validate stage scores them."""
+    import torch
+
+    # The engine in this process: training and validation already initialised CUDA here, which would make vLLM
+    # spawn its engine process afresh. Without effect on a vLLM that has no such process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams, __version__
+    from vllm.lora.request import LoRARequest
+
+    from phase1a.core.hardware import training_dtype
+
+    torch.cuda.empty_cache()  # what training and validation cached goes back before vLLM sizes its KV cache
+    tokenizer, examples, stop_ids, max_tokens = _prompts(job)
+    began = time.monotonic()
+    llm = LLM(model=job.model.path, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, seed=0,
+              dtype=str(training_dtype(_device())).removeprefix("torch."), skip_tokenizer_init=True,
+              enforce_eager=True, gpu_memory_utilization=0.5, max_model_len=1024)
+    started = time.monotonic()
+    outputs = llm.generate([{"prompt_token_ids": e.prompt.tolist()} for e in examples],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=stop_ids,
+                                          detokenize=False),
+                           lora_request=LoRARequest("promoted", 1, validated["adapter"]))
+    served = exact_match(tokenizer, examples, [list(o.outputs[0].token_ids) for o in outputs],
+                         job.config.validation)
+    difference = served - validated["validate_exact_match"]
+    status = "ok" if abs(difference) <= SERVE_TOLERANCE else "failed"
+    return {"status": status, "vllm_exact_match": served, "difference": round(difference, 4),
+            "vllm": __version__, "max_lora_rank": max_lora_rank, "examples": len(examples),
+            "engine_seconds": round(started - began, 1), "generate_seconds": round(time.monotonic() - started, 1),
+            **({} if status == "ok" else {"reason": f"vLLM's exact match {served:.3f} differs from the validate "
+                                                    f"stage's {validated['validate_exact_match']:.3f} by more "
+                                                    f"than {SERVE_TOLERANCE}"})}
+
+
+def _prompts(job: ServeJob) -> tuple:
+    """(tokenizer, examples, stop ids, max new tokens) as the validate stage's generation takes them
+    (phase1a/evaluate/metrics.py _generate)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from phase1a.evaluate.generation import generation_examples, stop_token_ids
+    from phase1a.model.loading import load_tokenizer
+
+    tokenizer, settings = load_tokenizer(Path(job.model.path)), job.config.validation
+    examples = generation_examples(*_sample(job))
+    model = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(job.model.path))
+    longest = max(len(e.reference) for e in examples)
+    return (tokenizer, examples, stop_token_ids(tokenizer, model, examples),
+            min(settings.max_new_tokens, longest + settings.new_tokens_margin))
+
+
+def exact_match(tokenizer, examples: list, generated: list[list[int]], settings) -> float:
+    """Generated token ids scored as phase1a/evaluate/metrics.py scores the validate stage's: both sides through
+    the project's extractor (phase1a/evaluate/answers.py), special tokens stripped."""
+    from phase1a.evaluate.answers import extract_answer
+
+    specials = tokenizer.all_special_tokens
+    hits = []
+    for example, tokens in zip(examples, generated, strict=True):
+        reference = extract_answer(tokenizer.decode(example.reference.tolist()), settings.extractor,
+                                   settings.answer_pattern, specials)
+        answer = extract_answer(tokenizer.decode(tokens), settings.extractor, settings.answer_pattern, specials)
+        hits.append(answer is not None and answer == reference)
+    return sum(hits) / len(hits)
 
 
 # ---------------------------------------------------------------------------------------------- install, prepare
@@ -352,7 +605,7 @@ def collect(results: Path) -> dict:
         files = [results / f"train-{family}" / f"{config}.json" for config in BENCH_CONFIGS]
         rows = [json.loads(path.read_text()) for path in files if path.is_file()]
         summary[f"train-{family}"] = {"results": rows, **speedups(rows)}
-    for name in ("plan-smollm2", "tokenize-scaling"):
+    for name in ("plan-smollm2", "tokenize-scaling", "serve-vllm"):
         path = results / f"{name}.json"
         summary[name] = json.loads(path.read_text()) if path.is_file() else None
     return summary
@@ -397,6 +650,7 @@ def render_summary(summary: dict) -> str:
     lines += _goals_section(summary["train-llama3-8b"])
     lines += _plan_section(summary["plan-smollm2"])
     lines += _tokenize_section(summary.get("tokenize-scaling"))
+    lines += _serve_section(summary.get("serve-vllm"))
     return "\n".join(lines) + "\n"
 
 
@@ -463,6 +717,22 @@ def _tokenize_section(scaling: dict | None) -> list[str]:
         ratio = f"{r['tokens_per_s'] / one_core['tokens_per_s']:.2f}x" if one_core else "n/a"
         lines.append(f"| {key} | {r['workers']} | {r['cores']} | {r['seconds']:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['parent_cpu_s']:.1f}, {r['workers_cpu_s']:.1f} | {r['peak_tree_pss_mib']:.0f} |")
+    return lines
+
+
+def _serve_section(serve: dict | None) -> list[str]:
+    if serve is None:
+        return []
+    served = serve.get("vllm_exact_match")
+    lines = ["", f"## Serving the adapter with vLLM ({serve['model']} model, randomly initialised, LoRA r=8)", "",
+             f"- adapter: `{serve['adapter']}`, {serve['train_steps']} steps; validated by {serve['validated_by']}",
+             f"- {serve['verdict_line']}" + (f"; max_lora_rank {serve['verdict']['max_lora_rank']}"
+                                             if serve["verdict"]["max_lora_rank"] else ""),
+             f"- exact match: validate stage {serve['validate_exact_match']:.3f}, vLLM "
+             + (f"{served:.3f} (vLLM {serve['vllm']}; difference {serve['difference']:+.3f}, tolerance "
+                f"{serve['tolerance']}; engine {serve['engine_seconds']} s, generation {serve['generate_seconds']} s)"
+                if served is not None else "not served"),
+             f"- {serve['status']}" + (f": {serve['reason']}" if serve.get("reason") else "")]
     return lines
 
 

@@ -38,9 +38,10 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     summary = json.loads((results / "summary.json").read_text())
     assert summary["environment"]["device"].startswith("CPU") and summary["environment"]["commit"]
     statuses = {name: status["status"] for name, status in summary["parts"].items()}
-    cuda_only = {name for name in statuses if "llama3-8b" in name or name == "ranks-2gpu"}
+    cuda_only = {name for name in statuses if "llama3-8b" in name or name in ("ranks-2gpu", "serve-vllm")}
     assert {statuses[name] for name in cuda_only} == {"skipped"}
     assert {s for name, s in statuses.items() if name not in cuda_only} == {"ok"}
+    assert_served_up_to_cuda(summary)
     assert summary["parts"]["ranks-2gpu"]["reason"] == "needs two CUDA GPUs (NCCL)"
     assert summary["parts"]["train-llama3-8b-ours"]["reason"].startswith("needs CUDA")
 
@@ -68,6 +69,32 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
 
     markdown = (results / "summary.md").read_text()
     for section in ("## Parts", "## Tests (`pytest -m gpu`)", "## Train throughput, test model",
-                    "## The plan against the clock", "## Tokenize at 1 to N processes"):
+                    "## The plan against the clock", "## Tokenize at 1 to N processes",
+                    "## Serving the adapter with vLLM"):
         assert section in markdown
     assert "| train-llama3-8b-before | skipped |" in markdown
+
+
+def assert_served_up_to_cuda(summary: dict) -> None:
+    """serve-vllm trained, validated and checked its adapter, then skipped serving, saying why: no vLLM here."""
+    status, serve = summary["parts"]["serve-vllm"], summary["serve-vllm"]
+    assert status["status"] == "skipped" and status["seconds"] > 0, status  # it ran, as far as a CPU goes
+    assert status["reason"].startswith("vLLM not importable on this host: install it as docs/gpu.md says; ")
+    assert status["reason"].endswith("up to serving, which needs CUDA") and status["reason"] == serve["reason"]
+    assert serve["verdict"]["compatible"] and serve["verdict"]["max_lora_rank"] == 8
+    assert serve["verdict_line"] == "vLLM multi-LoRA: compatible" and "vllm_exact_match" not in serve
+    assert serve["validate_exact_match"] > 0.5 and serve["train_steps"] == 96  # the lookup task, learnt
+    assert "no promotion: botocore is not installed" in serve["validated_by"]  # a bare GPU host lacks it
+
+
+@pytest.mark.slow
+def test_the_serve_vllm_part_goes_up_to_the_point_that_needs_cuda(tmp_path):
+    """The part alone, as the dry run runs it (tens of seconds): the whole test above runs it among the rest."""
+    done = gpu_check(tmp_path, "--parts", "serve-vllm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[serve-vllm] skipped in " in done.stdout and "vLLM multi-LoRA: compatible" in done.stdout
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
+    assert_served_up_to_cuda(summary)
+    assert summary["parts"]["tests"] == {}  # not asked for: not run
+    markdown = (tmp_path / "results" / "summary.md").read_text()
+    assert "| serve-vllm | skipped |" in markdown and "- vLLM multi-LoRA: compatible; max_lora_rank 8" in markdown
