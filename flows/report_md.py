@@ -409,12 +409,16 @@ def _promotion(report: RunReport) -> list[str]:
     if promotion:
         rows += [("version", f"`{promotion.version}`" + ("" if promotion.promoted
                                                           else " (already the promoted model: nothing copied)")),
-                 ("path", f"`{promotion.path}`"), ("pointer", f"`{promote_to.rstrip('/')}/{POINTER}`")]
+                 ("path", f"`{promotion.path}`"), ("pointer", f"`{promote_to.rstrip('/')}/{POINTER}`"),
+                 ("artifacts", ", ".join(promotion.artifacts) + " (each with its model card, README.md)")]
     elif promote_to:
         failed = report.validation is not None and report.validation.verdict == "fail"
         rows.append(("promoted", "no: " + ("the gate failed" if failed else "the run did not get that far")))
     else:
         rows.append(("promoted", "no: validation.promote_to is not set"))
+    serving = report.validation.serving if report.validation else None
+    if serving is not None:
+        rows.append(("serving", serving.describe()))
     return ["## Promotion", "", *_table(("", ""), rows)]
 
 

@@ -16,6 +16,7 @@ from phase1a.plan.footing import Footing
 from phase1a.plan.interruptions import InterruptionEstimate, InterruptionOutcome
 from phase1a.plan.options import OptionRow
 from phase1a.plan.window import Adjustment
+from phase1a.promote.serving import ServingVerdict
 from phase1a.promote.warmstart import StartPoint
 from phase1a.train.history import RunRecord, append_run
 from phase1a.train.train_store import Pulled
@@ -159,6 +160,7 @@ class ValidationResult(BaseModel):
     adapter_sha256: str
     base_cached: bool
     promoted_seen: str | None = None  # the pointer's version the gate compared against (baseline: promoted)
+    serving: ServingVerdict | None = None  # whether vLLM's multi-LoRA serves the adapter (reported, not gated)
 
 
 def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> InterruptionOutcome | None:

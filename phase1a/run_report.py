@@ -12,6 +12,7 @@ from phase1a.evaluate.gate import GateCheck
 from phase1a.evaluate.metrics import Answer
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.promote.promotion import PromotionOutcome
+from phase1a.promote.serving import ServingVerdict
 from phase1a.promote.warmstart import StartPoint
 from phase1a.results import RunOutcome, ValidationResult
 from phase1a.train.history import RunRecord
@@ -55,6 +56,7 @@ class PromotionSummary(BaseModel):
     promoted: bool  # False: the pointer already named this adapter
     version: str
     path: str
+    artifacts: list[str] = []  # adapter, merged, gguf: each with its model card (README.md)
 
 
 def promoted_line(version: str, path: str, promoted: bool) -> str:
@@ -72,6 +74,7 @@ class ValidationSection(BaseModel):
     metrics: dict[str, MetricRow]
     checks: list[GateCheck]
     answers: list[Answer]
+    serving: ServingVerdict | None = None  # vLLM multi-LoRA's rules against the adapter: reported, not gated
     promotion: PromotionSummary | None = None
 
     @classmethod
@@ -82,10 +85,12 @@ class ValidationSection(BaseModel):
             rows[name] = MetricRow(base=verdict.base.value(name), baseline=baseline, candidate=candidate,
                                    delta=None if candidate is None or baseline is None else candidate - baseline)
         summary = None if promotion is None else PromotionSummary(
-            promoted=promotion.promoted, version=promotion.pointer.version, path=promotion.pointer.path)
+            promoted=promotion.promoted, version=promotion.pointer.version, path=promotion.pointer.path,
+            artifacts=sorted(promotion.pointer.artifacts))
         return cls(verdict="pass" if verdict.passed else "fail", reasons=verdict.reasons,
                    baseline=verdict.baseline.source, examples=verdict.candidate.examples, metrics=rows,
-                   checks=verdict.checks, answers=verdict.candidate.answers, promotion=summary)
+                   checks=verdict.checks, answers=verdict.candidate.answers, serving=verdict.serving,
+                   promotion=summary)
 
 
 class Lineage(StartPoint):

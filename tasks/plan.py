@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.data.lengths import Outliers, right_size
 from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
 from phase1a.evaluate.during_training import EvalSettings
 from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
 from phase1a.model.build import attention_implementation, release_device_memory
@@ -55,7 +57,7 @@ from phase1a.model.cost_model import (
     lora_parameters,
     model_facts,
 )
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.loading import ResolvedModel, load_tokenizer
 from phase1a.plan import footing
 from phase1a.plan.calibration import (
     Calibration,
@@ -415,7 +417,19 @@ class _Planner:
         settings = self.config.validation
         rows = TokenRows.load(self.data.validation_path)
         indices = np.arange(min(len(rows), settings.max_examples))
-        return validation_work(rows, indices, settings, 1 + (settings.baseline == "promoted"), untuned=1)
+        models = 1 + (settings.baseline == "promoted")
+        return validation_work(rows, indices, settings, models, untuned=1) + self._benchmark_work * (models + 1)
+
+    @cached_property
+    def _benchmark_work(self) -> EvaluationWork:
+        """One model's benchmarks (validation.benchmarks): their requests, as the harness will run them."""
+        if not self.config.validation.benchmarks:
+            return EvaluationWork()
+        tokenizer = load_tokenizer(Path(self.model.path), self.config.model.trust_remote_code)
+        work = EvaluationWork()
+        for spec in self.config.validation.benchmarks:
+            work = work + benchmark_work(load_benchmark(spec), tokenizer, self.config.validation.batch_size)
+        return work
 
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
         """The validate stage as it will run: its loads, and its work (phase1a.evaluate.metrics.validation_work)."""

@@ -2,21 +2,25 @@
 s3://bucket/prefix/), then the `promoted.json` pointer moved to it (phase1a/promote/promotion.py).
 
 What is promoted: the adapter (or a full fine-tune's weights), with the tokenizer it was trained with when
-`data.chat_template` overrode the base's template, and with `validation.promote_merged` the base with the
-adapter merged in, which loads without peft.
+`data.chat_template` overrode the base's template; with `validation.export` the base with the adapter merged in
+(`merged`, which loads without peft) and GGUF files of it (`gguf`). Each artifact carries its model card
+(phase1a/model_card.py).
 """
 from __future__ import annotations
 
+import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.templates import apply_chat_template_setting
-from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer
+from phase1a.model.gguf import write_gguf
+from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer, peft_wrapping
+from phase1a.model_card import BaseModelFacts, CardFacts, RunContext, write_card
 from phase1a.promote.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
-from phase1a.promote.warmstart import StartPoint
 from phase1a.results import TrainResult, ValidationResult
 from tasks.caching import task
 
@@ -29,7 +33,8 @@ def merge_adapter(model_dir: Path, adapter_dir: Path, target: Path, trust_remote
     from transformers import AutoConfig
 
     saved_dtype = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), "dtype", None)
-    model = PeftModel.from_pretrained(load_model(Path(model_dir), torch.float32, trust_remote_code), adapter_dir)
+    with peft_wrapping():
+        model = PeftModel.from_pretrained(load_model(Path(model_dir), torch.float32, trust_remote_code), adapter_dir)
     merged = model.merge_and_unload()
     if isinstance(saved_dtype, torch.dtype):
         merged = merged.to(saved_dtype)
@@ -43,49 +48,99 @@ def _trained_tokenizer(model_dir: Path, chat_template: str | None, trust_remote_
     return apply_chat_template_setting(load_tokenizer(Path(model_dir), trust_remote_code), chat_template)
 
 
-def _adapter_with_template(adapter_dir: Path, model_dir: Path, chat_template: str, target: Path,
-                           trust_remote_code: bool) -> Path:
-    """A copy of the adapter with the tokenizer it was trained with: the overriding template must reach
-    whoever serves it, or prompts would be rendered in the base tokenizer's format."""
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(adapter_dir, target)
-    _trained_tokenizer(model_dir, chat_template, trust_remote_code).save_pretrained(target)
-    return target
+@dataclass
+class _Artifacts:
+    """What one promotion builds in its scratch directory before the version is copied."""
+
+    config: Phase1aConfig
+    model_dir: Path
+    adapter_dir: Path
+    scratch: Path
+    version: str
+
+    def adapter(self) -> Path:
+        """The adapter as promoted: its weights linked (a full fine-tune's are not copied twice), and with an
+        overriding template the tokenizer it was trained with, which must reach whoever serves it, or prompts
+        would be rendered in the base tokenizer's format."""
+        target, template = self.scratch / "adapter", self.config.data.chat_template
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(self.adapter_dir, target, copy_function=_link_or_copy)
+        if template is not None:
+            _trained_tokenizer(self.model_dir, template, self.config.model.trust_remote_code).save_pretrained(target)
+        return target
+
+    def exports(self) -> dict[str, Path]:
+        """`validation.export`: the merged model (a full fine-tune's weights already are one) and its GGUF files,
+        named by the version."""
+        wanted, adapter = self.config.validation.export, self.adapter_dir
+        if not wanted:
+            return {}
+        merged = (merge_adapter(self.model_dir, adapter, self.scratch / "merged", self.config.model.trust_remote_code,
+                                self.config.data.chat_template) if is_adapter(adapter) else adapter)
+        exports = {"merged": merged} if "merged" in wanted and merged != adapter else {}
+        if "gguf" in wanted:
+            write_gguf(merged, self.scratch / "gguf", name=self.version)
+            exports["gguf"] = self.scratch / "gguf"
+        return exports
 
 
-def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, adapter_dir: Path,
-                      run_dir: Path, start: StartPoint | None = None) -> PromotionOutcome:
-    """Promote the run in `run_dir` (its name is the version) whose verdict passed; `start`, where its training
-    started, is recorded as the version's parent (None: the base model)."""
-    settings, trust, template = config.validation, config.model.trust_remote_code, config.data.chat_template
+def _link_or_copy(source: str, target: str) -> None:
+    """Weights are linked (never rewritten in place); the rest is copied, since a tokenizer saved over a linked
+    file would rewrite the training directory's."""
+    if Path(source).suffix in (".safetensors", ".bin"):
+        try:
+            return os.link(source, target)
+        except OSError:  # another file system
+            pass
+    shutil.copy2(source, target)
+
+
+def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, trained: TrainResult,
+                      run_dir: Path, run: RunContext | None = None) -> PromotionOutcome:
+    """Promote the run in `run_dir` (its name is the version) whose verdict passed; where its training started
+    (`trained.start`) is recorded as the version's parent (None: the base model). With the `run`, every
+    artifact gets its model card."""
+    settings, start = config.validation, trained.start
     if not verdict.passed:  # the flow never calls this on a fail; a direct caller must not either
         raise PromotionError("refusing to promote a model that failed the gate: " + "; ".join(verdict.reasons))
     if not settings.promote_to:
         raise PromotionError("validation.promote_to is not set: nowhere to promote to")
-    model_dir, run_dir = Path(model.path), Path(run_dir)
-    artifacts = {"adapter": Path(adapter_dir)}
-    merged_dir, templated_dir = run_dir / "merged.tmp", run_dir / "adapter.tmp"
-    if template is not None:
-        artifacts["adapter"] = _adapter_with_template(Path(adapter_dir), model_dir, template, templated_dir, trust)
-    if settings.promote_merged and is_adapter(adapter_dir):
-        artifacts["merged"] = merge_adapter(model_dir, Path(adapter_dir), merged_dir, trust, template)
-    record = PromotionRecord(run=str(run_dir), adapter_sha256=verdict.adapter_sha256,
-                             base_model_fingerprint=verdict.model_fingerprint,
-                             sample_fingerprint=verdict.sample_fingerprint, metric_settings=verdict.metric_settings,
-                             metrics=verdict.candidate.model_dump(mode="json"),
-                             parent=start.version if start else None,
-                             started_from=start.describe() if start else None)
-    # Against a promoted baseline the pointer must still be the one the gate saw; else whatever it is now.
-    expected = verdict.promoted_seen if settings.baseline == "promoted" else ...
+    run_dir = Path(run_dir)
+    building = _Artifacts(config, Path(model.path), Path(trained.adapter_dir), run_dir / "promote.tmp", run_dir.name)
     try:
+        artifacts = {"adapter": building.adapter(), **building.exports()}
+        if run is not None:
+            facts = _card_facts(building, verdict, trained, run, artifacts)
+            for name, directory in artifacts.items():
+                write_card(facts, directory, name)
+        record = PromotionRecord(run=str(run_dir), adapter_sha256=verdict.adapter_sha256,
+                                 base_model_fingerprint=verdict.model_fingerprint,
+                                 sample_fingerprint=verdict.sample_fingerprint,
+                                 metric_settings=verdict.metric_settings,
+                                 metrics=verdict.candidate.model_dump(mode="json"),
+                                 parent=start.version if start else None,
+                                 started_from=start.describe() if start else None)
+        # Against a promoted baseline the pointer must still be the one the gate saw; else whatever it is now.
+        expected = verdict.promoted_seen if settings.baseline == "promoted" else ...
         return promote(Promotion(artifacts, run_dir.name, record, expected), settings.promote_to,
                        endpoint_url=config.data.s3_endpoint_url)
     finally:
-        for scratch in (merged_dir, templated_dir):  # copies: promoted, or not wanted
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(building.scratch, ignore_errors=True)  # copies: promoted, or not wanted
+
+
+def _card_facts(building: _Artifacts, verdict: ValidationResult, trained: TrainResult, run: RunContext,
+                artifacts: dict[str, Path]) -> CardFacts:
+    config, start = building.config, trained.start
+    exports = {name: sorted(p.name for p in directory.iterdir() if p.is_file())
+               for name, directory in artifacts.items() if name != "adapter"}
+    return CardFacts(version=building.version, parent=start.version if start else None,
+                     started_from=start.describe() if start else "the base model",
+                     base=BaseModelFacts.of(config.model.name_or_path, building.model_dir),
+                     base_name=config.model.name_or_path, method=config.method.kind, run=run, trained=trained,
+                     verdict=verdict, exports=exports)
 
 
 @task(name="promote")
 def promote_task(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, trained: TrainResult,
-                 run_dir: str) -> PromotionOutcome:
-    return promote_candidate(config, model, verdict, Path(trained.adapter_dir), Path(run_dir), trained.start)
+                 run_dir: str, run: RunContext) -> PromotionOutcome:
+    return promote_candidate(config, model, verdict, trained, Path(run_dir), run)

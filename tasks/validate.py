@@ -19,6 +19,7 @@ The recipe, `validate`, in named phases:
 """
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -41,6 +42,7 @@ from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_f
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
 from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
 from phase1a.promote.promotion import PromotedPointer, fetch_adapter, read_pointer
+from phase1a.promote.serving import check_vllm_adapter
 from phase1a.results import TrainResult, ValidationResult
 from phase1a.run_report import ValidationSection
 from phase1a.train.packing import TokenRows
@@ -153,20 +155,20 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
     """The promoted model's metrics: from its pointer when they were computed on this sample with this
     scoring, else by scoring its weights here (cached like the base model's)."""
     name = f"promoted {pointer.version}"
-    stored = Metrics.model_validate(pointer.metrics)
     same_sample = pointer.sample_fingerprint == scoring.sample and pointer.metric_settings == scoring.key(device)
-    if same_sample and not scoring.missing(stored, device):
+    stored = Metrics.model_validate(pointer.metrics) if same_sample else None
+    if stored is not None and not scoring.missing(stored, device):
         return Baseline.of(name, stored, scoring.sample)
     if pointer.base_model_fingerprint != scoring.model_fingerprint:
         raise BaselineError(f"{name} was trained from another base model ({pointer.base_model_fingerprint[:12]}, "
                             f"this run's is {scoring.model_fingerprint[:12]}) and scored on another sample or "
                             "benchmarks; nothing to compare")
     model = for_scoring(load_for_eval(source.model_dir, source.fetch(pointer), device, source.trust_remote_code))
-    metrics = stored if same_sample else cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device),
-                                                         lambda: scoring.evaluate(model, "promoted"))[0]
+    metrics = stored or cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device),
+                                        lambda: scoring.evaluate(model, "promoted"))[0]
     metrics = scoring.with_benchmarks(metrics, model, pointer.adapter_sha256)
-    return Baseline.of(f"{name} (scored on this {'sample' if not same_sample else 'benchmarks'})", metrics,
-                       scoring.sample)
+    where = "its benchmarks scored here" if stored else "scored on this sample"
+    return Baseline.of(f"{name} ({where})", metrics, scoring.sample)
 
 
 def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
@@ -209,6 +211,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
         sample_fingerprint=scoring.sample, metric_settings=scoring.key(device), model_fingerprint=model.fingerprint,
         adapter_sha256=sha256_tree(Path(adapter_dir), ADAPTER_FILES), base_cached=base_cached,
         promoted_seen=pointer.version if pointer else None,
+        serving=check_vllm_adapter(Path(adapter_dir), json.loads((Path(model.path) / "config.json").read_text())),
     )
 
 

@@ -61,7 +61,8 @@ def test_custom_tasks_are_scored_on_base_and_candidate_offline_and_the_base_is_c
     assert len(cached) == 2  # the base's two scores; the candidate's are the verdict's
 
     again = validated(tiny_model_dir, adapter, split.validation_path, settings, tmp_path / "cache")
-    assert again.base.benchmarks == verdict.base.benchmarks and again.candidate.benchmarks == verdict.candidate.benchmarks
+    assert again.base.benchmarks == verdict.base.benchmarks
+    assert again.candidate.benchmarks == verdict.candidate.benchmarks
     assert sorted((tmp_path / "cache" / "benchmarks").glob("*.json")) == cached
 
 

@@ -12,6 +12,7 @@ import yaml
 from flows.cli import main as cli_main
 from flows.phase1a import phase1a
 from helpers import PREPARED, date_records, without_session_server, write_jsonl
+from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
@@ -166,24 +167,47 @@ def test_cli_plan_prints_the_estimate_without_training(config_tree, tmp_path):
     assert not list((Path(config_tree["work_dir"]) / config_tree["name"]).glob("train-*"))
 
 
+def assert_model_card(path: Path, report: RunReport, library: str) -> None:
+    """The card parses with huggingface_hub; its metadata and validation numbers are report.json's."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(path)
+    section, verdict = report.validation, report.result("validate", ValidationResult)
+    assert card.data.library_name == library and card.data.model_name == section.promotion.version
+    scores = {r.metric_type if r.dataset_type.startswith("phase1a-held-out") else f"{r.dataset_type}/{r.metric_type}":
+              r.metric_value for r in card.data.eval_results}
+    assert scores == {name: row.candidate for name, row in section.metrics.items() if row.candidate is not None}
+    for name, row in section.metrics.items():
+        if row.candidate is not None:
+            assert f"| {name} | " in card.text and f"{row.candidate:.4f}" in card.text
+    assert "Gate: PASS" in card.text and verdict.baseline.source in card.text
+    assert report.result("tokenize", TokenizedData).fingerprint in card.text
+    assert report.flow_run.id in card.text
+
+
 def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing(config_tree, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     promoted = tmp_path / "promoted"
-    config_tree["validation"].update({"promote_to": str(promoted), "promote_merged": True})
+    tasks = write_date_tasks(tmp_path / "tasks", date_records(16, seed=5))
+    config_tree["validation"].update({"promote_to": str(promoted), "export": ["merged", "gguf"], "benchmarks": [
+        {"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 8, "tolerance": None}]})
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
     section = first.validation
     assert section.verdict == "pass" and section.promotion.promoted
-    assert set(section.metrics) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece"}
+    assert set(section.metrics) == {"loss", "perplexity", "token_accuracy", "exact_match", "ece", "dates_choice/acc"}
     loss = section.metrics["loss"]
     assert loss.delta == loss.candidate - loss.baseline
     pointer = (promoted / "promoted.json").read_bytes()
     assert json.loads(pointer)["version"] == section.promotion.version == Path(first.run_dir).name
     version = promoted / "versions" / section.promotion.version
     assert (version / "adapter" / "adapter_config.json").is_file() and (version / "merged" / "config.json").is_file()
-    assert not (Path(first.run_dir) / "merged.tmp").exists()  # the merged copy lives only in the promoted version
+    assert sorted(p.suffix for p in (version / "gguf").iterdir()) == [".gguf", ".gguf", ".md"]
+    assert not (Path(first.run_dir) / "promote.tmp").exists()  # the exports live only in the promoted version
+    assert_model_card(version / "adapter" / "README.md", first, "peft")
+    assert_model_card(version / "merged" / "README.md", first, "transformers")
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation"])))
         reports = client.read_artifacts(artifact_filter=ArtifactFilter(

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
+from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.evaluate.answers import extract_answer, normalise
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
@@ -270,7 +271,11 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
                                       output_dir=str(tmp_path / name), micro_batch_size=8,
                                       gradient_checkpointing=False, show_progress=False))
             for name, data in (("good", good), ("shuffled", bad))}
-    settings = ValidationConfig(max_examples=16, promote_to=str(tmp_path / "promoted"))
+    # Benchmarks too (lm-eval task YAMLs over local JSONL): the right US date among four, and written out.
+    tasks = write_date_tasks(tmp_path / "tasks", date_records(24, seed=11))
+    benchmarks = [{"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 16, "tolerance": 0.0},
+                  {"task": str(tasks["dates_written"]), "metric": "exact_match", "limit": 16, "tolerance": 0.0}]
+    settings = ValidationConfig(max_examples=16, promote_to=str(tmp_path / "promoted"), benchmarks=benchmarks)
     cache = tmp_path / "cache"
 
     last_night = validated(tiny_model_dir, runs["good"].adapter_dir, good.validation_path, settings, cache)
@@ -279,10 +284,10 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
     config, model = job(tiny_model_dir, cache, settings, chat_template=str(template))
-    promoted = promote_candidate(config, model, last_night, runs["good"].adapter_dir, tmp_path / "good")
+    promoted = promote_candidate(config, model, last_night, runs["good"], tmp_path / "good")
     stored = Path(promoted.pointer.artifacts["adapter"])
     assert AutoTokenizer.from_pretrained(stored).chat_template == template.read_text()
-    assert not (tmp_path / "good" / "adapter.tmp").exists()
+    assert not (tmp_path / "good" / "promote.tmp").exists()
 
     # Tonight's run trained on shuffled labels, held out on the same (correct) validation examples.
     nightly = settings.model_copy(update={"baseline": "promoted"})
@@ -290,10 +295,12 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     assert tonight.baseline.source == "promoted good" and tonight.base_cached
     assert not tonight.passed
     failed = {check.metric for check in tonight.checks if not check.passed}
-    assert {"loss", "token_accuracy"} <= failed, format_table(tonight)
+    assert {"loss", "token_accuracy", "dates_choice/acc"} <= failed, format_table(tonight)
+    assert any(reason.startswith("dates_choice/acc ") for reason in tonight.reasons)
+    assert "dates_choice/acc" in format_table(tonight).split("FAIL: ")[1]
     # Against the untrained base it would have looked like progress: the promoted baseline is what catches it.
     assert tonight.candidate.loss < tonight.base.loss
     with pytest.raises(PromotionError, match="failed the gate: loss"):
-        promote_candidate(*job(tiny_model_dir, cache, nightly), tonight, runs["shuffled"].adapter_dir,
+        promote_candidate(*job(tiny_model_dir, cache, nightly), tonight, runs["shuffled"],
                           tmp_path / "shuffled")
     assert read_pointer(settings.promote_to).version == "good"

@@ -64,9 +64,12 @@ def _is_section(annotation: Any) -> bool:
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The section a field holds: `Section`, or `Section | None` (an optional section, off while null)."""
+    """The section a field holds: `Section`, `Section | None` (an optional section, off while null), or each item
+    of a `list[Section]`."""
     if _is_section(annotation):
         return annotation
+    if get_origin(annotation) is list and _is_section(get_args(annotation)[0]):
+        return get_args(annotation)[0]
     if get_origin(annotation) in (Union, types.UnionType):
         members = [arg for arg in get_args(annotation) if arg is not type(None)]
         if len(members) == 1 and _is_section(members[0]):

@@ -129,9 +129,9 @@ def score_benchmark(model, tokenizer, benchmark: Benchmark, batch_size: int, pre
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     results = lm_eval.simple_evaluate(
         # The task comes built: an empty manager, else the harness indexes its whole registry (seconds) again.
-        model=lm, tasks=[build_task(benchmark)], task_manager=TaskManager(include_defaults=False), limit=spec.limit, apply_chat_template=spec.apply_chat_template,
-        log_samples=False, bootstrap_iters=_STDERR_ITERATIONS, random_seed=0, numpy_random_seed=0,
-        torch_random_seed=0, fewshot_random_seed=0)
+        model=lm, tasks=[build_task(benchmark)], task_manager=TaskManager(include_defaults=False), limit=spec.limit,
+        apply_chat_template=spec.apply_chat_template, log_samples=False, bootstrap_iters=_STDERR_ITERATIONS,
+        random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     values = results["results"][benchmark.name]
     column = _column(values, spec.metric, benchmark)
     stderr = values.get(column.replace(",", "_stderr,", 1))

