@@ -384,21 +384,11 @@ def _validation(report: RunReport) -> list[str]:
     section = report.validation
     if section is None:
         return []
-    checks = {check.metric: check for check in section.checks}
-
-    def gate(name: str) -> str:
-        check = checks.get(name)
-        if check is None:
-            return "-"
-        sign = ">= baseline -" if check.higher_is_better else "<= baseline +"
-        return f"{'pass' if check.passed else '**FAIL**'} ({sign} {check.tolerance:g})"
-
-    rows = [(name, _n(row.base, ".4f"), _n(row.baseline, ".4f"), _n(row.candidate, ".4f"), _n(row.delta, "+.4f"),
-             gate(name)) for name, row in section.metrics.items()
-            if any(value is not None for value in (row.base, row.baseline, row.candidate))]
+    header, *rows = section.table()
+    rows = [(*row[:-1], row[-1].replace("FAIL", "**FAIL**", 1)) for row in rows]
     verdict = "**PASS**" if section.verdict == "pass" else "**FAIL**"
     return ["## Validation", "", f"{verdict} against {section.baseline}, on {section.examples} held-out "
-            "examples.", "", *_table(("metric", "base", "baseline", "candidate", "delta", "gate"), rows),
+            "examples.", "", *_table(header, rows),
             *[f"- {reason}" for reason in section.reasons], *([""] if section.reasons else [])]
 
 

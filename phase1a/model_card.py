@@ -187,17 +187,8 @@ def _training(facts: CardFacts) -> str:
 def _validation(facts: CardFacts) -> str:
     verdict = facts.verdict
     section = ValidationSection.of(verdict)
-    checks = {check.metric: check for check in verdict.checks}
-    rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
-    for name, row in section.metrics.items():
-        if row.candidate is None and row.baseline is None:
-            continue
-        check = checks.get(name)
-        gate = "-" if check is None else ("pass" if check.passed else "fail") + f" (tolerance {check.tolerance:g})"
-        rows.append((name, *(_cell(v) for v in (row.base, row.baseline, row.candidate)),
-                     _cell(row.delta, "+"), gate))
     return "\n".join([f"Baseline: {verdict.baseline.source}; {section.examples} held-out examples. "
-                      f"Gate: {'PASS' if verdict.passed else 'FAIL'}.", "", _markdown(rows)])
+                      f"Gate: {'PASS' if verdict.passed else 'FAIL'}.", "", _markdown(section.table())])
 
 
 def _serving(facts: CardFacts) -> str:
@@ -213,10 +204,6 @@ def _lineage(facts: CardFacts) -> str:
         where = f" ({facts.run.flow_run.url})" if facts.run.flow_run.url else ""
         lines.append(f"- flow run: `{facts.run.flow_run.name}` `{facts.run.flow_run.id}`{where}")
     return "\n".join(lines)
-
-
-def _cell(value: float | None, sign: str = "") -> str:
-    return "-" if value is None else f"{value:{sign}.4f}"
 
 
 def _markdown(rows: list[tuple[str, ...]]) -> str:

@@ -93,6 +93,26 @@ class ValidationSection(BaseModel):
                    promotion=summary)
 
 
+    def table(self) -> list[tuple[str, ...]]:
+        """The validation table as text, its header first: metric, base, baseline, candidate, delta and gate, for
+        each metric some model has a value of. The printed table, report.md and the model card lay it out."""
+        checks = {check.metric: check for check in self.checks}
+        cell = lambda value, spec=".4f": "-" if value is None else format(value, spec)  # noqa: E731
+        rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
+        for name, row in self.metrics.items():
+            if any(value is not None for value in (row.base, row.baseline, row.candidate)):
+                rows.append((name, cell(row.base), cell(row.baseline), cell(row.candidate), cell(row.delta, "+.4f"),
+                             _gate_cell(checks.get(name))))
+        return rows
+
+
+def _gate_cell(check: GateCheck | None) -> str:
+    if check is None:
+        return "-"
+    bound = ">= baseline -" if check.higher_is_better else "<= baseline +"
+    return f"{'pass' if check.passed else 'FAIL'} ({bound} {check.tolerance:g})"
+
+
 class Lineage(StartPoint):
     """What the run started from (`method.init_from`) and, once promoted, the version it became."""
 

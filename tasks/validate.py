@@ -234,17 +234,7 @@ def _score(scoring: Scoring, model_dir: Path, adapter_dir: Path,
 # ---- reading a verdict ---------------------------------------------------------------------------------------
 
 def format_table(verdict: ValidationResult) -> str:
-    tolerances = {check.metric: check for check in verdict.checks}
-    rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
-    cell = lambda value, sign="": "-" if value is None else f"{value:{sign}.4f}"  # noqa: E731
-    for name, row in ValidationSection.of(verdict).metrics.items():
-        if row.base is None and row.baseline is None and row.candidate is None:
-            continue
-        check = tolerances.get(name)
-        status = "-" if check is None else ("pass" if check.passed else "FAIL") + \
-            f" ({'>=' if check.higher_is_better else '<='} baseline {'-' if check.higher_is_better else '+'} " \
-            f"{check.tolerance:g})"
-        rows.append((name, cell(row.base), cell(row.baseline), cell(row.candidate), cell(row.delta, "+"), status))
+    rows = ValidationSection.of(verdict).table()
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     verdict_text = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
