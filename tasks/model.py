@@ -8,11 +8,17 @@ are each kept by content already, so a second run checks them in seconds, and a 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from phase1a.config.schema import Phase1aConfig
+from phase1a.model.gguf import check_gguf_export
 from phase1a.model.loading import ResolvedModel, prepare_model
 from tasks.caching import task
 
 
 @task(name="model")
 def model_task(config: Phase1aConfig) -> ResolvedModel:
-    return prepare_model(config)
+    model = prepare_model(config)
+    if "gguf" in config.validation.export:
+        check_gguf_export(Path(model.path))  # an architecture GGUF export does not cover fails here, not at promote
+    return model

@@ -105,6 +105,12 @@ def write_gguf(model_dir: Path, target_dir: Path, types: Sequence[str] = GGUF_TY
     return written
 
 
+def check_gguf_export(model_dir: Path) -> None:
+    """What write_gguf checks before it writes, on the base model before training: a model that cannot be
+    exported fails the run in seconds, not after training and validation."""
+    _read_model(Path(model_dir))
+
+
 def _read_model(model_dir: Path) -> _Model:
     """Everything every file shares, checked before any is written."""
     if not (model_dir / "config.json").is_file():
