@@ -76,6 +76,16 @@ def test_a_changed_data_file_or_limit_is_another_benchmark(date_tasks, tmp_path)
     assert first.identity("cpu/float32") != load_benchmark(spec.model_copy(update={"limit": 5})).identity("cpu/float32")
 
 
+def test_data_files_may_be_a_glob_relative_to_the_yaml(date_tasks, tmp_path):
+    globbed = tmp_path / "globbed.yaml"
+    globbed.write_text(Path(date_tasks["dates_choice"]).read_text().replace("dates.jsonl", "dat*.jsonl"))
+    (tmp_path / "dates.jsonl").write_text((Path(date_tasks["dates_choice"]).parent / "dates.jsonl").read_text())
+    benchmark = load_benchmark(BenchmarkConfig(task=str(globbed), metric="acc"))
+    assert benchmark.source["dataset_kwargs"]["data_files"] == {"test": str(tmp_path.resolve() / "dat*.jsonl")}
+    (tmp_path / "dates.jsonl").write_text("")
+    assert load_benchmark(BenchmarkConfig(task=str(globbed), metric="acc")).definition != benchmark.definition
+
+
 def test_plan_work_counts_each_request(date_tasks):
     tokenizer = make_tokenizer()
     choice, written = (load_benchmark(spec) for spec in specs(date_tasks, limit=6))

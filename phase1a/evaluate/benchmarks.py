@@ -7,6 +7,7 @@ model's is computed once. docs/validation.md says how they are gated and estimat
 """
 from __future__ import annotations
 
+import glob
 import logging
 import math
 from dataclasses import dataclass
@@ -73,26 +74,28 @@ def _task_yaml(path: Path) -> dict[str, Any]:
 
 
 def _data_files(config: dict[str, Any], path: Path) -> list[Path]:
-    """`dataset_kwargs.data_files` made absolute against the YAML's directory (in place), each checked to exist:
-    the task then loads the same files from any working directory."""
+    """`dataset_kwargs.data_files` (a path, a glob, a list of them, or a dict of splits) made absolute against the
+    YAML's directory (in place), each checked to name a file: the task then loads the same files from any working
+    directory. Returns the files, whose bytes are the benchmark's identity."""
     kwargs = config.get("dataset_kwargs") or {}
     files = kwargs.get("data_files")
-    if files is None:
-        return []
+    found: list[Path] = []
 
     def absolute(value: str) -> str:
-        resolved = Path(value).expanduser()
-        resolved = resolved if resolved.is_absolute() else (path.parent / resolved).resolve()
-        if not resolved.is_file():
-            raise BenchmarkError(f"validation.benchmarks: {path}: dataset_kwargs.data_files: no such file: {resolved}")
-        return str(resolved)
+        pattern = Path(value).expanduser()
+        pattern = pattern if pattern.is_absolute() else path.parent.resolve() / pattern
+        matches = sorted(Path(p) for p in glob.glob(str(pattern))) if glob.has_magic(str(pattern)) else [pattern]
+        if not matches or not all(match.is_file() for match in matches):
+            raise BenchmarkError(f"validation.benchmarks: {path}: dataset_kwargs.data_files: no such file: {pattern}")
+        found.extend(matches)
+        return str(pattern)
 
     def each(value):
         return absolute(value) if isinstance(value, str) else [absolute(v) for v in value]
 
-    kwargs["data_files"] = {k: each(v) for k, v in files.items()} if isinstance(files, dict) else each(files)
-    found = kwargs["data_files"].values() if isinstance(files, dict) else [kwargs["data_files"]]
-    return sorted({Path(f) for value in found for f in ([value] if isinstance(value, str) else value)})
+    if files is not None:
+        kwargs["data_files"] = {k: each(v) for k, v in files.items()} if isinstance(files, dict) else each(files)
+    return sorted(set(found))
 
 
 def build_task(benchmark: Benchmark):
