@@ -21,6 +21,7 @@ import numpy as np
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.logs import run_logger
+from phase1a.core.markdown import markdown_table
 from phase1a.core.units import format_seconds
 from phase1a.data.lengths import Outliers
 from phase1a.data.staging import StagedData
@@ -134,9 +135,7 @@ def _n(value, spec: str = ",") -> str:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
-    cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(cell(value) for value in row) + " |" for row in rows), ""]
+    return [*markdown_table(header, rows), ""]  # a blank line ends it
 
 
 def _ratio(estimated: float | None, actual: float | None) -> str:

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from phase1a.core.locators import looks_like_hub_id
+from phase1a.core.markdown import markdown_table
 from phase1a.core.units import format_seconds
 from phase1a.data.tokenized import TokenizedData
 from phase1a.model.loading import BUILTIN_GGUF, builtin_origin
@@ -109,7 +110,7 @@ def model_card(facts: CardFacts, artifact: Artifact = "adapter") -> str:
         tags=_tags(facts, artifact),
         eval_results=_eval_results(facts))
     card = ModelCard.from_template(
-        data, template_str=TEMPLATE, title=f"{facts.version}", summary=_summary(facts, artifact),
+        data, template_str=TEMPLATE, title=facts.version, summary=_summary(facts, artifact),
         data=_data(facts), training=_training(facts), validation=_validation(facts), serving=_serving(facts),
         lineage=_lineage(facts), config=yaml.safe_dump(facts.run.config, sort_keys=False))
     return str(card)
@@ -171,14 +172,14 @@ def _data(facts: CardFacts) -> str:
 
 def _training(facts: CardFacts) -> str:
     plan, trained = facts.run.plan, facts.trained
-    rows = [("", "plan", "actual"),
-            ("steps", str(plan.steps), str(trained.steps)),
+    rows = [("steps", str(plan.steps), str(trained.steps)),
             ("train tokens", str(plan.train_tokens), str(trained.train_tokens)),
             ("tokens/s", f"{plan.tokens_per_second:.0f}", f"{trained.tokens_per_second:.0f}"),
             ("train seconds", format_seconds(plan.estimate.train_seconds), format_seconds(trained.wall_seconds)),
             ("micro batch", str(plan.micro_batch_size), str(trained.micro_batch_size or plan.micro_batch_size))]
     lines = [f"Method `{facts.method}` on {plan.target} ({plan.precision}), profile `{plan.profile}`, "
-             f"epochs {plan.epochs:g}, sequence length {plan.max_seq_length}.", "", _markdown(rows)]
+             f"epochs {plan.epochs:g}, sequence length {plan.max_seq_length}.", "",
+             *markdown_table(("", "plan", "actual"), rows)]
     if trained.final_loss is not None:
         lines += ["", f"Final training loss {trained.final_loss:.4f}."]
     return "\n".join(lines)
@@ -187,8 +188,9 @@ def _training(facts: CardFacts) -> str:
 def _validation(facts: CardFacts) -> str:
     verdict = facts.verdict
     section = ValidationSection.of(verdict)
+    header, *rows = section.table()
     return "\n".join([f"Baseline: {verdict.baseline.source}; {section.examples} held-out examples. "
-                      f"Gate: {'PASS' if verdict.passed else 'FAIL'}.", "", _markdown(section.table())])
+                      f"Gate: {'PASS' if verdict.passed else 'FAIL'}.", "", *markdown_table(header, rows)])
 
 
 def _serving(facts: CardFacts) -> str:
@@ -204,9 +206,3 @@ def _lineage(facts: CardFacts) -> str:
         where = f" ({facts.run.flow_run.url})" if facts.run.flow_run.url else ""
         lines.append(f"- flow run: `{facts.run.flow_run.name}` `{facts.run.flow_run.id}`{where}")
     return "\n".join(lines)
-
-
-def _markdown(rows: list[tuple[str, ...]]) -> str:
-    header, *body = rows
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                     + ["| " + " | ".join(row) + " |" for row in body])

@@ -92,7 +92,6 @@ class ValidationSection(BaseModel):
                    checks=verdict.checks, answers=verdict.candidate.answers, serving=verdict.serving,
                    promotion=summary)
 
-
     def table(self) -> list[tuple[str, ...]]:
         """The validation table as text, its header first: metric, base, baseline, candidate, delta and gate, for
         each metric some model has a value of. The printed table, report.md and the model card lay it out."""

@@ -63,6 +63,7 @@ class Scoring:
     settings: ValidationConfig
     cache_dir: Path  # metrics cache
     model_fingerprint: str  # the base model
+    benchmarks: list[Benchmark] = field(default_factory=list)  # validation.benchmarks, loaded
 
     @cached_property
     def sample(self) -> str:  # hashes every token of the sample: once
@@ -76,8 +77,6 @@ class Scoring:
         key = hash_json({"model": self.model_fingerprint, "weights": weights, "sample": self.sample,
                          "settings": self.key(device)})
         return Path(self.cache_dir) / "metrics" / f"{key[:32]}.json"
-
-    benchmarks: list[Benchmark] = field(default_factory=list)  # validation.benchmarks, loaded
 
     def precision(self, device: torch.device) -> str:
         return f"{device.type}/{training_dtype(device)}"
@@ -121,11 +120,6 @@ def cached(path: Path, kind: type[T], compute: Callable[[], T]) -> tuple[T, bool
     write_atomically(path, record.model_dump_json(indent=2) + "\n")
     return record, False
 
-
-def cached_evaluate(path: Path, compute: Callable[[], Metrics]) -> tuple[Metrics, bool]:
-    return cached(path, Metrics, compute)
-
-
 def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
     """The base model's metrics, computed with a peft model's adapter switched off (or on a plain base model),
     once per model fingerprint, sample fingerprint and metric settings."""
@@ -133,7 +127,7 @@ def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
 
     path = scoring.cache_path("base", next(model.parameters()).device)
     with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
-        metrics, from_cache = cached_evaluate(path, lambda: scoring.evaluate(model, "base"))
+        metrics, from_cache = cached(path, Metrics, lambda: scoring.evaluate(model, "base"))
         return scoring.with_benchmarks(metrics, model, "base"), from_cache
 
 
@@ -164,8 +158,8 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
                             f"this run's is {scoring.model_fingerprint[:12]}) and scored on another sample or "
                             "benchmarks; nothing to compare")
     model = for_scoring(load_for_eval(source.model_dir, source.fetch(pointer), device, source.trust_remote_code))
-    metrics = stored or cached_evaluate(scoring.cache_path(pointer.adapter_sha256, device),
-                                        lambda: scoring.evaluate(model, "promoted"))[0]
+    metrics = stored or cached(scoring.cache_path(pointer.adapter_sha256, device), Metrics,
+                               lambda: scoring.evaluate(model, "promoted"))[0]
     metrics = scoring.with_benchmarks(metrics, model, pointer.adapter_sha256)
     where = "its benchmarks scored here" if stored else "scored on this sample"
     return Baseline.of(f"{name} ({where})", metrics, scoring.sample)

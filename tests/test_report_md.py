@@ -309,3 +309,10 @@ def test_a_lengths_plot_that_cannot_be_drawn_is_a_warning_not_a_failed_run(tmp_p
         publish_length_report(data, tmp_path)
     assert "run report: lengths.png and the lengths artifact: FileNotFoundError" in caplog.text
     assert not (tmp_path / "lengths.png").exists()
+
+
+def test_a_cell_never_splits_a_markdown_row():
+    from phase1a.core.markdown import markdown_table
+
+    lines = markdown_table(("rule", "detail"), [("target_modules", "q_proj|k_proj\nv_proj")])
+    assert lines == ["| rule | detail |", "|---|---|", "| target_modules | q_proj\\|k_proj v_proj |"]

@@ -7,6 +7,7 @@ model's is computed once. docs/validation.md says how they are gated and estimat
 """
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import math
@@ -98,14 +99,20 @@ def _data_files(config: dict[str, Any], path: Path) -> list[Path]:
     return sorted(set(found))
 
 
-def build_task(benchmark: Benchmark):
-    """The lm-eval Task. The registry is indexed only when a benchmark names a registered task (seconds)."""
+@functools.cache
+def _task_manager(registry: bool):
+    """lm-eval's task manager; with the registry, indexing its ~27k YAMLs takes 13 to 40 s on two cores: once a
+    process, however many models and benchmarks are scored."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_defaults=registry)
+
+
+def build_task(benchmark: Benchmark):
+    """The lm-eval Task, built anew (a Task holds its requests and their answers)."""
     _quiet()
-    manager = TaskManager(include_defaults=not benchmark.spec.is_file)
     try:
-        tasks = manager.load(benchmark.source)["tasks"]
+        tasks = _task_manager(not benchmark.spec.is_file).load(benchmark.source)["tasks"]
     except KeyError:
         raise BenchmarkError(f"validation.benchmarks: lm-eval has no task {benchmark.spec.task!r} (a task of your "
                              "own is the path to its YAML)") from None
@@ -125,14 +132,13 @@ def score_benchmark(model, tokenizer, benchmark: Benchmark, batch_size: int, pre
     """The benchmark's metric for `model` (a transformers or peft model, in eval mode), through lm-eval's HFLM."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     _quiet()
     spec = benchmark.spec
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     results = lm_eval.simple_evaluate(
         # The task comes built: an empty manager, else the harness indexes its whole registry (seconds) again.
-        model=lm, tasks=[build_task(benchmark)], task_manager=TaskManager(include_defaults=False), limit=spec.limit,
+        model=lm, tasks=[build_task(benchmark)], task_manager=_task_manager(False), limit=spec.limit,
         apply_chat_template=spec.apply_chat_template, log_samples=False, bootstrap_iters=_STDERR_ITERATIONS,
         random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     values = results["results"][benchmark.name]
@@ -168,18 +174,18 @@ def benchmark_work(benchmark: Benchmark, tokenizer, batch_size: int) -> Evaluati
     greedy steps (an upper bound: a batch stops early when every row has met a stop sequence)."""
     task = build_task(benchmark)
     task.build_all_requests(limit=benchmark.spec.limit, rank=0, world_size=1)
-    forward = prefill = generations = 0
-    longest = 0
-    for instance in task.instances:
-        if instance.request_type == "generate_until":
-            context, options = instance.args[0], instance.args[1]
-            prefill += len(tokenizer(context)["input_ids"])
-            generations += 1
-            longest = max(longest, int(options.get("max_gen_toks", 256)))
-        else:  # loglikelihood (context, continuation), or a rolling loglikelihood over one text
-            forward += len(tokenizer("".join(instance.args))["input_ids"])
-    steps = math.ceil(generations / batch_size) * longest
-    return EvaluationWork(forward_tokens=forward, prefill_tokens=prefill, decode_steps=steps)
+    generations = [i for i in task.instances if i.request_type == "generate_until"]
+    # loglikelihood (context, continuation), or a rolling loglikelihood over one text: the whole text is read
+    scored = ["".join(i.args) for i in task.instances if i.request_type != "generate_until"]
+    longest = max((int(i.args[1].get("max_gen_toks", 256)) for i in generations), default=0)
+    return EvaluationWork(forward_tokens=_tokens(tokenizer, scored),
+                          prefill_tokens=_tokens(tokenizer, [i.args[0] for i in generations]),
+                          decode_steps=math.ceil(len(generations) / batch_size) * longest)
+
+
+def _tokens(tokenizer, texts: list[str]) -> int:
+    """Tokens of all `texts`, in one batched call (a fast tokenizer encodes them in parallel)."""
+    return sum(len(ids) for ids in tokenizer(texts)["input_ids"]) if texts else 0
 
 
 def _quiet() -> None:

@@ -57,10 +57,6 @@ class BenchmarkScore(BaseModel):
     higher_is_better: bool = True
     identity: str  # what the score depends on besides the weights: comparable only where it is equal
 
-    @property
-    def key(self) -> str:
-        return f"{self.task}/{self.metric}"
-
 
 class Metrics(BaseModel):
     examples: int
