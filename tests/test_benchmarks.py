@@ -9,7 +9,7 @@ from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import BenchmarkConfig, DataConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
 from phase1a.evaluate.gate import Baseline, BaselineError, gate
-from phase1a.evaluate.metrics import BenchmarkScore, Metrics
+from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork, Metrics
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 from tasks.validate import format_table, validate
@@ -126,3 +126,19 @@ def test_the_gate_holds_each_benchmark_to_its_tolerance():
     with pytest.raises(BaselineError, match=r"dates_choice/acc: the baseline \(file x\) has no value for it .*"
                                             r"validation.benchmarks\[0\].tolerance: null"):
         gate(metrics(0.6), Baseline(source="file x", metrics={"loss": 1.0}), settings)
+
+
+def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, split, date_tasks, tmp_path):
+    from tasks.plan import _Planner
+
+    def work(benchmarks, baseline="base"):
+        config = Phase1aConfig(data=DataConfig(source="unused"), model=ModelConfig(name_or_path=str(tiny_model_dir)),
+                               cache_dir=tmp_path / "cache", validation=ValidationConfig(
+                                   max_examples=8, benchmarks=benchmarks, baseline=baseline,
+                                   promote_to=str(tmp_path / "promoted")))
+        return _Planner(config, resolved(config), split)._validation_work()
+
+    one = sum((benchmark_work(load_benchmark(spec), make_tokenizer(), 16) for spec in specs(date_tasks)),
+              EvaluationWork())
+    assert work(specs(date_tasks)) == work([]) + one * 2  # the candidate and the base
+    assert work(specs(date_tasks), "promoted") == work([], "promoted") + one * 3  # and the promoted model
