@@ -142,3 +142,14 @@ def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, sp
               EvaluationWork())
     assert work(specs(date_tasks)) == work([]) + one * 2  # the candidate and the base
     assert work(specs(date_tasks), "promoted") == work([], "promoted") + one * 3  # and the promoted model
+
+
+def test_a_metric_the_task_does_not_report_is_named_with_the_ones_it_does(tiny_model_dir, date_tasks):
+    from transformers import AutoModelForCausalLM
+
+    from phase1a.evaluate.benchmarks import score_benchmark
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    spec = BenchmarkConfig(task=str(date_tasks["dates_choice"]), metric="f1", limit=2)
+    with pytest.raises(BenchmarkError, match=r"metric 'f1' is not one of its metrics \(acc,none\)"):
+        score_benchmark(model, make_tokenizer(), load_benchmark(spec), 4, "cpu/float32")
