@@ -233,6 +233,16 @@ def _outliers(outliers: Outliers | None) -> list[tuple[str, str]]:
                          f"examples size to {outliers.others_length:,} (the plan's profile decides)")]
 
 
+def _rows(plan) -> str:
+    """The packed rows training ran: exact, or padded to a few lengths, with padding's share."""
+    if plan.row_tokens is None:
+        return "-"
+    if not plan.row_lengths:
+        return f"exact, up to {plan.row_tokens:,} tokens"
+    return (f"padded to {', '.join(f'{n:,}' for n in plan.row_lengths)} tokens; padding "
+            f"{plan.padding_share:.1%} of the rows")
+
+
 def _plan(report: RunReport, results: _Results) -> list[str]:
     plan = results.plan
     if plan is None:
@@ -241,7 +251,9 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
             ("precision", f"{plan.precision} (base weights {plan.base_precision})"),
             ("optimizer, attention", f"{plan.optimizer}, {plan.attention}"),
             ("micro-batch x accumulation", f"{plan.micro_batch_size} x {plan.gradient_accumulation}"),
-            ("gradient checkpointing, compile", f"{plan.gradient_checkpointing}, {plan.compile}"),
+            ("gradient checkpointing, compile, CUDA graphs",
+             f"{plan.gradient_checkpointing}, {plan.compile}, {plan.cuda_graphs}"),
+            ("rows", _rows(plan)),
             ("dataloader workers", plan.dataloader_workers), ("max_seq_length", plan.max_seq_length),
             ("epochs, steps", f"{plan.epochs:g}, {plan.steps:,}"), ("train tokens", f"{plan.train_tokens:,}"),
             ("tokens/s", f"{plan.tokens_per_second:,.0f} ({plan.throughput_source})"),

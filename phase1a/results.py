@@ -77,6 +77,12 @@ class Plan(BaseModel):
     compile: bool
     dataloader_workers: int
     max_seq_length: int
+    cuda_graphs: bool = False  # each compiled layer replayed as a CUDA graph
+    # The packed rows training runs (phase1a/train/packing.py: RowShape): the most tokens a row holds, the lengths
+    # rows are padded to (None: exact rows, no padding), and padding's share of the rows' tokens.
+    row_tokens: int | None = None
+    row_lengths: list[int] | None = None
+    padding_share: float = 0.0
     model: ModelFacts
     trainable_parameters: int
     memory: MemoryEstimate
@@ -192,7 +198,8 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
         world_size=config.hardware.world_size,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-        compile=plan.compile, dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
+        compile=plan.compile, cuda_graphs=plan.cuda_graphs, dataloader_workers=plan.dataloader_workers,
+        max_seq_length=plan.max_seq_length,
         # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.
         tokens_per_second=result.train_tokens / max(
             result.wall_seconds - result.checkpoint_seconds - result.eval_seconds, 1e-9),

@@ -97,8 +97,9 @@ from phase1a.plan.options import (
 )
 from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from phase1a.results import Estimate, Plan
+from phase1a.train.distributed import World
 from phase1a.train.history import Remembered, RunRecord, history_path, pull_records, remembered
-from phase1a.train.packing import TokenRows
+from phase1a.train.packing import StepBatches, TokenRows, example_stream, static_rows, token_budget
 from tasks.caching import StageCache, task
 
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
@@ -294,7 +295,8 @@ class _Planner:
                                  f"{batch_size}")
             candidate = Candidate(micro_batch_size=policy.micro_batch_size,
                                   gradient_checkpointing=policy.gradient_checkpointing,
-                                  compile=bool(policy.compile), dataloader_workers=policy.dataloader_workers or 0)
+                                  compile=bool(policy.compile), cuda_graphs=bool(policy.compile and policy.cuda_graphs),
+                                  dataloader_workers=policy.dataloader_workers or 0)
         else:
             micro, checkpointing, _ = self.memory.choose(batch_size, max_seq_length)
             return Candidate(micro_batch_size=micro, gradient_checkpointing=checkpointing)
@@ -526,7 +528,9 @@ class _Planner:
             optimizer=self.method.optimizer, attention=self.attention, micro_batch_size=chosen.micro_batch_size,
             gradient_accumulation=self.method.batch_size // chosen.micro_batch_size,
             gradient_checkpointing=chosen.gradient_checkpointing, compile=chosen.compile,
+            cuda_graphs=chosen.cuda_graphs,
             dataloader_workers=chosen.dataloader_workers, max_seq_length=fit.max_seq_length, model=self.facts,
+            **self._rows(chosen, fit),
             trainable_parameters=self.memory.trainable, memory=memory,
             measured_peak_memory_gib=throughput.calibration.peak_memory_gib if throughput.calibration else None,
             flops_per_token=flops, tokens_per_second=1.0 / throughput.seconds_per_token,
@@ -543,6 +547,18 @@ class _Planner:
             checkpoint_interval=checkpoints.interval,
             interruptions=self._interruptions(throughput, checkpoints, fit, estimate),
         )
+
+    def _rows(self, chosen: Candidate, fit: _Fit) -> dict:
+        """The rows training will run (phase1a/train/packing.py): their shape on the target, padding's share."""
+        target = torch.device("cpu" if self.config.hardware.target == "cpu" else "cuda")
+        order, _ = example_stream(len(self.lengths), fit.epochs, self.method.seed)
+        batches = StepBatches(self.data.train_path, fit.max_seq_length, order, self.method.batch_size,
+                              token_budget(chosen.micro_batch_size, fit.max_seq_length),
+                              World(size=self.config.hardware.world_size),
+                              static=static_rows(target, chosen.compile))
+        shape = batches.shape
+        return {"row_tokens": shape.tokens, "row_lengths": shape.lengths() or None,
+                "padding_share": round(batches.padding_share(), 4)}
 
     def _interruptions(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit,
                        estimate: Estimate) -> InterruptionEstimate | None:
@@ -655,7 +671,8 @@ def _auto_note(interval: str, rule: IntervalRule, cost: CheckpointCost, rate: fl
 
 def _candidate_of(record: RunRecord) -> Candidate:
     return Candidate(micro_batch_size=record.micro_batch_size, gradient_checkpointing=record.gradient_checkpointing,
-                     compile=record.compile, dataloader_workers=record.dataloader_workers)
+                     compile=record.compile, cuda_graphs=record.cuda_graphs,
+                     dataloader_workers=record.dataloader_workers)
 
 
 def _history_note(past: Remembered, hardware: str) -> str:
@@ -724,7 +741,8 @@ def format_plan(plan: Plan) -> str:
              f"precision {plan.precision} (base {plan.base_precision}, optimizer {plan.optimizer}), attention "
              f"{plan.attention}, micro-batch "
              f"{plan.micro_batch_size} x accumulation {plan.gradient_accumulation}, gradient checkpointing "
-             f"{_on(plan.gradient_checkpointing)}, compile {_on(plan.compile)}, dataloader workers "
+             f"{_on(plan.gradient_checkpointing)}, compile {_on(plan.compile)}"
+             + (", CUDA graphs" if plan.cuda_graphs else "") + ", dataloader workers "
              f"{plan.dataloader_workers}, max_seq_length {plan.max_seq_length}",
              f"memory {plan.memory.total_gib:.2f} of {plan.memory.available_gib:.2f} GiB (model)"
              + (f", {plan.measured_peak_memory_gib:.2f} GiB measured" if plan.measured_peak_memory_gib else "")

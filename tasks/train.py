@@ -38,7 +38,7 @@ from phase1a.config.stores import open_store
 from phase1a.core import layout
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.fingerprint import hash_json
-from phase1a.core.hardware import detect
+from phase1a.core.hardware import detect, training_device
 from phase1a.core.locks import exclusive
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import MeterSettings, current_settings
@@ -66,10 +66,18 @@ from phase1a.train.checkpoints import (
 )
 from phase1a.train.history import history_path, share_record
 from phase1a.train.launch import Launch, LaunchError, launch_for, run_agents
-from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+from phase1a.train.packing import (
+    StepBatch,
+    StepBatches,
+    TokenRows,
+    example_stream,
+    static_rows,
+    step_loader,
+    token_budget,
+)
 from phase1a.train.preemption import Preempted, StopSignals
 from phase1a.train.progress import ProgressReporter, StepStats, Yardstick, append_event
-from phase1a.train.steps import optimizer_step
+from phase1a.train.steps import StepOutcome, optimizer_step
 from phase1a.train.train_store import CheckpointMirror, RemoteRun, job_prefix
 from tasks.caching import task
 
@@ -84,6 +92,8 @@ class TrainSettings(BaseModel):
     micro_batch_size: int  # a packed row's token budget, in examples of max_seq_length
     gradient_checkpointing: bool
     compile: bool = False
+    cuda_graphs: bool = False
+    compile_cache: str | None = None  # where compiled code is kept (the plan's calibration compiled into it)
     dataloader_workers: int = 0
     max_seq_length: int | None = None  # the plan's truncation, when it is shorter than the tokenized data
     checkpoint_interval: str = "30m"
@@ -171,7 +181,8 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
         model_dir=model.path, train_path=data.train_path, method=choices.method, max_seq_length=plan.max_seq_length,
         output_dir=str(output_dir), init_adapter=start.adapter_dir,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-        compile=plan.compile, dataloader_workers=plan.dataloader_workers,
+        compile=plan.compile, cuda_graphs=plan.cuda_graphs, compile_cache=str(config.cache_dir / layout.COMPILE_CACHE),
+        dataloader_workers=plan.dataloader_workers,
         checkpoint_interval=choices.interval, keep_last=config.checkpoint.keep_last,
         trust_remote_code=config.model.trust_remote_code, progress=config.progress,
         launch=launch_for(config.hardware, output_dir.name), strategy=config.hardware.strategy,
@@ -216,7 +227,7 @@ class _Progress:
         """`evaluated_at`: the step of the last evaluation before a resume, when the checkpoint says."""
         self.epochs_per_step = epochs_per_step  # the global batch over the training examples
         self.step, self.prior_seconds, self.tokens, self.loss, self.backoffs = start_step, prior_seconds, 0, None, 0
-        self.checkpoints, self.checkpoint_seconds, self.mfus = 0, 0.0, []
+        self.checkpoints, self.checkpoint_seconds = 0, 0.0
         self.stopped_at: int | None = None  # early stopping's step
         # A resume counts the steps to the next evaluation from the last one before it, not from itself: a step
         # cadence then evaluates at the steps an uninterrupted run does (resumed at 730, '500steps' still
@@ -252,6 +263,7 @@ class TrainRecipe:
         self.order, _ = example_stream(len(rows), self.method.epochs, self.method.seed)
         self.epochs_per_step = self.method.batch_size / len(rows)
         self.micro = settings.micro_batch_size
+        self.static_rows = static_rows(training_device(), settings.compile)
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy in ("fsdp", "hsdp") and self.world.size > 1
         evaluation = settings.evaluation
@@ -264,8 +276,10 @@ class TrainRecipe:
         settings, method = self.settings, self.method
         # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
         init_adapter = Path(settings.init_adapter) if settings.init_adapter else None
+        compile = settings.compile and not self.sharded
         model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
-                            settings.trust_remote_code, settings.compile and not self.sharded, init_adapter)
+                            settings.trust_remote_code, compile, init_adapter, settings.cuda_graphs and compile,
+                            Path(settings.compile_cache) if settings.compile_cache else None)
         if on_model is not None:
             on_model(model)
         self.model = distributed.wrap(model, self.world, settings.strategy)
@@ -310,7 +324,7 @@ class TrainRecipe:
     def _batches(self, micro_batch_size: int) -> StepBatches:
         settings, world = self.settings, self.world
         return StepBatches(settings.train_path, settings.max_seq_length, self.order, self.method.batch_size,
-                           token_budget(micro_batch_size, self.max_length), world)
+                           token_budget(micro_batch_size, self.max_length), world, self.static_rows)
 
     def _loader(self, from_step: int):
         return iter(step_loader(self._batches(self.micro), range(from_step, self.total_steps),
@@ -332,7 +346,7 @@ class TrainRecipe:
                 if outcome is None:  # out of memory: the same step again, in smaller rows
                     loader = self._loader(progress.step)
                     continue
-                self._record(*outcome)
+                self._record(outcome, step_batch.step_tokens)
                 if distributed.any_rank(stop.requested is not None, world):
                     path = self._checkpoint()
                     self.reporter.event("preempted", signal=stop.requested or "peer", step=progress.step,
@@ -380,8 +394,8 @@ class TrainRecipe:
                             best_eval_loss=evaluator.stopping.best_loss, patience=evaluator.settings.patience)
         return True
 
-    def _step(self, step_batch: dict, rng: torch.Tensor) -> tuple[float, int, float] | None:
-        """One optimizer step: (loss, tokens, grad norm), or None after an out-of-memory back-off."""
+    def _step(self, step_batch: StepBatch, rng: torch.Tensor) -> StepOutcome | None:
+        """One optimizer step (its loss and grad norm on the device), or None after an out-of-memory back-off."""
         try:
             return optimizer_step(self.model, self.optimizer, step_batch, self.world.size)
         except torch.OutOfMemoryError:
@@ -403,21 +417,20 @@ class TrainRecipe:
                                 token_budget=token_budget(self.micro, self.max_length))
             return None
 
-    def _record(self, loss: float, tokens: int, grad_norm: float) -> None:
+    def _record(self, outcome: StepOutcome, tokens: int) -> None:
+        """The step counted; its loss and grad norm stay on the device until the reporter reads them."""
         progress = self.progress
-        loss, tokens = distributed.step_totals(loss, tokens, self.world)  # the step's, not rank 0's share
+        loss = distributed.step_loss(outcome.loss, self.world)  # the step's, not rank 0's share
         self.scheduler.step()
         progress.step += 1
         progress.tokens += tokens
         progress.loss = loss
-        stats = StepStats(loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, tokens=tokens)
-        elapsed = time.perf_counter() - progress.started
-        record = self.reporter.step(progress.step, stats, elapsed, progress.prior_seconds)
-        if record.get("mfu") is not None:
-            progress.mfus.append(record["mfu"])
+        stats = StepStats(loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=outcome.grad_norm, tokens=tokens)
+        self.reporter.step(progress.step, stats, time.perf_counter() - progress.started, progress.prior_seconds)
 
     def _checkpoint(self) -> Path:
         progress, world = self.progress, self.world
+        self.reporter.flush()  # the curves a checkpoint carries end at its step
         began = time.perf_counter()
         root = self.output_dir / "checkpoints"
         path = root / f"step-{progress.step:08d}"
@@ -464,12 +477,13 @@ class TrainRecipe:
         result = TrainResult(
             adapter_dir=str(final_dir), output_dir=str(self.output_dir), steps=self.total_steps,
             resumed_from_step=self.resumed_from_step, reused_completed_run=False, wall_seconds=round(wall, 3),
-            train_tokens=tokens, tokens_per_second=round(tokens / max(wall, 1e-9), 2), final_loss=progress.loss,
+            train_tokens=tokens, tokens_per_second=round(tokens / max(wall, 1e-9), 2),
+            final_loss=None if progress.loss is None else float(progress.loss),
             checkpoints_written=progress.checkpoints, checkpoint_seconds=round(progress.checkpoint_seconds, 3),
             startup_seconds=round(self.startup, 3),
             checkpoint_share=round(progress.checkpoint_seconds / max(wall, 1e-9), 5), micro_batch_size=self.micro,
             out_of_memory_backoffs=progress.backoffs,
-            mean_mfu=significant(sum(progress.mfus) / len(progress.mfus)) if progress.mfus else None,
+            mean_mfu=significant(sum(mfus) / len(mfus)) if (mfus := self.reporter.mfus) else None,
             **self._evaluation_summary(),  # with early stopping: the best weights are put back into the model
         )
         weights = trainable_state_dict(self.model) if self.sharded else None  # every rank: FSDP gathers the shards

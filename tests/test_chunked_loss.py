@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
+import phase1a.model.attention  # noqa: F401  (registers varlen)
 from helpers import whole_logits_loss
 from phase1a.core.labels import IGNORE_INDEX
 from phase1a.model.chunked_loss import LogitTransform, linear_cross_entropy
@@ -78,9 +78,9 @@ def test_a_loaded_model_trains_on_the_same_loss_and_gradients(tiny_model_dir, ro
     """A packed row of 600 tokens in chunks of 128: the loss and every trainable gradient as from whole logits."""
     import phase1a.model.chunked_loss
 
-    monkeypatch.setattr(phase1a.model.chunked_loss, "CHUNK_TOKENS", 128)
+    monkeypatch.setattr(phase1a.model.chunked_loss, "chunk_rows", lambda vocab: 128)
     torch.manual_seed(0)
-    model = load_model(tiny_model_dir, torch.float32, attention="sdpa_packed")
+    model = load_model(tiny_model_dir, torch.float32, attention="varlen")
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 

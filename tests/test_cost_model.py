@@ -15,7 +15,7 @@ from phase1a.model.cost_model import (
     lora_parameters,
     model_facts,
 )
-from phase1a.train.packing import summed_loss
+from phase1a.train.packing import PackedRow, summed_loss
 
 LORA = TrainingShape(weight_bytes=2)
 FULL = TrainingShape(full=True, weight_bytes=2)
@@ -101,7 +101,7 @@ def test_flops_per_token():
     assert flops_per_token(FACTS_8B, True, True, 0) == 8 * n
 
 
-@pytest.mark.parametrize("attention", ["sdpa_packed", "sdpa"])
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_memory_model_against_the_measured_peak(checkpointing, attention):
     """A LoRA step's forward and backward on one packed row of 1024 tokens (fp32, as on CPU): the model's
@@ -110,7 +110,7 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
+    import phase1a.model.attention  # noqa: F401  (registers varlen)
     from phase1a.model import chunked_loss
     from phase1a.model.build import set_gradient_checkpointing
 
@@ -125,10 +125,12 @@ def test_activation_memory_model_against_the_measured_peak(checkpointing, attent
     tokens = 1024
     ids = torch.randint(0, shape.vocab_size, (1, tokens))
     positions = torch.cat([torch.arange(600), torch.arange(tokens - 600)])[None]  # two packed examples
-    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    batch = PackedRow(input_ids=ids, labels=ids, position_ids=positions,
+                      cu_seqlens=torch.tensor([0, 600, tokens], dtype=torch.int32), max_seqlen=600, tokens=tokens,
+                      supervised=tokens - 1)
 
     def step():
-        loss, _, _ = summed_loss(model, batch)
+        loss, _ = summed_loss(model, batch)
         loss.backward()
 
     step()  # first call: lazy initialisation stays out of the measurement

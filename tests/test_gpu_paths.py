@@ -1,5 +1,6 @@
-"""The GPU paths on a CUDA device: packed rows in bf16 under each attention implementation the plan can pick, the
-4-bit (NF4) base, the 8-bit optimizer, torch.compile, NVML utilisation and the train stage itself. Every test
+"""The GPU paths on a CUDA device: packed rows in bf16 under each attention implementation the plan can pick, a
+training step that never waits for the device, compiled layers and CUDA graphs, the 4-bit (NF4) base, the 8-bit
+optimizer, NVML utilisation and the train stage itself. Every test
 here skips without CUDA; `make gpu-check` runs them (with test_speedups.py's CUDA tests) as `pytest -m gpu`.
 
 Tolerances are bf16's: 8 bits of mantissa, so sums of a few hundred terms agree to about 1e-2 relative.
@@ -14,7 +15,8 @@ import torch
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.model.build import build_model, make_optimizer
-from phase1a.train.packing import TokenRows, pack, summed_loss
+from phase1a.train.packing import StepBatches, TokenRows, example_stream, pack, summed_loss, token_budget
+from phase1a.train.steps import optimizer_step
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 
@@ -34,40 +36,74 @@ def train_path(tmp_path_factory) -> str:
     return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
-def _on_cuda(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.cuda() for k, v in batch.items()}
+def _on_cuda(row):
+    return row.to("cuda")
 
 
 def _step(model, optimizer, batch) -> float:
-    loss, _, tokens = summed_loss(model, batch)
-    (loss / tokens).backward()
+    loss, _ = summed_loss(model, batch)
+    (loss / batch.supervised).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item() / tokens
+    return loss.item() / batch.supervised
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "sdpa_packed",
+def _static_steps(train_path: str, count: int) -> list:
+    """The first `count` steps of 8 examples in static rows, as training on a GPU packs them."""
+    order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
+    batches = StepBatches(train_path, 256, order, 8, token_budget(4, 256), static=True)
+    return [batches[k] for k in range(count)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "varlen",
                                        pytest.param("flash_attention_2", marks=_needs("flash_attn"))])
 def test_packed_loss_equals_per_example_loss_in_bf16(tiny_model_dir, train_path, attention):
     """Packed rows stop at example boundaries under the implementation training runs: SDPA's block-diagonal mask,
-    SDPA once per example (its flash kernel), FlashAttention's varlen kernel (cumulative lengths from the
-    restarting position_ids)."""
+    varlen (FlashAttention 2's varlen kernel, one call a layer, in a static row with padding segments),
+    flash-attn's own kernel."""
     model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False).eval()
     assert model.config._attn_implementation == attention and next(model.parameters()).dtype == torch.bfloat16
-    rows, indices = TokenRows.load(train_path), np.arange(8)
+    rows = TokenRows.load(train_path)
+    order, _ = example_stream(len(rows), 1.0, seed=0)
+    step = _static_steps(train_path, 1)[0]  # the first step's 8 examples, in static rows
+    assert step.padded_tokens > step.tokens
     with torch.no_grad():
-        packed, correct, tokens = summed_loss(model, _on_cuda(pack(rows, indices)))
-        alone = [summed_loss(model, _on_cuda(pack(rows, np.array([i])))) for i in indices]
-    assert tokens == sum(t for _, _, t in alone)
-    assert packed.item() == pytest.approx(sum(loss.item() for loss, _, _ in alone), rel=BF16)
+        packed = sum(summed_loss(model, _on_cuda(row))[0].item() for row in step.micro_batches)
+        exact = summed_loss(model, _on_cuda(pack(rows, order[:8])))[0].item()
+        alone = sum(summed_loss(model, _on_cuda(pack(rows, order[i:i + 1])))[0].item() for i in range(8))
+    assert packed == pytest.approx(alone, rel=BF16) and exact == pytest.approx(alone, rel=BF16)
 
 
-def test_compile_on_cuda_leaves_the_packed_loss_unchanged(tiny_model_dir, train_path):
-    batch = _on_cuda(pack(TokenRows.load(train_path), np.arange(6)))
-    eager = build_model(tiny_model_dir, METHOD, False)
-    compiled = build_model(tiny_model_dir, METHOD, False, compile=True)
-    with torch.no_grad():
-        assert summed_loss(compiled, batch)[0].item() == pytest.approx(summed_loss(eager, batch)[0].item(), rel=BF16)
+def test_a_training_step_never_waits_for_the_device(tiny_model_dir, train_path):
+    """Every micro-batch's forward and backward and the update, under CUDA's sync debug mode set to error: a host
+    read of a device value inside the step raises. The progress reads the numbers after, once."""
+    model = build_model(tiny_model_dir, METHOD, False)
+    model.train()
+    optimizer = make_optimizer(model, METHOD)
+    steps = _static_steps(train_path, 3)
+    optimizer_step(model, optimizer, steps[0])  # first-call set-up (cuBLAS handles, allocator) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outcomes = [optimizer_step(model, optimizer, step) for step in steps[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(np.isfinite([o.loss.item() for o in outcomes]))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_compiled_layers_and_cuda_graphs_leave_the_loss_unchanged(tiny_model_dir, train_path, cuda_graphs):
+    """Three optimizer steps of static rows: compiled layers (and each replayed as a CUDA graph) follow the eager
+    model's losses within bf16 noise."""
+    steps = _static_steps(train_path, 3)
+    curves = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = build_model(tiny_model_dir, METHOD, False, compile=compile, cuda_graphs=cuda_graphs and compile)
+        model.train()
+        optimizer = make_optimizer(model, METHOD)
+        curves.append([optimizer_step(model, optimizer, step).loss.item() for step in steps])
+    assert curves[1] == pytest.approx(curves[0], rel=BF16)
 
 
 @_needs("bitsandbytes")

@@ -3,7 +3,18 @@ import pytest
 import torch
 
 from phase1a.model.loading import load_model
-from phase1a.train.packing import IGNORE_INDEX, TokenRows, budget_rows, example_stream, pack, step_indices, summed_loss
+from phase1a.train.packing import (
+    BUCKETS,
+    IGNORE_INDEX,
+    RowShape,
+    StepBatches,
+    TokenRows,
+    budget_rows,
+    example_stream,
+    pack,
+    step_indices,
+    summed_loss,
+)
 
 
 @pytest.fixture(scope="module")
@@ -15,27 +26,79 @@ def rows() -> TokenRows:
     return TokenRows(np.concatenate(ids), np.concatenate(labels), np.concatenate([[0], np.cumsum(lengths)]))
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "sdpa_packed", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "varlen", "eager"])
 def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
     """Every CPU attention the plan can pick keeps a packed row's examples apart (FlashAttention 2 on CUDA:
     test_gpu_paths.py)."""
-    import phase1a.model.attention  # noqa: F401  (registers sdpa_packed)
+    import phase1a.model.attention  # noqa: F401  (registers varlen)
 
     model = load_model(tiny_model_dir, torch.float32, attention=attention).eval()
     indices = np.arange(len(rows))
+    static = RowShape.of(128, 30, len(rows), static=True, step_tokens=73)
+    packed_rows = [pack(rows, indices), pack(rows, indices, static)]  # exact, and padded to a static shape
     with torch.no_grad():
-        packed_loss, packed_correct, packed_tokens = summed_loss(model, pack(rows, indices))
-        alone = [summed_loss(model, pack(rows, np.array([i]))) for i in indices]
-    assert packed_tokens == sum(t for _, _, t in alone) == rows.supervised_tokens(indices)
-    assert int(packed_correct) == sum(int(c) for _, c, _ in alone)
-    assert abs(packed_loss.item() - sum(loss.item() for loss, _, _ in alone)) <= 1e-5 * packed_tokens
+        packed = [summed_loss(model, row) for row in packed_rows]
+        alone = [pack(rows, np.array([i])) for i in indices]
+        alone_losses = [summed_loss(model, row) for row in alone]
+    tokens = sum(row.supervised for row in alone)
+    assert [row.supervised for row in packed_rows] == [tokens, tokens] and tokens == rows.supervised_tokens(indices)
+    for loss, correct in packed:
+        assert int(correct) == sum(int(c) for _, c in alone_losses)
+        assert abs(loss.item() - sum(loss.item() for loss, _ in alone_losses)) <= 1e-5 * tokens
 
 
 def test_pack_masks_boundaries_and_restarts_positions(rows):
-    batch = pack(rows, np.array([1, 0]))
-    assert batch["input_ids"].shape == (1, 22)
-    assert batch["position_ids"][0, 17].item() == 0 and batch["position_ids"][0, 16].item() == 16
-    assert batch["labels"][0, 0].item() == IGNORE_INDEX and batch["labels"][0, 17].item() == IGNORE_INDEX
+    row = pack(rows, np.array([1, 0]))
+    assert row.input_ids.shape == (1, 22) and row.tokens == 22 and row.max_seqlen == 17
+    assert row.position_ids[0, 17].item() == 0 and row.position_ids[0, 16].item() == 16
+    assert row.labels[0, 0].item() == IGNORE_INDEX and row.labels[0, 17].item() == IGNORE_INDEX
+    assert row.cu_seqlens.tolist() == [0, 17, 22] and row.cu_seqlens.dtype == torch.int32
+
+
+def test_a_static_row_pads_with_unlabelled_segments_to_one_of_its_lengths(rows):
+    """73 tokens in a shape of 128 (granule 64, segments of at most 30): padded to 128 with 55 unlabelled tokens
+    in segments of 30 and 25 whose positions restart, then one zero-length slot."""
+    shape = RowShape.of(128, 30, 5, static=True, step_tokens=73)
+    assert (shape.tokens, shape.granule, shape.capacity, shape.max_seqlen) == (128, 64, 8, 30)
+    assert shape.lengths() == [64, 128]
+    row = pack(rows, np.arange(5), shape)
+    assert row.length == 128 and row.tokens == 73 and row.max_seqlen == 30
+    assert row.cu_seqlens.tolist() == [0, 5, 22, 31, 61, 73, 103, 128, 128]
+    assert (row.labels[0, 73:] == IGNORE_INDEX).all() and row.position_ids[0, 103].item() == 0
+    assert row.supervised == rows.supervised_tokens(np.arange(5))
+    with pytest.raises(ValueError, match="exceed the row shape"):
+        pack(rows, np.arange(5), RowShape.of(64, 30, 5, static=True))
+
+
+def test_every_micro_batch_of_an_epoch_has_one_of_a_few_shapes(tmp_path):
+    """300 examples of 3 to 60 tokens, batches of 16, rows of at most 4 examples of 60 tokens: every row of the
+    epoch has one of the static lengths (at most BUCKETS), the same cu_seqlens shape, and boundaries that rise from 0
+    to the row's length; the examples' tokens and their supervised targets are those of the data."""
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 61, 300)
+    ids = [rng.integers(5, 300, n).tolist() for n in lengths]
+    labels = [[IGNORE_INDEX] * (len(x) // 2) + x[len(x) // 2:] for x in ids]
+    path = tmp_path / "train.arrow"
+    feather.write_feather(pa.table({"input_ids": ids, "labels": labels}), path, compression="uncompressed")
+    order, _ = example_stream(300, 1.0, seed=0)
+    batches = StepBatches(path, None, order, 16, token_budget=4 * 60, static=True)
+    shapes, seen = set(), 0
+    for step in range(len(batches)):
+        batch = batches[step]
+        for row in batch.micro_batches:
+            shapes.add((tuple(row.input_ids.shape), tuple(row.cu_seqlens.shape)))
+            bounds = row.cu_seqlens.numpy()
+            assert row.cu_seqlens.dtype == torch.int32 and bounds[0] == 0 and bounds[-1] == row.length
+            assert (np.diff(bounds) >= 0).all() and (row.labels[0, row.tokens:] == IGNORE_INDEX).all()
+        seen += batch.tokens
+        assert batch.step_tokens == batch.tokens  # one rank: the step is its rows
+    assert seen == lengths.sum()
+    assert len(shapes) <= BUCKETS and len({cu for _, cu in shapes}) == 1
+    assert {length for (_, length), _ in shapes} <= set(batches.shape.lengths())
+    assert 0 < batches.padding_share() < 0.25
 
 
 def test_example_stream_is_deterministic_and_spans_epochs():

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from phase1a.core.meter import MeterSettings
 from phase1a.train.progress import ProgressReporter, StepStats, Yardstick
@@ -9,13 +10,15 @@ from phase1a.train.progress import ProgressReporter, StepStats, Yardstick
 
 def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
     yardstick = Yardstick(model_flops_per_token=1e9, peak_flops=1e12, planned_seconds=100.0)
-    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick)
-    first = reporter.step(3, StepStats(loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000), elapsed=4.0, prior_seconds=50.0)
+    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick, read_every=0)
+    (first,) = reporter.step(3, StepStats(loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000), elapsed=4.0,
+                             prior_seconds=50.0)
     # 1000 tokens in 4 s: 250 tokens/s x 1 GFLOP = 0.25 TFLOP/s of a 1 TFLOP/s peak.
     assert first["mfu"] == pytest.approx(0.25) and first["tokens_per_s"] == pytest.approx(250.0)
     assert first["remaining_s"] == pytest.approx(7 * 4.0)  # seven steps left at four seconds a step
     assert first["projected_s"] == pytest.approx(50 + 4 + 28) and first["on_track"] is True
-    late = reporter.step(4, StepStats(loss=1.5, lr=1e-3, grad_norm=0.4, tokens=1000), elapsed=40.0, prior_seconds=50.0)
+    (late,) = reporter.step(4, StepStats(loss=1.5, lr=1e-3, grad_norm=0.4, tokens=1000), elapsed=40.0,
+                            prior_seconds=50.0)
     assert late["on_track"] is False  # 90 s projected past the plan's 100 s + 10 %
     reporter.event("out_of_memory", step=5, micro_batch_size=2)
     reporter.close()
@@ -33,8 +36,8 @@ def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    reporter = ProgressReporter(tmp_path, 4, 0, display=MeterSettings(), enabled=False)
-    record = reporter.step(1, StepStats(loss=1.0, lr=0.1, grad_norm=1.0, tokens=10), elapsed=1.0)
+    reporter = ProgressReporter(tmp_path, 4, 0, display=MeterSettings(), enabled=False, read_every=0)
+    (record,) = reporter.step(1, StepStats(loss=1.0, lr=0.1, grad_norm=1.0, tokens=10), elapsed=1.0)
     reporter.event("resumed", from_step=0)
     reporter.close()
     assert record["mfu"] is None and record["on_track"] is None and list(tmp_path.iterdir()) == []
@@ -45,7 +48,7 @@ def test_without_a_terminal_training_logs_lines_not_bar_frames(tmp_path, capsys)
     evaluation's and event's, never a tqdm frame."""
     now = [0.0]
     display = MeterSettings(display="lines", interval_seconds=8.0, clock=lambda: now[0])
-    reporter = ProgressReporter(tmp_path, total_steps=4, start_step=0, display=display)
+    reporter = ProgressReporter(tmp_path, total_steps=4, start_step=0, display=display, read_every=0)
     for step in range(1, 5):
         now[0] = 4.0 * step  # steps 1 (the first), 3 (8 s after it) and 4 (the last) are due
         reporter.step(step, StepStats(loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens=100), elapsed=2.0 * step)
@@ -61,3 +64,25 @@ def test_without_a_terminal_training_logs_lines_not_bar_frames(tmp_path, capsys)
         "eval at step 4: loss 0.5000, token accuracy 0.7500 on 8 examples in 0.2 s (best)",
         "resumed: from_step=2",
     ]
+
+
+def test_device_numbers_are_read_once_per_read_not_once_per_step(tmp_path, monkeypatch):
+    """Steps hand their loss and grad norm over as tensors; nothing is read (nor written) until a read is due, then
+    every pending step's numbers come back in one transfer, each step keeping its own record."""
+    import phase1a.train.progress as progress
+
+    reads = []
+    plain = progress._read
+    monkeypatch.setattr(progress, "_read", lambda values: reads.append(len(values)) or plain(values))
+    reporter = ProgressReporter(tmp_path, total_steps=5, start_step=0, read_every=3600.0)
+    for step in range(1, 5):
+        written = reporter.step(step, StepStats(loss=torch.tensor(1.0 / step), lr=1e-3,
+                                                grad_norm=torch.tensor(0.5), tokens=10), elapsed=float(step))
+        assert written == []
+    assert reads == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+    last = reporter.step(5, StepStats(loss=torch.tensor(0.2), lr=1e-3, grad_norm=torch.tensor(0.5), tokens=10),
+                         elapsed=5.0)  # the last step reads
+    assert reads == [10] and [r["step"] for r in last] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in last] == pytest.approx([1.0, 0.5, 1 / 3, 0.25, 0.2])
+    reporter.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5

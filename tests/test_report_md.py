@@ -75,7 +75,7 @@ def _plan(plan: Plan) -> Plan:
     footing = plan.calibration.footing.model_copy(update={"words": "2 measured steps, ±14%"})
     return plan.model_copy(update=dict(
         profile="balanced", target="cpu", detected="CPU (2 cores)", precision="float32", base_precision="16bit",
-        optimizer="adamw_fused", attention="sdpa_packed", micro_batch_size=8, gradient_accumulation=2,
+        optimizer="adamw_fused", attention="varlen", micro_batch_size=8, gradient_accumulation=2,
         gradient_checkpointing=False, compile=False, dataloader_workers=0, max_seq_length=64, epochs=1.0, steps=30,
         train_tokens=26_880, tokens_per_second=900.0, throughput_source="measured", estimated_train_seconds=31.0,
         estimated_total_seconds=45.0, estimated_cost_usd=None, window_seconds=None, fits_in_window=None,

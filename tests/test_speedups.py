@@ -15,8 +15,17 @@ import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
-from phase1a.model.build import build_model, make_optimizer, set_gradient_checkpointing
-from phase1a.train.packing import StepBatches, TokenRows, example_stream, pack, step_loader, summed_loss
+from phase1a.model.build import build_model, compile_layers, make_optimizer, set_gradient_checkpointing
+from phase1a.train.packing import (
+    PackedRow,
+    RowShape,
+    StepBatches,
+    TokenRows,
+    example_stream,
+    pack,
+    step_loader,
+    summed_loss,
+)
 from phase1a.train.steps import train_step
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -30,14 +39,14 @@ def train_path(tmp_path_factory) -> str:
     return tokenize_dataset(data, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp").train_path
 
 
-def packed_batch(train_path: str, count: int = 6) -> dict[str, torch.Tensor]:
+def packed_batch(train_path: str, count: int = 6, start: int = 0, shape: RowShape | None = None) -> PackedRow:
     rows = TokenRows.load(train_path)
-    return pack(rows, torch.arange(count).numpy())
+    return pack(rows, torch.arange(start, start + count).numpy(), shape)
 
 
-def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+def loss_and_grads(model, batch: PackedRow) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss, _, _ = summed_loss(model, batch)
+    loss, _ = summed_loss(model, batch)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     return loss.item(), grads
@@ -61,31 +70,93 @@ def test_gradient_checkpointing_leaves_loss_and_gradients_unchanged(tiny_model_d
 
 
 @pytest.mark.slow
-def test_torch_compile_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
-    """Compiled in place with dynamic shapes, as training does; packed rows keep their block-diagonal mask."""
+def test_compiled_layers_leave_loss_and_gradients_unchanged_without_breaks_or_recompiles(tiny_model_dir, train_path):
+    """Each decoder layer compiled whole (`fullgraph=True`: a graph break is an error) on static rows, as training
+    compiles them: the loss and gradients of eager, over 5 steps of different examples with one compilation per
+    row length and none after, and the state-dict keys of the eager model."""
+    from torch._dynamo.utils import counters
+
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
     model.train()
-    batch = packed_batch(train_path)
-    eager = loss_and_grads(model, batch)
     compiled = copy.deepcopy(model)
-    compiled.compile(dynamic=True)
-    assert_same(eager, loss_and_grads(compiled, batch), tolerance=1e-5)
-    shorter = packed_batch(train_path, count=3)  # another length: no recompilation, same numbers
-    assert_same(loss_and_grads(model, shorter), loss_and_grads(compiled, shorter), tolerance=1e-5)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(compiled)
+    shape = RowShape.of(512, 64, 8, static=True, step_tokens=512)
+    batches = [packed_batch(train_path, count=count, start=6 * k, shape=shape)
+               for k, count in enumerate([6, 2, 6, 3, 5])]
+    lengths = {batch.length for batch in batches}
+    assert len(lengths) > 1
+    for batch in batches:
+        assert_same(loss_and_grads(model, batch), loss_and_grads(compiled, batch), tolerance=1e-5)
+    # A graph a row length for the first layer (its input needs no gradient: the embeddings are frozen) and one
+    # the other layers share.
+    assert counters["stats"]["unique_graphs"] <= 2 * len(lengths)
+    assert sum(counters["graph_break"].values()) == 0
+    frames = counters["stats"]["calls_captured"]
+    for batch in batches:  # a second pass over the same shapes compiles nothing more
+        loss_and_grads(compiled, batch)
+    assert counters["stats"]["calls_captured"] == frames
     assert list(compiled.state_dict()) == list(model.state_dict())  # checkpoints keep their keys
 
 
-def test_per_example_attention_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
-    """sdpa_packed (SDPA once per example) against SDPA's block-diagonal mask over the whole row."""
+def test_varlen_attention_leaves_loss_and_gradients_unchanged(tiny_model_dir, train_path):
+    """varlen (one op a layer over the row's boundaries) against SDPA's block-diagonal mask over the whole row."""
     batch = packed_batch(train_path)
     results = []
-    for attention in ("sdpa", "sdpa_packed"):
+    for attention in ("sdpa", "varlen"):
         torch.manual_seed(0)  # the same LoRA initialisation for both
         model = build_model(tiny_model_dir, METHOD.model_copy(update={"attention": attention}), False)
         model.train()
         assert model.config._attn_implementation == attention
         results.append(loss_and_grads(model, batch))
     assert_same(*results, tolerance=1e-5)
+
+
+def test_bf16_adapters_compute_without_float32_activation_copies(tiny_model_dir, train_path):
+    """A bf16 base (as on a GPU): adapters with float32 weights computing in bf16 under autocast (build_model's
+    choice there) against peft's default, which casts each adapted projection's input to float32: the same loss
+    and gradients within bf16 noise, without those activation-sized float32 copies."""
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from phase1a.model import chunked_loss
+    from phase1a.model.build import adapters_compute_in_input_dtype
+    from phase1a.model.loading import load_model
+
+    batch = packed_batch(train_path, count=8)
+    activation = batch.length * 64  # the tiny model's hidden size
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor)
+                    and out.dtype == torch.float32 and out.numel() >= activation):
+                self.count += 1
+            return out
+
+    results, copies = [], []
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        model = load_model(tiny_model_dir, torch.bfloat16, attention="varlen")
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))
+        if autocast:
+            chunked_loss.install(model.get_base_model(), autocast=torch.bfloat16)
+            adapters_compute_in_input_dtype(model)
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # the master weights
+        with Copies() as counter:
+            results.append(loss_and_grads(model, batch))
+        copies.append(counter.count)
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-2)
+    for name, grad in grads_a.items():  # bf16 keeps 8 bits: each gradient within 2 % of its own size
+        assert (grads_b[name] - grad).norm() <= 2e-2 * grad.norm(), name
+    # peft's default copies at least one activation to float32 at each of the 6 adapted projections (2 layers x 3);
+    # what is left in bf16 is the base's own (its norms compute in float32).
+    assert copies[0] - copies[1] >= 2 * 3
 
 
 def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, train_path):
@@ -111,13 +182,14 @@ def test_dataloader_workers_deliver_the_same_steps(train_path):
     inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
     workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
     assert len(inline) == len(workers) == len(batches) - 2
-    rows = inline[0]["micro_batches"]
-    assert len(rows) > 1 and all(row["input_ids"].numel() <= 100 for row in rows)  # the budget splits the step
+    rows = inline[0].micro_batches
+    assert len(rows) > 1 and all(row.length <= 100 for row in rows)  # the budget splits the step
     for a, b in zip(inline, workers):
-        assert a["supervised"] == b["supervised"] and len(a["micro_batches"]) == len(b["micro_batches"]) >= 1
-        for micro_a, micro_b in zip(a["micro_batches"], b["micro_batches"]):
-            for key in micro_a:
-                assert torch.equal(micro_a[key], micro_b[key])
+        assert a.supervised == b.supervised and len(a.micro_batches) == len(b.micro_batches) >= 1
+        for micro_a, micro_b in zip(a.micro_batches, b.micro_batches):
+            assert micro_a.tokens == micro_b.tokens and micro_a.max_seqlen == micro_b.max_seqlen
+            for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+                assert torch.equal(getattr(micro_a, name), getattr(micro_b, name))
 
 
 @pytest.mark.slow
@@ -144,40 +216,38 @@ def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, 
     """The loader's step, normalised over its supervised tokens, is the mean loss of its examples' tokens."""
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
     order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
-    step = StepBatches(train_path, None, order, 8, token_budget=120)[0]
-    loss, tokens = train_step(model, step["micro_batches"], step["supervised"])
-    with torch.no_grad():
-        whole = pack(TokenRows.load(train_path), order[:8])
-        summed, _, supervised = summed_loss(model, whole)
-    assert supervised == step["supervised"] and tokens == whole["input_ids"].numel()
-    assert loss == pytest.approx(summed.item() / supervised, rel=1e-5)
+    for static in (False, True):
+        step = StepBatches(train_path, None, order, 8, token_budget=120, static=static)[0]
+        loss = train_step(model, step)
+        with torch.no_grad():
+            whole = pack(TokenRows.load(train_path), order[:8])
+            summed, _ = summed_loss(model, whole)
+        assert whole.supervised == step.supervised and step.tokens == whole.tokens == step.step_tokens
+        assert (step.padded_tokens > step.tokens) == static
+        assert loss.item() == pytest.approx(summed.item() / whole.supervised, rel=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: TF32 exists on NVIDIA GPUs only")
 def test_tf32_matmuls_stay_within_bf16_noise(tiny_model_dir, train_path):
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False).float()
-    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
+    batch = packed_batch(train_path).to("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     exact = loss_and_grads(model, batch)
     torch.backends.cuda.matmul.allow_tf32 = True
     assert_same(exact, loss_and_grads(model, batch), tolerance=1e-2)  # TF32 keeps 10 mantissa bits, as bf16 does 7
 
 
-def test_attention_auto_takes_flash_attention_only_where_its_kernel_runs(tmp_path, monkeypatch):
+def test_attention_auto_is_varlen_everywhere_and_the_old_name_means_it():
     from phase1a.model.build import attention_implementation
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    without = MethodConfig()
-    if importlib.util.find_spec("flash_attn") is None:
-        assert attention_implementation(without, cuda, torch.bfloat16) == "sdpa_packed"
-    (tmp_path / "flash_attn").mkdir()  # an installed flash-attn, as far as an import lookup can tell
-    (tmp_path / "flash_attn" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert attention_implementation(without, cuda, torch.bfloat16) == "flash_attention_2"
-    assert attention_implementation(without, cuda, torch.float32) == "sdpa_packed"  # its kernels are 16-bit only
-    assert attention_implementation(without, cpu, torch.float32) == "sdpa_packed"
+    for method in (MethodConfig(), MethodConfig(attention="sdpa_packed")):
+        assert attention_implementation(method, cuda, torch.bfloat16) == "varlen"
+        assert attention_implementation(method, cpu, torch.float32) == "varlen"
     assert attention_implementation(MethodConfig(attention="sdpa"), cuda, torch.bfloat16) == "sdpa"
+    flash = MethodConfig(attention="flash_attention_2")
+    assert attention_implementation(flash, cuda, torch.bfloat16) == "flash_attention_2"
 
 
 def _needs(package: str):
@@ -190,7 +260,7 @@ def _needs(package: str):
     pytest.param("liger", "off", "on", marks=_needs("liger_kernel")),
 ])
 def test_optional_cuda_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, train_path, knob, off, on):
-    batch = {k: v.cuda() for k, v in packed_batch(train_path).items()}
+    batch = packed_batch(train_path).to("cuda")
     results = []
     for setting in (off, on):
         torch.manual_seed(0)  # the same LoRA initialisation for both

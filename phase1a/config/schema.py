@@ -159,12 +159,14 @@ class MethodConfig(_Section):
     base_precision: Literal["16bit", "4bit"] = Field(
         "16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
     liger: Literal["auto", "on", "off"] = Field(
-        "auto", description="Liger kernels on CUDA (RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy "
-                            "while training): auto uses them when installed.")
-    attention: Literal["auto", "sdpa_packed", "sdpa", "flash_attention_2"] = Field(
-        "auto", description="auto: FlashAttention's varlen kernel on CUDA in 16-bit when flash-attn is installed, "
-                            "else sdpa_packed (SDPA once per packed example, phase1a/model/attention.py); sdpa: one "
-                            "block-diagonal mask over the whole row.")
+        "auto", description="Liger kernels on CUDA (RMSNorm, RoPE, SwiGLU): auto uses them when installed; on also "
+                            "takes Liger's fused linear cross-entropy for the loss, which reads the device once a "
+                            "micro-batch (the default loss reads nothing).")
+    attention: Literal["auto", "varlen", "sdpa_packed", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto and varlen: one attention call a layer over the packed examples' boundaries "
+                            "(phase1a/model/attention.py; FlashAttention 2's varlen kernel on a GPU); sdpa_packed: "
+                            "the old name of varlen; flash_attention_2: the flash-attn package's kernel; sdpa and "
+                            "eager: one block-diagonal mask over the whole row (the square of its length).")
     init_from: str = Field("base", min_length=1, description=(
         "Where the trainable weights start. base: fresh adapters on the base model; promoted: the adapter that "
         "`validation.promote_to`'s pointer names (nothing promoted yet: base, said in the report's lineage); or a "
@@ -283,12 +285,15 @@ class PlanConfig(_Section):
         "custom profile only, required there: examples per packed row; must divide method.batch_size."))
     gradient_checkpointing: bool | None = Field(None, description=(
         "custom profile only, required there: recompute activations in the backward pass instead of keeping them."))
-    compile: bool | None = Field(None, description="custom profile only: torch.compile the model.")
+    compile: bool | None = Field(None, description=(
+        "custom profile only: torch.compile each decoder layer (whole-graph, on static rows)."))
+    cuda_graphs: bool | None = Field(None, description=(
+        "custom profile only, with compile on CUDA: replay each compiled layer as a CUDA graph."))
     dataloader_workers: int | None = Field(None, ge=0, description="custom profile only: DataLoader worker processes.")
-    sweep: list[Literal["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"]] = Field(
-        ["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile"],
+    sweep: list[Literal["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile", "cuda_graphs"]] = (
+        Field(["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile", "cuda_graphs"],
         description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global "
-                    "batch.")
+                    "batch; cuda_graphs only on CUDA, after compile."))
     calibration_budget: Duration = Field("10m", description=(
         "Most wall time calibration may spend: loading the model, the trials, and timing a checkpoint and "
         "validation. Steps that do not fit are shortened; the plan says what a whole measurement needs."))

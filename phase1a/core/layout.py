@@ -7,6 +7,9 @@ REPORT_MD = "report.md"
 PLAN_JSON = "plan.json"
 CANDIDATE_METRICS = "candidate_metrics.json"  # usable as another run's validation.baseline_file
 
+# A cache directory (cache_dir)
+COMPILE_CACHE = "compile"  # torch.compile's code: the plan's calibration compiles it, the train stage reuses it
+
 # A training directory
 METRICS = "metrics.jsonl"  # a line per optimizer step: loss, lr, grad norm, tokens/s, MFU, memory
 EVALUATIONS = "eval.jsonl"  # a line per evaluation during training

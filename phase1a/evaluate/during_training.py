@@ -119,16 +119,16 @@ class EarlyStopping:
 
 @contextmanager
 def evaluating(model: torch.nn.Module):
-    """Eval mode, uncompiled, and on exit train mode (as it was), compilation and the RNG states as they were."""
-    training, compiled = model.training, getattr(model, "_compiled_call_impl", None)
+    """Eval mode, uncompiled (compiled layers run eagerly: evaluation's rows have shapes of their own), and on exit
+    train mode (as it was), compilation and the RNG states as they were."""
+    training = model.training
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     model.eval()
-    model._compiled_call_impl = None
     try:
-        yield model
+        with torch.compiler.set_stance("force_eager"):
+            yield model
     finally:
-        model._compiled_call_impl = compiled
         model.train(training)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:

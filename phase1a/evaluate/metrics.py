@@ -136,13 +136,13 @@ def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
     groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
               else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
     for group in groups:
-        batch = {k: v.to(device) for k, v in pack(rows, group).items()}
-        loss, right, count = summed_loss(model, batch)
+        row = pack(rows, group)
+        loss, right = summed_loss(model, row.to(device))
         loss_sum += loss.item()
         correct += int(right)
-        tokens += count
+        tokens += row.supervised
         if meter is not None:
-            meter.advance(1, tokens=count)
+            meter.advance(1, tokens=row.supervised)
     return loss_sum, correct, tokens
 
 

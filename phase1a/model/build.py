@@ -1,8 +1,17 @@
 """The model and optimizer a run trains: transformers + peft, with the plan's precision, checkpointing and
-compilation. Shared by training and calibration, so calibration times exactly what training runs."""
+compilation. Shared by training and calibration, so calibration times exactly what training runs.
+
+On a GPU in bf16 the LoRA adapters keep float32 weights (the optimizer's master copy) but compute in bf16: peft
+would cast every adapted projection's activations to float32 and back, three activation-sized copies per
+projection per pass; instead its input cast is off and the forward runs under bf16 autocast, which casts the small
+adapter weights once per forward. Compilation is per decoder layer, whole-graph (`fullgraph=True`) on the static
+shapes of the packer's rows, optionally captured as CUDA graphs; its cache lives under the run's cache directory,
+so the train stage finds what the plan's calibration compiled.
+"""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -11,14 +20,19 @@ from phase1a.config.schema import MethodConfig
 from phase1a.core.hardware import training_device, training_dtype
 from phase1a.model import chunked_loss
 from phase1a.model.adapters import load_adapter_weights
-from phase1a.model.attention import NAME as SDPA_PACKED  # importing it registers it: transformers finds it by name
+from phase1a.model.attention import NAME as VARLEN  # importing it registers it: transformers finds it by name
 from phase1a.model.loading import load_model, peft_wrapping
+
+# Set before this process first compiles; where the user set it, theirs stands.
+_USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False,
-                compile: bool = False, init_adapter: Path | None = None):
+                compile: bool = False, init_adapter: Path | None = None, cuda_graphs: bool = False,
+                compile_cache: Path | None = None):
     """`init_adapter`: a LoRA adapter whose weights the trainable adapter starts from (a warm start) instead of
-    peft's fresh initialisation."""
+    peft's fresh initialisation. `compile`: each decoder layer compiled whole (`compile_layers`), `cuda_graphs`
+    also captured as CUDA graphs; `compile_cache`: where compiled code is kept between stages and runs."""
     device = training_device()
     dtype = training_dtype(device)
     quantization = _nf4_config(dtype, device) if method.base_precision == "4bit" else None
@@ -27,8 +41,10 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     if quantization is None:
         model = model.to(device)
     model.config.use_cache = False  # packed rows are only isolated from each other with the cache off
-    if device.type == "cuda" and method.liger != "off" and _apply_liger(model, required=method.liger == "on"):
-        chunked_loss.install(model, liger=True)
+    adapter_autocast = dtype if method.kind == "lora" and dtype != torch.float32 else None
+    kernels = device.type == "cuda" and method.liger != "off" and _apply_liger(model, required=method.liger == "on")
+    # Liger's fused loss reads the device once a call (a host sync a micro-batch): only when asked for by name.
+    chunked_loss.install(model, liger=kernels and method.liger == "on", autocast=adapter_autocast)
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -48,35 +64,69 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
             )
         if init_adapter is not None:  # before compiling: the state-dict keys are the eager model's
             load_adapter_weights(model, Path(init_adapter), lora)
+        if adapter_autocast is not None:
+            adapters_compute_in_input_dtype(model)
     elif init_adapter is not None:
         raise ValueError(f"{init_adapter}: a warm start continues a LoRA adapter; method.kind is {method.kind}")
     set_gradient_checkpointing(model, gradient_checkpointing)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if compile:
-        # In place, so state-dict keys (checkpoints, the saved adapter) stay those of the eager model; dynamic
-        # because every packed row has its own length.
-        model.compile(dynamic=True)
+    set_compiled(model, compile, cuda_graphs, compile_cache)
     return model
 
 
+def compile_layers(model, cuda_graphs: bool = False, cache: Path | None = None) -> None:
+    """Each decoder layer compiled in place (state-dict keys stay the eager model's), as one graph
+    (`fullgraph=True`: a graph break is an error, not a silent fall back to Python) on static shapes (the packer's
+    few row lengths: a graph a length, never a recompilation a step). Layers share their code, so one compilation
+    serves them all. `cuda_graphs`: each compiled layer also replayed as a CUDA graph (`reduce-overhead`)."""
+    if cache is not None and _USER_COMPILE_CACHE is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    for layer in decoder_layers(model):
+        layer.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def set_compiled(model, compile: bool, cuda_graphs: bool = False, cache: Path | None = None) -> None:
+    """Compiled layers as asked (`compile_layers`), or eager ones: what calibration's candidates switch between."""
+    state = (compile, cuda_graphs)
+    if getattr(model, "_phase1a_compiled", (False, False)) == state:
+        return
+    if compile:
+        compile_layers(model, cuda_graphs, cache)
+    else:
+        for layer in decoder_layers(model):
+            layer._compiled_call_impl = None
+    model._phase1a_compiled = state
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder's layers of a causal LM, wrapped by peft or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(base).__name__}: no decoder layers to compile (get_decoder().layers)")
+    return layers
+
+
+def adapters_compute_in_input_dtype(model) -> None:
+    """peft's adapted layers stop casting their input to the adapter's float32 (see the module docstring)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+
+
 def attention_implementation(method: MethodConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """Packed rows need attention that stops at example boundaries; every choice takes them from the restarting
-    position_ids. FlashAttention 2 (CUDA, 16-bit, flash-attn installed) as cumulative lengths for its varlen
-    kernel; else `sdpa_packed`, SDPA once per example. Both cost the sum of the examples' squared lengths.
-    `sdpa` (a dense block-diagonal mask over the row, the square of the row's length) only when asked for."""
-    if method.attention != "auto":
-        return method.attention  # an explicit flash_attention_2 without flash-attn fails in transformers, by name
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _installed("flash_attn"):
-        return "flash_attention_2"
-    return SDPA_PACKED
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
+    """Packed rows need attention that stops at example boundaries. `varlen` (auto): one call a layer over the
+    packer's boundaries (phase1a/model/attention.py), FlashAttention 2's varlen kernel on a GPU; it costs the sum
+    of the examples' squared lengths. `flash_attention_2` (flash-attn's own kernel) and `sdpa` or `eager` (a dense
+    block-diagonal mask over the row, the square of the row's length) only when asked for."""
+    if method.attention in ("auto", "sdpa_packed"):
+        return VARLEN
+    return method.attention  # an explicit flash_attention_2 without flash-attn fails in transformers, by name
 
 
 def _apply_liger(model, required: bool) -> bool:

@@ -21,7 +21,16 @@ from transformers.utils import ModelOutput
 
 from phase1a.core.labels import IGNORE_INDEX
 
-CHUNK_TOKENS = 1024  # rows of logits at once: 1024 x 128k vocabulary is 0.5 GB in fp32
+# A chunk's float32 logits: 256 MiB. The chunk count of a row is then fixed by its length and the vocabulary (a
+# static loop for static rows), with few large matmuls: SmolLM2's 49k vocabulary gets 1,280-row chunks, Llama 3's
+# 128k 512; Liger's heuristic gave SmolLM2 32-row chunks, 63 Python iterations a 2,000-token step.
+CHUNK_BYTES = 256 * 2**20
+CHUNK_ALIGN = 128
+
+
+def chunk_rows(vocab: int) -> int:
+    """Tokens a chunk for this vocabulary: its float32 logits within `CHUNK_BYTES`, a multiple of `CHUNK_ALIGN`."""
+    return max(CHUNK_ALIGN, CHUNK_BYTES // (4 * vocab) // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
 @dataclass
@@ -62,7 +71,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of `hidden @ weight.T + bias` ([N, H] against [V, H]) over `targets` ([N], IGNORE_INDEX
     where unsupervised), and the count of correct arg-max predictions."""
-    shape = _Chunking(transform, chunk or CHUNK_TOKENS)
+    shape = _Chunking(transform, chunk or chunk_rows(weight.size(0)))
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if trains:
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, shape)
@@ -136,9 +145,11 @@ def _chunk(rows, weight, bias, target, transform: LogitTransform, gradient: bool
     return loss, correct, probabilities.mul_(slope if slope is not None else transform.scale).to(rows.dtype)
 
 
-def install(causal_lm: torch.nn.Module, liger: bool = False) -> torch.nn.Module:
+def install(causal_lm: torch.nn.Module, liger: bool = False, autocast: torch.dtype | None = None) -> torch.nn.Module:
     """Give a transformers causal LM the `loss_targets` forward (module docstring); returns it. `liger`: Liger's
-    kernel computes the loss while training on CUDA (method.liger). Installing again only changes that choice."""
+    kernel computes the loss while training on CUDA (method.liger). `autocast`: that forward runs under autocast
+    to this dtype (float32 adapters computing in bf16, phase1a/model/build.py). Installing again only changes
+    those choices."""
     original = causal_lm.__dict__.get("_own_forward") or causal_lm.forward
     transform = LogitTransform.of(causal_lm.config)
 
@@ -146,7 +157,9 @@ def install(causal_lm: torch.nn.Module, liger: bool = False) -> torch.nn.Module:
         if loss_targets is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)
-        hidden = self.get_decoder()(*args, **kwargs).last_hidden_state[:, :-1]
+        device = self.get_output_embeddings().weight.device
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            hidden = self.get_decoder()(*args, **kwargs).last_hidden_state[:, :-1]
         head = self.get_output_embeddings()
         hidden, targets = hidden.reshape(-1, hidden.size(-1)), loss_targets.reshape(-1)
         if liger and _liger_applies(hidden, transform):

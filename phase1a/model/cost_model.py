@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from phase1a.core.units import GIB
-from phase1a.model.chunked_loss import CHUNK_TOKENS
+from phase1a.model.chunked_loss import chunk_rows
 
 NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
 OPTIMIZER_STATE_BYTES = {"adamw_fused": 8, "adamw": 8, "adamw_8bit": 2}
@@ -118,7 +118,7 @@ class MemoryModel:
             weights = weights / shape.shards + 2 * weights / facts.layers
             trainable_bytes = trainable_bytes / shape.shards
         one_layer = t * b * (9 * h + 4 * facts.intermediate)
-        chunk = min(t, CHUNK_TOKENS) * facts.vocab * 8
+        chunk = min(t, chunk_rows(facts.vocab)) * facts.vocab * 8
         kept = t * h * b + (facts.vocab * h * b if shape.full else 0)  # the loss's gradients, kept for backward
         logits = chunk + kept
         if checkpointing:

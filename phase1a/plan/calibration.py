@@ -8,8 +8,10 @@ it is faster by more than the noise between repeated measurements (`_MIN_GAIN`).
 steps of the same data, spread evenly over the run so that their lengths are the run's.
 
 The budget covers everything calibration does: loading the model, the trials, and timing a checkpoint and the
-validate stage. A trial is three warm-up steps (two probes of one example, then one of the trial's shape) and up to
-`calibration_steps` measured steps; no step starts that is predicted to end past the trial's deadline. A step
+validate stage. A trial warms up on every shape the run's rows take (two probes of one example in the smallest
+row, one in each other row length a static row allows, then one step of the trial's own rows: compilation and
+kernel set-up happen there, not in the measured steps) and then measures up to `calibration_steps` steps not seen
+before; no step starts that is predicted to end past the trial's deadline. A step
 too long for the budget is shortened to fewer of its micro-batches (each of the run's shape, so attention over
 a packed row costs what it will). A step's forward and backward and its update are timed apart, so a shortened
 step still prices the update once per whole step. docs/stages.md ("Calibration") has the rest: deadlines, the
@@ -29,7 +31,8 @@ import torch
 from pydantic import BaseModel
 
 from phase1a.config.schema import Phase1aConfig
-from phase1a.core.hardware import usable_cores
+from phase1a.core import layout
+from phase1a.core.hardware import training_device, usable_cores
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
 from phase1a.core.units import GIB, parse_duration_seconds
@@ -42,12 +45,18 @@ from phase1a.plan.interruptions import ASSUMED_DISK_BYTES_PER_SECOND, ASSUMED_ST
 from phase1a.store.base import Store
 from phase1a.store.bundles import delete_bundle, upload_bundle
 from phase1a.train.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
-from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader, token_budget
+from phase1a.train.packing import (
+    StepBatch,
+    StepBatches,
+    TokenRows,
+    example_stream,
+    pack,
+    static_rows,
+    step_loader,
+    token_budget,
+)
 from phase1a.train.steps import apply_update, train_step
 
-# Two probes of one example (lazy set-up, then a first guess of the speed: a first call costs several steady
-# ones), then one step of the trial's shape.
-_WARMUP_STEPS = 3
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
 _FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
 _COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
@@ -58,10 +67,12 @@ class Candidate(BaseModel, frozen=True):
     gradient_checkpointing: bool
     compile: bool = False
     dataloader_workers: int = 0
+    cuda_graphs: bool = False
 
     def label(self) -> str:
+        compiled = ("on, CUDA graphs" if self.cuda_graphs else "on") if self.compile else "off"
         return (f"micro {self.micro_batch_size}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
-                f"compile {'on' if self.compile else 'off'}, workers {self.dataloader_workers}")
+                f"compile {compiled}, workers {self.dataloader_workers}")
 
 
 class Trial(BaseModel):
@@ -126,7 +137,10 @@ def memory_alternatives(memory: MemoryModel, batch_size: int, max_seq_length: in
                                             "micro_batch_size": other[0]})] if other else []
         if knob == "dataloader_workers":
             return [best.model_copy(update={"dataloader_workers": 0 if best.dataloader_workers else default_workers()})]
-        return [best.model_copy(update={"compile": not best.compile})]
+        if knob == "cuda_graphs":  # only where there are CUDA graphs, on top of a compiled model
+            return ([best.model_copy(update={"cuda_graphs": not best.cuda_graphs})]
+                    if best.compile and torch.cuda.is_available() else [])
+        return [best.model_copy(update={"compile": not best.compile, "cuda_graphs": False})]
 
     return alternatives
 
@@ -205,14 +219,15 @@ class _Session:
         return min(self.end - self._final_seconds(1.0 / first.tokens_per_second), time.perf_counter() + share)
 
     def run(self, candidate: Candidate, deadline: float) -> Trial:
-        from phase1a.model.build import set_gradient_checkpointing
+        from phase1a.model.build import set_compiled, set_gradient_checkpointing
 
         set_gradient_checkpointing(self.model, candidate.gradient_checkpointing)
-        if candidate.compile and not getattr(self.model, "_compiled_call_impl", None):
-            self.model.compile(dynamic=True)
+        set_compiled(self.model, candidate.compile, candidate.cuda_graphs,
+                     self.config.cache_dir / layout.COMPILE_CACHE)
         method, job = self.config.method, self.job
         batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size,
-                              token_budget(candidate.micro_batch_size, job.max_seq_length))
+                              token_budget(candidate.micro_batch_size, job.max_seq_length),
+                              static=static_rows(training_device(), candidate.compile))
         self._announce(candidate, deadline)
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.hardware.calibration_steps, deadline, self.step_tokens, self.step_cap))
@@ -360,9 +375,11 @@ class _Timed:
 
     forward_backward: float
     update: float
-    tokens: int
+    tokens: int  # the examples' tokens: what the run's speed counts
+    row_tokens: int  # the rows' tokens, padding included: what the time of a row follows
     micro_batches: int  # run
     whole: int  # in the step
+    warmup: bool = False
 
     @property
     def seconds(self) -> float:
@@ -372,11 +389,26 @@ class _Timed:
     def per_token(self) -> float:
         return self.forward_backward / max(1, self.tokens)
 
+    @property
+    def per_row_token(self) -> float:
+        return self.forward_backward / max(1, self.row_tokens)
+
+
+def _probes(batches: StepBatches, example: int) -> list[StepBatch]:
+    """One example in a row of each length the run's rows take (static rows: every allowed length, so that every
+    shape is compiled and set up before a step is measured; exact rows: the example's own). The first comes twice:
+    a first call costs several steady ones, the second is the first guess of the speed."""
+    rows, shape = batches.rows, batches.shape
+    lengths = shape.lengths() or [None]
+    made = [pack(rows, np.array([example]), shape, length) for length in [lengths[0], *lengths]]
+    return [StepBatch(micro_batches=[row], supervised=row.supervised, step_tokens=row.tokens) for row in made]
+
 
 def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: _Steps) -> Trial:
     """Warm-up and measured steps of one candidate, none started that is predicted to end past the deadline."""
-    count = _WARMUP_STEPS + steps.measured
-    # Steps spread over the whole run, so their lengths are the run's; a short run repeats its steps.
+    # Steps spread over the whole run, so their lengths are the run's; a short run repeats its steps. The first
+    # gives the probes' example, the second is the warm-up step of the trial's own rows, the rest are measured.
+    count = 2 + steps.measured
     sampler = [int(step) % len(batches) for step in np.linspace(0, len(batches), count, endpoint=False)]
     cuda = torch.cuda.is_available()
     if cuda:
@@ -384,22 +416,23 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
     began = time.perf_counter()
     timed: list[_Timed] = []
     try:
-        probe = StepBatches(batches.train_path, batches.max_length, batches.order[sampler[0] * batches.batch_size:],
-                            1, batches.token_budget)[0]
-        timed.append(_timed_step(model, optimizer, probe, 1, began))
-        last = time.perf_counter()
-        if last + timed[-1].seconds <= steps.deadline:  # again, warm: the first guess of the speed
-            timed.append(_timed_step(model, optimizer, probe, 1, last))
+        last = began
+        for probe in _probes(batches, int(batches.order[sampler[0] * batches.batch_size])):
+            if timed and last + timed[-1].seconds > steps.deadline:
+                break
+            timed.append(_timed_step(model, optimizer, probe, 1, last, warmup=True))
             last = time.perf_counter()
         cap, chosen = steps.cap, steps.cap is not None  # the measured steps' cap: given, or set at the first
-        for step_batch in step_loader(batches, sampler[2:], candidate.dataloader_workers, pin_memory=cuda):
+        for index, step_batch in enumerate(step_loader(batches, sampler[1:], candidate.dataloader_workers,
+                                                       pin_memory=cuda)):
+            left = count - 1 - index
             run = cap if chosen else _micro_batches_within(
-                step_batch, timed[-1], (steps.deadline - time.perf_counter()) / (count - len(timed)))
-            if len(timed) >= _WARMUP_STEPS and not chosen:
+                step_batch, timed[-1], (steps.deadline - time.perf_counter()) / left)
+            if index > 0 and not chosen:
                 cap, chosen = run, True
             if time.perf_counter() + _predicted(step_batch, run, timed[-1]) > steps.deadline:
                 break
-            timed.append(_timed_step(model, optimizer, step_batch, run, last))
+            timed.append(_timed_step(model, optimizer, step_batch, run, last, warmup=index == 0))
             last = time.perf_counter()
     except torch.cuda.OutOfMemoryError as error:
         optimizer.zero_grad(set_to_none=True)
@@ -413,46 +446,49 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
     return _measured(candidate, timed, steps, time.perf_counter() - began).model_copy(update={"step_cap": cap})
 
 
-def _timed_step(model, optimizer, step_batch: dict, cap: int | None, since: float) -> _Timed:
+def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since: float,
+                warmup: bool = False) -> _Timed:
     """One step, of its first `cap` micro-batches (None: all), as training runs a step (`optimizer_step`), timed
     from `since` (the end of the last step: waiting for the loader counts)."""
-    rows = step_batch["micro_batches"][:cap]
-    _, tokens = train_step(model, rows, step_batch["supervised"], step_batch.get("weight", 1.0))
+    rows = step_batch.micro_batches[:cap]
+    train_step(model, step_batch, rows=cap)
     _sync()
     middle = time.perf_counter()
     apply_update(model, optimizer)
     _sync()
-    return _Timed(middle - since, time.perf_counter() - middle, tokens, len(rows), len(step_batch["micro_batches"]))
+    return _Timed(middle - since, time.perf_counter() - middle, sum(row.tokens for row in rows),
+                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), warmup)
 
 
-def _micro_batches_within(step_batch: dict, last: _Timed, seconds: float) -> int | None:
+def _micro_batches_within(step_batch: StepBatch, last: _Timed, seconds: float) -> int | None:
     """The most of this step's micro-batches (one at least) whose forward and backward and one update are
     predicted to take at most `seconds` at the last step's speed; None: all of them."""
-    sizes = np.array([micro["input_ids"].numel() for micro in step_batch["micro_batches"]])
-    fits = int(np.searchsorted(np.cumsum(sizes) * last.per_token, seconds - last.update, side="right"))
+    sizes = np.array([row.length for row in step_batch.micro_batches])
+    fits = int(np.searchsorted(np.cumsum(sizes) * last.per_row_token, seconds - last.update, side="right"))
     return None if fits >= len(sizes) else max(1, fits)
 
 
-def _predicted(step_batch: dict, cap: int | None, last: _Timed) -> float:
-    tokens = sum(micro["input_ids"].numel() for micro in step_batch["micro_batches"][:cap])
-    return tokens * last.per_token + last.update
+def _predicted(step_batch: StepBatch, cap: int | None, last: _Timed) -> float:
+    return sum(row.length for row in step_batch.micro_batches[:cap]) * last.per_row_token + last.update
 
 
 def _measured(candidate: Candidate, timed: list[_Timed], steps: _Steps, seconds: float) -> Trial:
-    """The speed from the measured steps (from the warm-up steps where there are none): their forward and
-    backward as a ratio of sums, so per-step costs weigh as in the run, the slowest step left out of four or more
-    (a page-fault burst), and the update priced once per whole step of the run."""
-    count = _WARMUP_STEPS + steps.measured
-    warmup, measured = timed[:_WARMUP_STEPS], timed[_WARMUP_STEPS:]
-    notes = [] if len(timed) == count else [f"cut at the budget after {len(timed)} of {count} steps"]
+    """The speed from the measured steps (from the last warm-up step where there are none): their forward and
+    backward as a ratio of sums over the examples' tokens (padding costs time and counts nothing), so per-step
+    costs weigh as in the run, the slowest step left out of four or more (a page-fault burst), and the update
+    priced once per whole step of the run."""
+    warmup, measured = [t for t in timed if t.warmup], [t for t in timed if not t.warmup]
+    notes = [] if len(measured) == steps.measured else [
+        f"cut at the budget after {len(measured)} of {steps.measured} measured steps"]
     basis = measured or warmup[-1:]
     if not measured:
         notes.append("speed from warm-up steps")
     kept = sorted(basis, key=lambda t: t.per_token)[:-1] if len(basis) >= 4 else basis
     forward_backward = sum(t.forward_backward for t in kept) / sum(t.tokens for t in kept)
+    per_row_token = sum(t.forward_backward for t in kept) / sum(t.row_tokens for t in kept)
     update = float(np.mean([t.update for t in kept]))
     per_token = forward_backward + update / steps.step_tokens
-    excess = sum(t.seconds - t.tokens * forward_backward - update for t in warmup)
+    excess = sum(t.seconds - t.row_tokens * per_row_token - update for t in warmup)
     rates = [t.per_token for t in kept]
     run, whole = float(np.mean([t.micro_batches for t in basis])), float(np.mean([t.whole for t in basis]))
     if run < whole:

@@ -111,15 +111,14 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
     return nullcontext()
 
 
-def step_totals(loss: float, tokens: int, world: World) -> tuple[float, int]:
-    """A step's loss and tokens over every rank: each rank's loss is its share of the step's (normalised by the
-    whole step's supervised tokens), so their sum is the step's loss."""
+def step_loss(loss: torch.Tensor, world: World) -> torch.Tensor:
+    """A step's loss over every rank, still on the device: each rank's loss is its share of the step's (normalised
+    by the whole step's supervised tokens), so their sum is the step's loss."""
     if world.size == 1:
-        return loss, tokens
-    totals = torch.tensor([loss, float(tokens)], dtype=torch.float64,
-                          device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(totals)
-    return float(totals[0].item()), int(totals[1].item())
+        return loss
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total
 
 
 def any_rank(flag: bool, world: World) -> bool:

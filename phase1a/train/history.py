@@ -57,6 +57,7 @@ class RunRecord(BaseModel):
     micro_batch_size: int
     gradient_checkpointing: bool
     compile: bool = False
+    cuda_graphs: bool = False
     dataloader_workers: int = 0
     max_seq_length: int
     tokens_per_second: float  # measured over the training run, checkpoint writes and evaluations excluded
@@ -161,7 +162,7 @@ def remembered(path: Path, model_fingerprint: str, hardware: str, method_kind: s
 def _knobs(record: RunRecord) -> tuple:
     """What a run's tokens/s depends on beyond the model and hardware: its rows and how they were run."""
     return (record.precision, record.micro_batch_size, record.gradient_checkpointing, record.compile,
-            record.dataloader_workers, record.max_seq_length)
+            record.cuda_graphs, record.dataloader_workers, record.max_seq_length)
 
 
 def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> AccuracySummary:

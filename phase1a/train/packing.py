@@ -1,11 +1,18 @@
-"""Padding-free batches: a micro-batch's examples are concatenated into one row with restarting position_ids.
+"""Packed rows: a micro-batch's examples laid end to end in one row, with their boundaries as `cu_seqlens`.
 
-With `position_ids` that restart at 0 and no attention mask, transformers' SDPA path masks attention
-block-diagonally, so each example attends only to itself (verified in tests against examples run alone;
-it needs `use_cache=False`). No pad tokens are computed, whatever the length spread.
+Every example restarts its position_ids at 0, and its boundaries travel beside it (`PackedRow`): the `varlen`
+attention (phase1a/model/attention.py) computes each example against itself in one call per layer; transformers'
+SDPA and eager paths mask the row block-diagonally from the restarting positions instead (verified in tests
+against examples run alone; it needs `use_cache=False`).
+
+Where shapes must repeat (a GPU, a compiled model), rows are static (`RowShape`): each is padded up to one of a few
+lengths, padding being segments of its own without labels, and `cu_seqlens` has a fixed number of slots, so
+every micro-batch of a run has one of a few shapes and the step reads nothing back from the device. On a CPU
+running eagerly rows are exact: a padded token costs as much as a real one there, and shapes cost nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +21,7 @@ import torch
 
 from phase1a.core.labels import IGNORE_INDEX
 from phase1a.data.tokenized import SplitView, read_mapped
+from phase1a.model.attention import NAME as VARLEN, packed_forward
 from phase1a.model.chunked_loss import TokenLoss
 from phase1a.train.distributed import World
 
@@ -61,10 +69,105 @@ class TokenRows:
         return sum(int((self.labels[self.offsets[i] + 1 : self.end(i)] != IGNORE_INDEX).sum()) for i in indices)
 
 
-def pack(rows: TokenRows, indices: np.ndarray) -> dict[str, torch.Tensor]:
-    """One row holding every example in `indices`; the first label of each example is masked so no example
-    is trained to predict the start of the next one."""
-    ids, labels, positions = [], [], []
+# Row lengths where shapes must repeat (an accelerator, a compiled model): multiples of 64 tokens (tensor-core
+# tiles), at most `BUCKETS` of them below the row's budget, so a compiled layer or a captured graph is built a
+# handful of times a run, never once a step.
+ALIGN = 64
+BUCKETS = 4
+# A static row's padding is split into segments of at most this many tokens: its attention costs P x 256 where a
+# single padding segment would cost P squared.
+PAD_SEGMENT = 256
+PAD_TOKEN = 0  # any valid id: padding carries no label, and attends only to padding
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """The shapes a run's packed rows take. A row holds at most `tokens`; its length is what it holds rounded up to
+    a multiple of `granule` (1: no padding at all); `cu_seqlens` has `capacity` + 1 entries; `max_seqlen` bounds
+    every segment (the kernel's grid), the same for every row of the run."""
+
+    tokens: int
+    granule: int
+    capacity: int
+    max_seqlen: int
+
+    @classmethod
+    def of(cls, budget: int, max_length: int, examples: int, static: bool, step_tokens: int | None = None
+           ) -> "RowShape":
+        """`budget`: the tokens a row may hold (the memory model's micro-batch); `examples`: a rank's examples a
+        step, the most a row can hold; `step_tokens`: the most tokens a rank's step holds, which caps a static row
+        (rows never span steps). Static: at most `BUCKETS` lengths, multiples of `ALIGN`; else exact rows."""
+        max_seqlen = min(max_length, budget)
+        if not static:
+            return cls(tokens=budget, granule=1, capacity=examples, max_seqlen=max_seqlen)
+        tokens = _round_up(max(min(budget, step_tokens or budget), max_seqlen), ALIGN)
+        granule = _round_up(-(-tokens // BUCKETS), ALIGN)
+        pads = -(-(granule - 1) // min(PAD_SEGMENT, max_seqlen))
+        return cls(tokens=_round_up(tokens, granule), granule=granule, capacity=examples + pads,
+                   max_seqlen=max_seqlen)
+
+    @property
+    def static(self) -> bool:
+        return self.granule > 1
+
+    def length_for(self, used: int) -> int:
+        return _round_up(used, self.granule)
+
+    def lengths(self) -> list[int]:
+        """Every row length a static shape allows."""
+        return list(range(self.granule, self.tokens + 1, self.granule)) if self.static else []
+
+
+def static_rows(device: torch.device, compile: bool) -> bool:
+    """Rows of a few shapes where shapes matter (an accelerator's kernels and graphs, a compiled model); exact rows
+    on a CPU running eagerly."""
+    return device.type != "cpu" or compile
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One micro-batch: a row of examples laid end to end (batch 1), their boundaries, and what the host knows of
+    it without reading the device. `cu_seqlens` is int32, starts at 0 and rises to the row's length; padding is
+    segments of its own with no labels, and unused slots are zero-length segments at the end."""
+
+    input_ids: torch.Tensor  # (1, L) int64
+    labels: torch.Tensor  # (1, L) int64, IGNORE_INDEX where nothing is learnt
+    position_ids: torch.Tensor  # (1, L) int64, restarting at 0 in every segment
+    cu_seqlens: torch.Tensor  # (capacity + 1,) int32
+    max_seqlen: int  # bounds every segment
+    tokens: int  # the examples' tokens: L less the padding
+    supervised: int  # labelled next-token targets in the row
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.size(1)
+
+    def _map(self, fn) -> "PackedRow":
+        moved = {name: fn(getattr(self, name)) for name in ("input_ids", "labels", "position_ids", "cu_seqlens")}
+        return dataclasses.replace(self, **moved)
+
+    def to(self, device, non_blocking: bool = False) -> "PackedRow":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "PackedRow":
+        return self._map(lambda t: t.pin_memory())
+
+    def model_inputs(self) -> dict:
+        """The forward's keyword arguments; the boundaries under the names transformers' varlen paths read."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seqlens,
+                "cu_seq_lens_k": self.cu_seqlens, "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+
+
+def pack(rows: TokenRows, indices: np.ndarray, shape: RowShape | None = None, length: int | None = None
+         ) -> PackedRow:
+    """One row holding every example in `indices`; the first label of each example is masked so no example is
+    trained to predict the start of the next one. With `shape`, padded to its length for what the row holds (or
+    to `length`, one of its lengths) and to its segment capacity; without, exactly the examples."""
+    ids, labels, positions, lengths = [], [], [], []
     for i in indices:
         start, end = rows.offsets[i], rows.end(i)
         ids.append(rows.input_ids[start:end])
@@ -72,26 +175,52 @@ def pack(rows: TokenRows, indices: np.ndarray) -> dict[str, torch.Tensor]:
         example_labels[0] = IGNORE_INDEX
         labels.append(example_labels)
         positions.append(np.arange(end - start))
-    return {
-        "input_ids": torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
-        "labels": torch.from_numpy(np.concatenate(labels).astype(np.int64))[None],
-        "position_ids": torch.from_numpy(np.concatenate(positions).astype(np.int64))[None],
-    }
+        lengths.append(end - start)
+    used = sum(lengths)
+    longest = max(lengths)
+    capacity = len(lengths)
+    if shape is not None:
+        if used > shape.tokens or len(lengths) > shape.capacity or longest > shape.max_seqlen:
+            raise ValueError(f"{len(lengths)} examples of {used} tokens (longest {longest}) exceed the row shape "
+                             f"{shape}")
+        padding = (length or shape.length_for(used)) - used
+        if padding < 0 or (length is not None and length % shape.granule):
+            raise ValueError(f"{used} tokens cannot be padded to {length} in the row shape {shape}")
+        step = min(PAD_SEGMENT, shape.max_seqlen)
+        pads = [step] * (padding // step) + ([padding % step] if padding % step else [])
+        ids.append(np.full(padding, PAD_TOKEN, dtype=rows.input_ids.dtype))
+        labels.append(np.full(padding, IGNORE_INDEX, dtype=rows.labels.dtype))
+        positions.extend(np.arange(n) for n in pads)
+        lengths.extend(pads)
+        capacity, longest = shape.capacity, shape.max_seqlen
+    bounds = np.zeros(capacity + 1, dtype=np.int32)
+    bounds[1 : len(lengths) + 1] = np.cumsum(lengths)
+    bounds[len(lengths) + 1 :] = bounds[len(lengths)]
+    label_row = np.concatenate(labels).astype(np.int64)
+    return PackedRow(
+        input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+        labels=torch.from_numpy(label_row)[None],
+        position_ids=torch.from_numpy(np.concatenate(positions).astype(np.int64))[None],
+        cu_seqlens=torch.from_numpy(bounds), max_seqlen=int(longest), tokens=used,
+        supervised=int((label_row[1:] != IGNORE_INDEX).sum()))
 
 
-def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """Summed next-token cross-entropy over supervised tokens, the count of correct argmax predictions (None
-    where Liger's kernel computed the loss while training), and the number of supervised tokens. Sums (not means)
-    let accumulation normalise over the whole step. The loss is computed in chunks from the hidden states
+def summed_loss(model: torch.nn.Module, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed next-token cross-entropy over supervised tokens, and the count of correct argmax predictions (None
+    where Liger's kernel computed the loss while training), both on the device: nothing here reads it. Sums (not
+    means) let accumulation normalise over the whole step. The loss is computed in chunks from the hidden states
     (phase1a/model/chunked_loss.py), so the model must come from `phase1a.model.loading.load_model`."""
-    targets = batch["labels"][:, 1:]
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], loss_targets=targets,
-                use_cache=False)
+    inputs = row.model_inputs()
+    if getattr(model.config, "_attn_implementation", None) == VARLEN:
+        # A mask that says "no padding" spares transformers its scan of position_ids for packed sequences (a host
+        # read); inside packed_forward the varlen mask function turns it into no mask at all.
+        inputs["attention_mask"] = torch.ones_like(row.input_ids, dtype=torch.bool)
+    with packed_forward():
+        out = model(**inputs, loss_targets=row.labels[:, 1:], use_cache=False)
     if not isinstance(out, TokenLoss):
         raise TypeError(f"{type(out).__name__} has no chunked loss: load the model with "
                         f"phase1a.model.loading.load_model")
-    return out.loss, out.correct, int((targets != IGNORE_INDEX).sum())
+    return out.loss, out.correct
 
 
 def step_indices(order: np.ndarray, step: int, batch_size: int, total_examples: int) -> np.ndarray:
@@ -132,21 +261,46 @@ def budget_rows(rows: TokenRows, indices: np.ndarray, token_budget: int) -> list
     return [np.array(b) for b in bins]
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step as a rank runs it: its rows, the whole step's supervised tokens (every rank's: the loss
+    is normalised over them), and the rank's loss weight (0 for a rank with nothing left to compute)."""
+
+    micro_batches: list[PackedRow]
+    supervised: int
+    step_tokens: int  # the examples' tokens of the whole step, every rank's
+    weight: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        """The examples' tokens in this rank's rows (padding not counted)."""
+        return sum(row.tokens for row in self.micro_batches)
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(row.length for row in self.micro_batches)
+
+    def pin_memory(self) -> "StepBatch":
+        return dataclasses.replace(self, micro_batches=[row.pin_memory() for row in self.micro_batches])
+
+
 class StepBatches(torch.utils.data.Dataset):
-    """Optimizer step k -> this rank's packed rows, the whole step's supervised-token count, and a loss weight.
+    """Optimizer step k -> this rank's packed rows (`StepBatch`).
 
     A pure function of k, so resuming at step k re-iterates nothing, and dataloader workers can pack steps
     ahead of the accelerator. Workers reopen the memory-mapped Arrow file instead of receiving a pickled copy.
     With several ranks each takes every world-th example of the step; a rank left without one (a short last
-    step) computes one example with weight 0, so it still joins the gradient all-reduce."""
+    step) computes one example with weight 0, so it still joins the gradient all-reduce. With `static` rows every
+    row has one of the few lengths of `shape` (`RowShape.of`)."""
 
     def __init__(self, train_path: str | Path, max_length: int | None, order: np.ndarray, batch_size: int,
-                 token_budget: int, world: World = World()):
+                 token_budget: int, world: World = World(), static: bool = False):
         """`order`: every example the run takes, in order (`example_stream`), `batch_size` a step."""
         self.train_path, self.max_length, self.order = str(train_path), max_length, order
         self.batch_size, self.total_examples, self.token_budget = batch_size, len(order), token_budget
-        self.rank, self.world = world.rank, world.size
+        self.rank, self.world, self.static = world.rank, world.size, static
         self._rows: TokenRows | None = None
+        self._shape: RowShape | None = None
 
     @property
     def rows(self) -> TokenRows:
@@ -154,20 +308,58 @@ class StepBatches(torch.utils.data.Dataset):
             self._rows = TokenRows.load(self.train_path, self.max_length)
         return self._rows
 
+    @property
+    def shape(self) -> RowShape:
+        """Decided once from the whole run's steps, so that every row of the run shares it."""
+        if self._shape is None:
+            lengths = self.rows.lengths()
+            self._shape = RowShape.of(self.token_budget, int(lengths.max()), -(-self.batch_size // self.world),
+                                      self.static, self.step_tokens().max(initial=1))
+        return self._shape
+
+    def step_tokens(self) -> np.ndarray:
+        """Each step's tokens on this rank."""
+        lengths = self.rows.lengths()[self.order]
+        steps = np.arange(len(self.order)) // self.batch_size
+        mine = (np.arange(len(self.order)) % self.batch_size) % self.world == self.rank
+        return np.bincount(steps[mine], weights=lengths[mine], minlength=len(self)).astype(np.int64)
+
+    def padding_share(self, samples: int = 256) -> float:
+        """Padding's share of the rows' tokens, over up to `samples` steps spread over the run."""
+        picked = np.unique(np.linspace(0, len(self) - 1, min(samples, len(self))).astype(int))
+        lengths, padded, used = self.rows.lengths(), 0, 0
+        for step in picked:
+            for row in self.rows_of(int(step)):
+                tokens = int(lengths[row].sum())
+                used, padded = used + tokens, padded + self.shape.length_for(tokens)
+        return 1.0 - used / max(padded, 1)
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_rows": None}
 
     def __len__(self) -> int:
         return -(-self.total_examples // self.batch_size)
 
-    def __getitem__(self, step: int) -> dict:
+    def _mine(self, step: int) -> tuple[np.ndarray, np.ndarray, float]:
         indices = step_indices(self.order, step, self.batch_size, self.total_examples)
         mine, weight = indices[self.rank :: self.world], 1.0
         if len(mine) == 0:
             mine, weight = indices[:1], 0.0
-        rows = budget_rows(self.rows, mine, self.token_budget)
-        return {"micro_batches": [pack(self.rows, row) for row in rows],
-                "supervised": self.rows.supervised_tokens(indices), "weight": weight}
+        return indices, mine, weight
+
+    def rows_of(self, step: int) -> list[np.ndarray]:
+        """Step `step`'s examples on this rank, grouped into rows."""
+        _, mine, _ = self._mine(step)
+        return budget_rows(self.rows, mine, self.shape.tokens)
+
+    def __getitem__(self, step: int) -> StepBatch:
+        indices, mine, weight = self._mine(step)
+        shape = self.shape
+        rows = budget_rows(self.rows, mine, shape.tokens)
+        return StepBatch(micro_batches=[pack(self.rows, row, shape) for row in rows],
+                         supervised=self.rows.supervised_tokens(indices),
+                         step_tokens=sum(self.rows.end(int(i)) - int(self.rows.offsets[i]) for i in indices),
+                         weight=weight)
 
 
 def token_budget(micro_batch_size: int, max_seq_length: int) -> int:

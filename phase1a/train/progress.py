@@ -9,9 +9,12 @@ installed), and a Prefect progress artifact `train-progress` (inside a Prefect r
 
 Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's steps, MFU, peak accelerator
 memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
-plan. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention, never the 2N that
-checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the projected train
-time with the plan's estimate: within 10 % is on track.
+plan. A step's loss and gradient norm arrive as tensors on the device; they are read in one transfer for all the
+steps since the last read, once `READ_EVERY_SECONDS` has passed (and before an evaluation, a checkpoint, the
+end), so that training never waits for the device a step at a time. Each step still gets its own record; GPU
+utilisation is read at each read. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention,
+never the 2N that checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the
+projected train time with the plan's estimate: within 10 % is on track.
 """
 from __future__ import annotations
 
@@ -40,21 +43,35 @@ class Yardstick:
     planned_seconds: float | None = None  # the plan's train estimate: `on_track`
 
 
+READ_EVERY_SECONDS = 1.0  # how often the pending steps' numbers are read from the device
+
+
 @dataclass(frozen=True)
 class StepStats:
-    """What one optimizer step reports."""
+    """What one optimizer step reports; loss and grad norm may be tensors on the device, read when due."""
 
-    loss: float
+    loss: float | torch.Tensor
     lr: float
-    grad_norm: float
+    grad_norm: float | torch.Tensor
     tokens: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    stats: StepStats
+    elapsed: float
+    prior_seconds: float
 
 
 class ProgressReporter:
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, yardstick: Yardstick = Yardstick(), *,
-                 display: MeterSettings | None = None, enabled: bool = True):
+                 display: MeterSettings | None = None, enabled: bool = True,
+                 read_every: float = READ_EVERY_SECONDS):
         """`display`: how progress shows (`current_settings()`, the process's `progress`); None: not at all.
-        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
+        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown. `read_every`:
+        seconds between reads of the pending steps' numbers from the device (0: every step)."""
+        self.read_every = read_every
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.output_dir, self.enabled = Path(output_dir), enabled
         self.metrics = open(Path(output_dir) / layout.METRICS, "a") if enabled else None
@@ -66,40 +83,75 @@ class ProgressReporter:
         if self.artifact is not None and start_step:
             self.artifact.update(100.0 * start_step / max(total_steps, 1), "resumed")
         self.artifact_at, self.tokens = 0.0, 0
+        self.pending: list[_Pending] = []
+        self.read_at = time.monotonic()
+        self.mfus: list[float] = []  # every step's, for the run's mean
+        self.last_loss: float | None = None
 
-    def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> dict:
+    def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> list[dict]:
         """`step` counts from 1; `elapsed` is this process's training time, `prior_seconds` what a resumed run
-        had already spent before its checkpoint."""
-        loss, tokens, yardstick = stats.loss, stats.tokens, self.yardstick
+        had already spent before its checkpoint. Returns the records written now (none until a read is due)."""
+        self.pending.append(_Pending(step, stats, elapsed, prior_seconds))
+        self.watch.advance()
+        if step == self.total_steps or time.monotonic() - self.read_at >= self.read_every:
+            return self.flush()
+        return []
+
+    def flush(self) -> list[dict]:
+        """The pending steps' numbers, read from the device at once, each written as its step's record."""
+        pending, self.pending = self.pending, []
+        self.read_at = time.monotonic()
+        if not pending:
+            return []
+        values = _read([value for p in pending for value in (p.stats.loss, p.stats.grad_norm)])
+        records = [self._record(p, values[2 * k], values[2 * k + 1]) for k, p in enumerate(pending)]
+        last = pending[-1]
+        if self.enabled and (gpu := _gpu_utilization()) is not None:
+            records[-1]["gpu_utilization"] = gpu
+        for record in records:
+            self._write(self.metrics, record)
+        self._show(records[-1], last.step)
+        return records
+
+    def _record(self, pending: _Pending, loss: float, grad_norm: float) -> dict:
+        step, stats, elapsed, prior_seconds = pending.step, pending.stats, pending.elapsed, pending.prior_seconds
+        tokens, yardstick = stats.tokens, self.yardstick
         self.tokens += tokens
+        self.last_loss = loss
         done = step - self.start_step
         tokens_per_second = self.tokens / max(elapsed, 1e-9)
         remaining = (self.total_steps - step) * elapsed / max(done, 1)
-        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(stats.grad_norm, 6),
+        record = {"step": step, "loss": round(loss, 6), "lr": stats.lr, "grad_norm": round(grad_norm, 6),
                   "tokens": tokens,
                   "tokens_per_s": round(tokens_per_second, 1), "elapsed_s": round(elapsed, 3),
                   "remaining_s": round(remaining, 1), "mfu": None, "peak_memory_gib": round(_peak_memory_gib(), 3),
-                  "gpu_utilization": _gpu_utilization(), "on_track": None}
+                  "gpu_utilization": None, "on_track": None}
         if yardstick.model_flops_per_token and yardstick.peak_flops:
             record["mfu"] = mfu(tokens_per_second, yardstick.model_flops_per_token, yardstick.peak_flops)
+            self.mfus.append(record["mfu"])
         if yardstick.planned_seconds:
             projected = prior_seconds + elapsed + remaining
             record["projected_s"] = round(projected, 1)
             record["on_track"] = projected <= yardstick.planned_seconds * (1 + ESTIMATE_BAND)
-        self._write(self.metrics, record)
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib", "gpu_utilization"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gib"):
             if self.tensorboard is not None and record.get(key) is not None:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
-        line = self.watch.step(step, self.total_steps, loss, tokens_per_second, remaining)
+        return record
+
+    def _show(self, record: dict, step: int) -> None:
+        """The latest record where a person watches: the bar's numbers, a line when one is due, the artifact."""
+        if self.tensorboard is not None and record.get("gpu_utilization") is not None:
+            self.tensorboard.add_scalar("train/gpu_utilization", record["gpu_utilization"], step)
+        line = self.watch.show(step, self.total_steps, record["loss"], record["tokens_per_s"], record["remaining_s"])
         due = time.monotonic() - self.artifact_at > ARTIFACT_EVERY_SECONDS or step == self.total_steps
         if self.artifact is not None and due:
             self.artifact.update(100.0 * step / self.total_steps, line)
             self.artifact_at = time.monotonic()
-        return record
 
     def evaluation(self, record: dict) -> None:
         """`eval.jsonl` (phase1a/evaluate/during_training.py: EvalPoint, one line an evaluation during training),
         TensorBoard `eval/loss` and `eval/token_accuracy`, and a line above the bar."""
+        self.flush()
         if not self.enabled:
             return
         if self.evaluations is None:
@@ -114,11 +166,13 @@ class ProgressReporter:
 
     def event(self, kind: str, **fields) -> None:
         """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
+        self.flush()
         self._write(self.events, _event(kind, **fields))
         if self.events is not None:
             self.watch.say(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
     def close(self) -> None:
+        self.flush()
         self.watch.close()
         for sink in (self.metrics, self.evaluations, self.events, self.tensorboard):
             if sink is not None:
@@ -129,6 +183,13 @@ class ProgressReporter:
         if sink is not None:
             sink.write(json.dumps(record) + "\n")
             sink.flush()  # a killed run keeps every step it finished
+
+
+def _read(values: list) -> list[float]:
+    """Numbers, some of them tensors on a device: those read in one transfer (one wait for the device)."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
 
 
 def append_event(output_dir: Path, kind: str, **fields) -> None:
@@ -176,11 +237,13 @@ class _Watch:
         self.bar = _progress_bar(self.mode == "bar", total, initial)
         self.line_at: float | None = None
 
-    def step(self, step: int, total: int, loss: float, tokens_per_second: float, remaining: float) -> str:
-        """The bar's update; a line when one is due. Returns the line (the artifact's description)."""
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def show(self, step: int, total: int, loss: float, tokens_per_second: float, remaining: float) -> str:
+        """The bar's numbers; a line when one is due. Returns the line (the artifact's description)."""
         line = (f"train: step {step} of {total} ({100.0 * step / max(total, 1):.1f} %), loss {loss:.4f}, "
                 f"{tokens_per_second:,.0f} tokens/s, {format_seconds(remaining)} left")
-        self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:.0f}")
         now = self.clock()
         if self.mode == "lines" and (self.line_at is None or now - self.line_at >= self.interval or step == total):

@@ -52,9 +52,9 @@ def whole_logits_loss(model, batch):
 
     from phase1a.core.labels import IGNORE_INDEX
 
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     logits = logits[:, :-1].float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch.labels[:, 1:].reshape(-1),
                                              ignore_index=IGNORE_INDEX, reduction="sum")
 
 
