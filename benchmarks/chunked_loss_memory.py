@@ -4,12 +4,13 @@ largest micro-batch that fits a memory cap, measured and as the plan's memory mo
     uv run python benchmarks/chunked_loss_memory.py [--tokens 1024 3072] [--cap-gib 4] [--example-tokens 512]
                                                      [--out FILE]
 
-SmolLM2-135M-Instruct (its real weights, fp32, on this CPU), LoRA r=16 on every projection, `sdpa_packed`, with and
-without gradient checkpointing. "whole" is the loss before phase1a/model/chunked_loss.py: the model's own forward
-returns the row's logits, upcast to fp32, and cross_entropy reads them. The peak is the most tensor memory alive at
-once during forward and backward (the profiler's allocation and free events, as tests/helpers measures it; weights
-and optimizer state are allocated before and stay aside). It is linear in the row's tokens (sdpa_packed has no
-quadratic term), so the longest row under `--cap-gib` is solved from the two measured lengths, and a micro-batch is
+SmolLM2-135M-Instruct (its real weights, fp32, on this CPU), LoRA r=16 on every projection, per-example attention
+(`varlen`; the committed result was measured with its predecessor, `sdpa_packed`), with and without gradient
+checkpointing. "whole" is the loss before phase1a/model/chunked_loss.py: the model's own forward returns the row's
+logits, upcast to fp32, and cross_entropy reads them. The peak is the most tensor memory alive at once during forward
+and backward (the profiler's allocation and free events, as tests/helpers measures it; weights and optimizer state
+are allocated before and stay aside). It is linear in the row's tokens (per-example attention has no quadratic
+term), so the longest row under `--cap-gib` is solved from the two measured lengths, and a micro-batch is
 that row over `--example-tokens`.
 The memory model's bill for the same step (activations + logits + the LoRA gradients) is solved the same way; for
 "whole" it bills the logits as the plan did before, t*V*8, in place of the chunk.
@@ -37,13 +38,15 @@ from phase1a.core.units import GIB
 def step_peak(model, tokens: int, loss_name: str) -> int:
     import torch
 
-    from phase1a.train.packing import summed_loss
+    from phase1a.train.packing import PackedRow, summed_loss
 
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=generator)
     half = tokens // 2
-    batch = {"input_ids": ids, "labels": ids,
-             "position_ids": torch.cat([torch.arange(half), torch.arange(tokens - half)])[None]}  # two examples
+    batch = PackedRow(input_ids=ids, labels=ids,  # two examples
+                      position_ids=torch.cat([torch.arange(half), torch.arange(tokens - half)])[None],
+                      cu_seqlens=torch.tensor([0, half, tokens], dtype=torch.int32), max_seqlen=tokens - half,
+                      tokens=tokens, supervised=tokens - 1)
 
     def step():
         loss = summed_loss(model, batch)[0] if loss_name == "chunked" else whole_logits_loss(model, batch)

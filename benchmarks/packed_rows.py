@@ -1,6 +1,6 @@
 """Packed rows against their length: useful tokens/s at row budgets of 1, 2, 4, 8 and 16 examples of
-max_seq_length, SDPA's block-diagonal mask over the row (`sdpa`, the code before) against SDPA once per example
-(`sdpa_packed`, `method.attention: auto` on a CPU), one run.
+max_seq_length, SDPA's block-diagonal mask over the row (`sdpa`) against one attention call a layer over the
+examples' boundaries (`varlen`, `method.attention: auto`), one run.
 
     uv run python benchmarks/packed_rows.py [--examples 2000] [--batch 16] [--steps 3] [--rounds 1] [--out FILE]
 
@@ -29,7 +29,7 @@ from tokenize_throughput import generate
 from train_throughput import write_json
 
 BUDGETS = (1, 2, 4, 8, 16)
-ATTENTIONS = ("sdpa", "sdpa_packed")
+ATTENTIONS = ("sdpa", "varlen")
 
 
 def main() -> None:
@@ -84,14 +84,14 @@ def main() -> None:
         for micro in BUDGETS if round_index % 2 == 0 else BUDGETS[::-1]:
             for attention, (model, optimizer) in models.items():
                 began = time.perf_counter()
-                losses = [optimizer_step(model, optimizer, step)[0] for step in packed[micro]]
+                losses = [optimizer_step(model, optimizer, step).loss.item() for step in packed[micro]]
                 timings.setdefault((attention, micro), []).append(useful / (time.perf_counter() - began))
                 print(json.dumps({"round": round_index + 1, "attention": attention, "row_budget_examples": micro,
                                   "useful_tokens_per_s": round(timings[attention, micro][-1], 1),
                                   "losses": [round(loss, 4) for loss in losses]}), flush=True)
     results = []
     for micro in BUDGETS:
-        rows = [row["input_ids"].numel() for step in packed[micro] for row in step["micro_batches"]]
+        rows = [row.length for step in packed[micro] for row in step.micro_batches]
         for attention in ATTENTIONS:
             speeds = timings[attention, micro]
             results.append({"attention": attention, "row_budget_examples": micro, "row_budget_tokens": micro * length,
@@ -111,8 +111,8 @@ def main() -> None:
         "results": results,
         # Tokens/s at the biggest rows over the best of the smaller ones: 1.0 means no loss from packing more.
         "largest_row_vs_best": {a: round(per_budget(a)[-1] / max(per_budget(a)), 3) for a in ATTENTIONS},
-        "sdpa_packed_over_sdpa": {str(b): round(p / s, 2) for b, p, s in
-                                  zip(BUDGETS, per_budget("sdpa_packed"), per_budget("sdpa"))},
+        "varlen_over_sdpa": {str(b): round(p / s, 2) for b, p, s in
+                             zip(BUDGETS, per_budget("varlen"), per_budget("sdpa"))},
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
     if args.out:
