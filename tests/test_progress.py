@@ -10,7 +10,8 @@ from phase1a.train.progress import ProgressReporter, StepStats, Yardstick
 
 def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
     yardstick = Yardstick(model_flops_per_token=1e9, peak_flops=1e12, planned_seconds=100.0)
-    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick, read_every=0)
+    reporter = ProgressReporter(tmp_path, total_steps=10, start_step=2, yardstick=yardstick)
+    reporter.read_every = 0
     (first,) = reporter.step(3, StepStats(loss=2.0, lr=1e-3, grad_norm=0.5, tokens=1000), elapsed=4.0,
                              prior_seconds=50.0)
     # 1000 tokens in 4 s: 250 tokens/s x 1 GFLOP = 0.25 TFLOP/s of a 1 TFLOP/s peak.
@@ -36,7 +37,8 @@ def test_records_mfu_remaining_and_on_track_and_writes_every_sink(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    reporter = ProgressReporter(tmp_path, 4, 0, display=MeterSettings(), enabled=False, read_every=0)
+    reporter = ProgressReporter(tmp_path, 4, 0, display=MeterSettings(), enabled=False)
+    reporter.read_every = 0
     (record,) = reporter.step(1, StepStats(loss=1.0, lr=0.1, grad_norm=1.0, tokens=10), elapsed=1.0)
     reporter.event("resumed", from_step=0)
     reporter.close()
@@ -48,7 +50,8 @@ def test_without_a_terminal_training_logs_lines_not_bar_frames(tmp_path, capsys)
     evaluation's and event's, never a tqdm frame."""
     now = [0.0]
     display = MeterSettings(display="lines", interval_seconds=8.0, clock=lambda: now[0])
-    reporter = ProgressReporter(tmp_path, total_steps=4, start_step=0, display=display, read_every=0)
+    reporter = ProgressReporter(tmp_path, total_steps=4, start_step=0, display=display)
+    reporter.read_every = 0
     for step in range(1, 5):
         now[0] = 4.0 * step  # steps 1 (the first), 3 (8 s after it) and 4 (the last) are due
         reporter.step(step, StepStats(loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens=100), elapsed=2.0 * step)
@@ -74,7 +77,8 @@ def test_device_numbers_are_read_once_per_read_not_once_per_step(tmp_path, monke
     reads = []
     plain = progress._read
     monkeypatch.setattr(progress, "_read", lambda values: reads.append(len(values)) or plain(values))
-    reporter = ProgressReporter(tmp_path, total_steps=5, start_step=0, read_every=3600.0)
+    reporter = ProgressReporter(tmp_path, total_steps=5, start_step=0)
+    reporter.read_every = 3600.0
     for step in range(1, 5):
         written = reporter.step(step, StepStats(loss=torch.tensor(1.0 / step), lr=1e-3,
                                                 grad_norm=torch.tensor(0.5), tokens=10), elapsed=float(step))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextvars
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -39,6 +40,27 @@ OP = "phase1a::varlen_attention"
 # ---- the op --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A packed row's segments and how they attend: the op's arguments besides the tensors it reads."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    scale: float
+    window: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a backward reads of its forward (for the whole row, or one segment's slices)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +68,10 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Hkv dividing H, `cu_seqlens` (S + 1,) int32 from 0 to T (zero-length segments allowed), `max_seqlen` a bound on
     the longest segment, `window` > 0 a sliding window (a token sees itself and the window - 1 before it), 0 none.
     Returns the output (T, H, D) and the log-sum-exp (H, T), float32, which the backward needs."""
+    layout = Layout(cu_seqlens, max_seqlen, scale, window)
     if flash_supports(query):
-        return cuda_kernel().forward(query, key, value, cu_seqlens, max_seqlen, scale, window)
-    return _reference_forward(query, key, value, cu_seqlens, scale, window)
+        return cuda_kernel().forward(query, key, value, layout)
+    return _reference_forward(query, key, value, layout)
 
 
 @varlen_attention.register_fake
@@ -60,9 +83,10 @@ def _varlen_attention_fake(query, key, value, cu_seqlens, max_seqlen, scale, win
 def varlen_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                               scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    saved, layout = Saved(query, key, value, out, lse), Layout(cu_seqlens, max_seqlen, scale, window)
     if flash_supports(query):
-        return cuda_kernel().backward(grad_out, query, key, value, out, lse, cu_seqlens, max_seqlen, scale, window)
-    return _reference_backward(grad_out, query, key, value, out, lse, cu_seqlens, scale, window)
+        return cuda_kernel().backward(grad_out, saved, layout)
+    return _reference_backward(grad_out, saved, layout)
 
 
 @varlen_attention_backward.register_fake
@@ -114,32 +138,34 @@ def _window_mask(length: int, window: int, like: torch.Tensor) -> torch.Tensor |
     return torch.zeros(length, length, dtype=like.dtype, device=like.device).masked_fill_(~band, float("-inf"))
 
 
-def _reference_forward(query, key, value, cu_seqlens, scale, window):
+def _reference_forward(query, key, value, layout: Layout):
     total, heads, _ = query.shape
     groups = heads // key.size(1)
     out = query.new_empty(query.shape)
     lse = query.new_empty((heads, total), dtype=torch.float32)
     kernel = _cpu_forward if query.device.type == "cpu" else _math_forward
-    for a, b in _segments(cu_seqlens, total):
-        mask = _window_mask(b - a, window, query)
+    for a, b in _segments(layout.cu_seqlens, total):
+        mask = _window_mask(b - a, layout.window, query)
         segment_out, segment_lse = kernel(query[a:b].transpose(0, 1)[None], _heads(key[a:b], groups),
-                                          _heads(value[a:b], groups), mask, scale)
+                                          _heads(value[a:b], groups), mask, layout.scale)
         out[a:b] = segment_out[0].transpose(0, 1)
         lse[:, a:b] = segment_lse[0]
     return out, lse
 
 
-def _reference_backward(grad_out, query, key, value, out, lse, cu_seqlens, scale, window):
-    total, heads, dim = query.shape
-    kv_heads = key.size(1)
+def _reference_backward(grad_out, saved: Saved, layout: Layout):
+    """Each segment's gradients written into the row's, allocated once (every token is in one segment)."""
+    total, heads, dim = saved.query.shape
+    kv_heads = saved.key.size(1)
     groups = heads // kv_heads
-    grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
-    kernel = _cpu_backward if query.device.type == "cpu" else _math_backward
-    for a, b in _segments(cu_seqlens, total):
-        mask = _window_mask(b - a, window, query)
-        dq, dk, dv = kernel(grad_out[a:b].transpose(0, 1)[None], query[a:b].transpose(0, 1)[None],
-                            _heads(key[a:b], groups), _heads(value[a:b], groups), out[a:b].transpose(0, 1)[None],
-                            lse[None, :, a:b], mask, scale)
+    grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (saved.query, saved.key, saved.value))
+    kernel = _cpu_backward if saved.query.device.type == "cpu" else _math_backward
+    for a, b in _segments(layout.cu_seqlens, total):
+        mask = _window_mask(b - a, layout.window, saved.query)
+        segment = Saved(saved.query[a:b].transpose(0, 1)[None], _heads(saved.key[a:b], groups),
+                        _heads(saved.value[a:b], groups), saved.out[a:b].transpose(0, 1)[None],
+                        saved.lse[None, :, a:b])
+        dq, dk, dv = kernel(grad_out[a:b].transpose(0, 1)[None], segment, mask, layout.scale)
         grad_query[a:b] = dq[0].transpose(0, 1)
         # A key/value head's gradient is the sum over the query heads it served.
         grad_key[a:b] = dk[0].view(kv_heads, groups, b - a, dim).sum(1).transpose(0, 1)
@@ -152,9 +178,10 @@ def _cpu_forward(query, key, value, mask, scale):
                                                                       attn_mask=mask, scale=scale)
 
 
-def _cpu_backward(grad_out, query, key, value, out, lse, mask, scale):
+def _cpu_backward(grad_out, saved: Saved, mask, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, lse.contiguous(), 0.0, mask is None, attn_mask=mask, scale=scale)
+        grad_out, saved.query, saved.key, saved.value, saved.out, saved.lse.contiguous(), 0.0, mask is None,
+        attn_mask=mask, scale=scale)
 
 
 def _math_probabilities(query, key, mask, scale):
@@ -174,12 +201,13 @@ def _math_forward(query, key, value, mask, scale):
     return ((scores - lse[..., None]).exp() @ value.float()).to(query.dtype), lse
 
 
-def _math_backward(grad_out, query, key, value, out, lse, mask, scale):
-    probabilities = (_math_probabilities(query, key, mask, scale) - lse[..., None]).exp()
+def _math_backward(grad_out, saved: Saved, mask, scale):
+    query, key, value = saved.query, saved.key, saved.value
+    probabilities = (_math_probabilities(query, key, mask, scale) - saved.lse[..., None]).exp()
     grad_out = grad_out.float()
     grad_value = probabilities.transpose(-1, -2) @ grad_out
     grad_probabilities = grad_out @ value.float().transpose(-1, -2)
-    grad_scores = probabilities * (grad_probabilities - (grad_out * out.float()).sum(-1, keepdim=True))
+    grad_scores = probabilities * (grad_probabilities - (grad_out * saved.out.float()).sum(-1, keepdim=True))
     grad_query = (grad_scores @ key.float()) * scale
     grad_key = (grad_scores.transpose(-1, -2) @ query.float()) * scale
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
@@ -203,18 +231,20 @@ class _FlashVarlen:
             raise RuntimeError(f"a sliding window of {window} needs torch >= 2.5 ({torch.__version__} here)")
         return {"window_size_left": window - 1, "window_size_right": 0}
 
-    def forward(self, query, key, value, cu_seqlens, max_seqlen, scale, window):
+    def forward(self, query, key, value, layout: Layout):
+        cu, longest = layout.cu_seqlens, layout.max_seqlen
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale,
-            **self._window(window))
+            query, key, value, cu, cu, longest, longest, 0.0, True, False, scale=layout.scale,
+            **self._window(layout.window))
         return out, lse
 
-    def backward(self, grad_out, query, key, value, out, lse, cu_seqlens, max_seqlen, scale, window):
-        placeholder = torch.zeros(2, dtype=torch.uint64, device=query.device)
-        unused = torch.empty(0, device=query.device)
+    def backward(self, grad_out, saved: Saved, layout: Layout):
+        cu, longest, device = layout.cu_seqlens, layout.max_seqlen, saved.query.device
+        placeholder = torch.zeros(2, dtype=torch.uint64, device=device)
+        unused = torch.empty(0, device=device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out, query, key, value, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
-            placeholder, unused, scale=scale, **self._window(window))
+            grad_out, saved.query, saved.key, saved.value, saved.out, saved.lse, cu, cu, longest, longest, 0.0, True,
+            placeholder, unused, scale=layout.scale, **self._window(layout.window))
         return dq, dk, dv
 
 

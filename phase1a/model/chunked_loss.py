@@ -20,11 +20,12 @@ import torch
 from transformers.utils import ModelOutput
 
 from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.units import MIB
 
 # A chunk's float32 logits: 256 MiB. The chunk count of a row is then fixed by its length and the vocabulary (a
 # static loop for static rows), with few large matmuls: SmolLM2's 49k vocabulary gets 1,280-row chunks, Llama 3's
 # 128k 512; Liger's heuristic gave SmolLM2 32-row chunks, 63 Python iterations a 2,000-token step.
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 256 * MIB
 CHUNK_ALIGN = 128
 
 

@@ -65,13 +65,12 @@ class _Pending:
 
 
 class ProgressReporter:
+    read_every = READ_EVERY_SECONDS  # seconds between reads of the pending steps' numbers (0: every step)
+
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, yardstick: Yardstick = Yardstick(), *,
-                 display: MeterSettings | None = None, enabled: bool = True,
-                 read_every: float = READ_EVERY_SECONDS):
+                 display: MeterSettings | None = None, enabled: bool = True):
         """`display`: how progress shows (`current_settings()`, the process's `progress`); None: not at all.
-        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown. `read_every`:
-        seconds between reads of the pending steps' numbers from the device (0: every step)."""
-        self.read_every = read_every
+        `enabled` False (ranks other than 0): the numbers are computed, nothing is written or shown."""
         self.total_steps, self.start_step, self.yardstick = total_steps, start_step, yardstick
         self.output_dir, self.enabled = Path(output_dir), enabled
         self.metrics = open(Path(output_dir) / layout.METRICS, "a") if enabled else None
