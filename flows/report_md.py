@@ -27,6 +27,7 @@ from phase1a.data.lengths import Outliers
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
 from phase1a.plan.interruptions import InterruptionOutcome
+from phase1a.plan.options import ranged
 from phase1a.promote.promotion import POINTER
 from phase1a.results import Plan, StoreTraining, TrainResult
 from phase1a.run_report import FlowRunLink, RunReport
@@ -275,7 +276,25 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
     if compared:
         lines += ["Estimate against actual (a stage that was cached is not compared):", "",
                   *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
-    return lines + _interruptions(plan, report.interruptions_vs_actual)
+    return lines + _options(plan) + _interruptions(plan, report.interruptions_vs_actual)
+
+
+def _options(plan: Plan) -> list[str]:
+    """The options table: each row's source (measured, modelled) and range, and what the ranges rest on."""
+    if not plan.options:
+        return []
+    rows = [(row.label, row.source,
+             ranged(row.tokens_per_second, row.tokens_per_second_low, row.tokens_per_second_high, "{:,.0f}"),
+             ranged(row.hours, row.hours_low, row.hours_high, "{:.2f}"),
+             "-" if row.dollars is None else ranged(row.dollars, row.dollars_low, row.dollars_high, "{:,.2f}"))
+            for row in plan.options]
+    bases: dict[str, list[str]] = {}
+    for row in plan.options:
+        if row.basis:
+            bases.setdefault(row.basis, []).append(row.label)
+    return ["Options (tokens/s, hours, USD: the value [low-high]; docs/plan-models.md#the-options-table):", "",
+            *_table(("option", "source", "tokens/s", "hours", "USD"), rows),
+            *[f"- {', '.join(labels)}: {basis}" for basis, labels in bases.items()], ""]
 
 
 def _footing(plan: Plan) -> list[tuple[str, str]]:

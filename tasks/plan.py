@@ -69,6 +69,7 @@ from phase1a.plan.calibration import (
 )
 from phase1a.plan.communication import StepTraffic, step_communication
 from phase1a.plan.footing import Footing
+from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, modelled
 from phase1a.plan.interruptions import (
     ASSUMED_DISK_BYTES_PER_SECOND,
     ASSUMED_STORE_BYTES_PER_SECOND,
@@ -576,16 +577,22 @@ class _Planner:
 
     def _options(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit, estimate: Estimate,
                  sized: tuple[float, MemoryEstimate]) -> list[OptionRow]:
-        """The options table needs a catalogue GPU as its reference: the target's own throughput when it is one,
-        else an H100 at the assumed MFU (flagged in the table's notes via its implied MFU). Its spot columns
-        weigh the same checkpoint, store and restart at each option's speed and its kind's interruption rate."""
+        """The options table needs a catalogue GPU as its reference: the target's own throughput when it is one
+        (measured, or assumed where it is not present), else an H100's training steps from the GPU model (kernel
+        launches and per-step overhead fitted to committed GPU measurements, compute at `plan.assumed_mfu`:
+        phase1a/plan/gpu_model.py); the other kinds from the GPU model too. Each row says which, with a range.
+        Evaluation off the target stays priced at the assumed MFU (the GPU model times training steps only). Its
+        spot columns weigh the same checkpoint, store and restart at each option's speed and its kind's
+        interruption rate."""
         hardware, policy, (flops, memory) = self.config.hardware, self.policy, sized
         reference = hardware.target if hardware.target in CATALOGUE else "h100"
         own = reference == hardware.target  # the target's rows: its own measured (or assumed) speeds
+        step = self._gpu_step(throughput.chosen, fit.max_seq_length, flops)
         reference_tps = (1.0 / throughput.seconds_per_token if own
-                         else CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops)
+                         else modelled(step, reference, policy.assumed_mfu).value)
+        assumed_tps = CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops
         speed = (self._validation_speed(throughput, fit.max_seq_length) if own else self._modelled_validation_speed(
-            1.0 / reference_tps, CATALOGUE["h100"], throughput.chosen.gradient_checkpointing, fit.max_seq_length))
+            1.0 / assumed_tps, CATALOGUE["h100"], throughput.chosen.gradient_checkpointing, fit.max_seq_length))
         startup = (1 + self._validation_loads()) * (estimate.startup_seconds if own else self._assumed_startup())
         evaluation = self._validation_work() + self._eval_during_training_work() * estimate.evaluations_during_training
         other = OtherWork(
@@ -597,6 +604,7 @@ class _Planner:
             checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
             fit.max_seq_length).interval_seconds
         traffic = self._traffic(1.0 / reference_tps, throughput.chosen.micro_batch_size, fit.max_seq_length)
+        footing = throughput.footing  # its low and high multiply seconds: the speed's range is their inverse
         job = OptionsJob(
             train_tokens=self._train_tokens(fit.epochs, fit.max_seq_length), flops_per_token=flops, traffic=traffic,
             reference=reference, reference_tokens_per_second=reference_tps,
@@ -604,10 +612,23 @@ class _Planner:
             weights_and_state_bytes=(memory.weights_gib + memory.trainable_gib) * GIB,
             global_batch=self.method.batch_size, learning_rate=self.method.learning_rate, other=other,
             spot=SpotJob(checkpoint_seconds=checkpoints.cost.seconds, restart_seconds=checkpoints.restart_seconds,
-                         startup_seconds=startup, interval_seconds=configured, store=checkpoints.store))
+                         startup_seconds=startup, interval_seconds=configured, store=checkpoints.store),
+            gpu=step, assumed_mfu=policy.assumed_mfu,
+            reference_source=("modelled" if not own else "assumed" if throughput.source == "assumed" else "measured"),
+            reference_basis=footing.words if own else "",
+            reference_range=(1 / footing.high, 1 / footing.low) if own else (1.0, 1.0))
         return option_rows(job, OptionsPolicy(
             scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
             memory_headroom=hardware.memory_headroom, **_overrides(hardware)))
+
+    def _gpu_step(self, chosen: Candidate, max_seq_length: int, flops: float) -> GpuStep:
+        """One optimizer step as a GPU runs it, for the GPU model: the batch at the data's mean length, in
+        micro-batches of the chosen row budget."""
+        return gpu_step(self.facts, StepJob(
+            examples=self.method.batch_size, mean_length=_mean(self.lengths, max_seq_length),
+            row_tokens=token_budget(chosen.micro_batch_size, max_seq_length), flops_per_token=flops,
+            full=self.shape.full, target_modules=self.method.lora.target_modules,
+            checkpointing=chosen.gradient_checkpointing))
 
 
 def shards(hardware: HardwareConfig) -> int:

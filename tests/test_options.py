@@ -137,3 +137,29 @@ def test_new_catalogue_entries_are_detected_by_their_own_names():
              "NVIDIA GeForce RTX 4090": "rtx4090", "Tesla T4": None}
     assert {name: catalogue_key(name) for name in names} == names
     assert all(accelerator.memory_bandwidth for accelerator in CATALOGUE.values())
+
+
+def test_each_row_says_its_source_and_range():
+    """The reference kind's rows are measured, with the reference's range (the plan's footing); another kind's are
+    modelled: scaled by peak FLOP/s where the job has no GPU step, the range down to the reference's own speed (a
+    step bound by overhead runs no faster on a faster GPU)."""
+    specs = [*H100x[:2], OptionSpec(label="1x A100", gpus=1, kind="a100-80gb", strategy="single")]
+    rows = by_label(priced({"reference_range": (0.8, 1.25), "reference_basis": "4 measured steps, ±25%",
+                            "other": OtherWork(host_seconds=600)}, options=specs))
+    one, two, a100 = rows["1x H100"], rows["2x H100"], rows["1x A100"]
+    assert one.source == two.source == "measured" and one.basis == "4 measured steps, ±25%"
+    assert (one.tokens_per_second_low, one.tokens_per_second_high) == (pytest.approx(8_000), pytest.approx(12_500))
+    assert two.tokens_per_second_low == pytest.approx(8_000 * 2 * 0.9)
+    assert one.hours_low < one.hours < one.hours_high and one.hours_low == pytest.approx(
+        (TOKENS / 12_500 + 600) / 3600)
+    assert one.dollars_low == pytest.approx(CATALOGUE["h100"].price_per_hour * one.hours_low)
+    assert a100.source == "modelled" and a100.tokens_per_second == pytest.approx(10_000 * 312 / 989)
+    assert a100.tokens_per_second_low == pytest.approx(8_000 * 312 / 989)
+    assert a100.tokens_per_second_high == pytest.approx(12_500)
+    assert "peak FLOP/s" in a100.basis
+    lines = format_options([one, a100]).splitlines()
+    assert lines[0].split()[:5] == ["option", "fits", "GiB/GPU", "source", "tok/s"]
+    assert "measured  10,000 [8,000-12,500]" in lines[1] and "modelled  3,155 [2,524-12,500]" in lines[2]
+    # A reference that is assumed, not measured (a target not present): its own rows are modelled too.
+    (assumed,) = priced({"reference_source": "assumed"}, options=H100x[:1])
+    assert assumed.source == "modelled" and assumed.tokens_per_second_low == assumed.tokens_per_second == 10_000

@@ -1,5 +1,10 @@
 """The options table: the same training job on several hardware options, with hours and dollars for each
-(docs/plan-models.md#the-options-table: the formulas and their assumptions)."""
+(docs/plan-models.md#the-options-table: the formulas and their assumptions).
+
+Each row says where its speed comes from: `measured` (the reference GPU kind's own speed, from calibration or the
+history of earlier runs there) or `modelled` (the GPU model, phase1a/plan/gpu_model.py, from kernel launches and
+per-step overhead fitted to committed GPU measurements and compute at a ceiling MFU; or the plan's assumed MFU), and
+gives its tokens/s, hours and dollars as a range [low, high] beside the value."""
 from __future__ import annotations
 
 import math
@@ -10,10 +15,15 @@ from pydantic import BaseModel
 from phase1a.core.hardware import CATALOGUE
 from phase1a.core.units import GIB
 from phase1a.plan.communication import NETWORKS, StepTraffic, step_communication
+from phase1a.plan.gpu_model import GpuStep, Modelled, load_overheads, modelled
 from phase1a.plan.interruptions import Exposure, NotExpectedToFinish, auto_interval, expected
 
 Strategy = Literal["single", "ddp", "fsdp", "zero3", "hsdp", "auto"]
 LrRule = Literal["sqrt", "linear", "none"]
+Source = Literal["measured", "modelled"]
+# Where the reference speed comes from: measured there (calibration, history), the plan's assumed MFU (a catalogue
+# target that is not present), or the GPU model (a target that is no catalogue GPU: the rows are all modelled).
+ReferenceSource = Literal["measured", "assumed", "modelled"]
 SHARDED: frozenset[str] = frozenset({"fsdp", "zero3"})  # hsdp shards inside a node: memory_per_gpu over its GPUs
 IMPLAUSIBLE_MFU = 0.6  # above this a dense transformer's training throughput is almost certainly mis-modelled
 
@@ -56,6 +66,16 @@ class OptionRow(BaseModel):
     spot_interruptions: float | None = None  # expected over the run
     evaluation_seconds: float = 0.0  # the validate stage and evaluations during training, on one GPU of this kind
     host_seconds: float = 0.0  # start-up, warm-up, checkpoint writes: the host's, the same on every option
+    # Where the speed comes from, and its range (None in plans written before the fields): measured, the
+    # reference kind's own speed; modelled, the GPU model's or scaled from the reference (module docstring).
+    source: Source = "measured"
+    tokens_per_second_low: float | None = None
+    tokens_per_second_high: float | None = None
+    hours_low: float | None = None  # at the high speed
+    hours_high: float | None = None
+    dollars_low: float | None = None
+    dollars_high: float | None = None
+    basis: str = ""  # what the speed and its range rest on, in words
 
 
 DEFAULT_OPTIONS: list[OptionSpec] = [
@@ -137,6 +157,12 @@ class OptionsJob(BaseModel):
     traffic: StepTraffic | None = None  # one step on one reference GPU: what several GPUs would move
     other: OtherWork = OtherWork()  # besides the training steps: the host's seconds, and evaluation's work
     spot: SpotJob | None = None  # what an interruption costs; None: no spot column
+    reference_source: ReferenceSource = "measured"
+    reference_basis: str = ""  # what the reference speed rests on, in words (the plan's footing)
+    reference_range: tuple[float, float] = (1.0, 1.0)  # its low and high, as multiples of the reference speed
+    gpu: GpuStep | None = None  # one step as a GPU runs it: the GPU model prices the other kinds; None: they are
+    # scaled by peak FLOP/s
+    assumed_mfu: float = 0.35  # the GPU model's ceiling where no measurement says better (plan.assumed_mfu)
 
 
 class OptionsPolicy(BaseModel):
@@ -163,23 +189,39 @@ def option_rows(job: OptionsJob, policy: OptionsPolicy | None = None) -> list[Op
     return [_row(spec, job, policy) for spec in policy.options]
 
 
+class _Speed(BaseModel):
+    """One GPU's tokens/s on an option, its range, and what it rests on."""
+
+    low: float
+    value: float
+    high: float
+    source: Source
+    basis: str
+    note: str = ""
+    step_ratio: float  # a whole step's seconds on this kind over the reference's: what communication hides behind
+
+
 def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
     accelerator, peak, n = CATALOGUE[spec.kind], _peak(spec.kind), spec.gpus
     available = accelerator.memory_bytes * (1 - policy.memory_headroom)
     strategy, why = _strategy(spec, job, available)
-    efficiency, communication = _efficiency(spec, strategy, job, policy)
-    tokens_per_second = job.reference_tokens_per_second * peak / _peak(job.reference) * n * efficiency
+    speed = _speed(spec, job, policy)
+    efficiency, communication = _efficiency(spec, strategy, job, policy, speed.step_ratio)
+    tokens_per_second = speed.value * n * efficiency
     evaluation = job.other.evaluation_seconds(job.reference, spec.kind)
-    hours = (job.train_tokens / tokens_per_second + job.other.host_seconds + evaluation) / 3600
     price = (policy.prices or {}).get(spec.kind, accelerator.price_per_hour)
     needed = _memory(job, spec, strategy)
     mfu = tokens_per_second * job.flops_per_token / (n * peak)
 
+    def hours_at(rate: float) -> float:  # evaluation moves with the training speed
+        return (job.train_tokens / rate + job.other.host_seconds + evaluation * tokens_per_second / rate) / 3600
+
+    hours, low, high = hours_at(tokens_per_second), speed.low * n * efficiency, speed.high * n * efficiency
     notes = [why] if why else []
     if needed > available:
         notes.append(f"needs {needed / GIB:.1f} GiB per GPU, {available / GIB:.1f} available")
-    if spec.kind != job.reference:
-        notes.append(f"throughput scaled from {job.reference} by peak FLOP/s")
+    if speed.note:
+        notes.append(speed.note)
     if policy.keep_global_batch or n == 1:
         batch, lr = job.global_batch, job.learning_rate
         if n > 1:
@@ -198,9 +240,59 @@ def _row(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> OptionRow:
         tokens_per_second=tokens_per_second, mfu=mfu, hours=hours, evaluation_seconds=evaluation,
         host_seconds=job.other.host_seconds,
         dollars=None if price is None else n * price * hours, learning_rate=lr, global_batch=batch,
-        note="; ".join(notes),
+        note="; ".join(notes), source=speed.source, basis=speed.basis,
+        tokens_per_second_low=low, tokens_per_second_high=high, hours_low=hours_at(high), hours_high=hours_at(low),
+        dollars_low=None if price is None else n * price * hours_at(high),
+        dollars_high=None if price is None else n * price * hours_at(low),
     )
     return _with_spot(row, job.spot, policy) if job.spot else row
+
+
+def _speed(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> _Speed:
+    """One GPU of the option: the reference kind's own speed (measured, or assumed); another kind's from the GPU
+    model, directly where the reference is the model's too, else as the reference's times the model's ratio
+    between the kinds; without a GPU step, the reference's scaled by peak FLOP/s (its range down to the same speed:
+    a step bound by overhead runs no faster on a faster GPU)."""
+    reference, kind, ref = job.reference, spec.kind, job.reference_tokens_per_second
+    lo, hi = job.reference_range
+    own = kind == reference
+    if job.gpu is None:
+        if own:
+            return _Speed(low=ref * lo, value=ref, high=ref * hi, step_ratio=1.0, basis=job.reference_basis,
+                          source="measured" if job.reference_source == "measured" else "modelled")
+        r = _peak(kind) / _peak(reference)
+        return _Speed(low=ref * lo * min(1.0, r), value=ref * r, high=ref * hi * max(1.0, r), step_ratio=1 / r,
+                      source="modelled", note=f"throughput scaled from {reference} by peak FLOP/s",
+                      basis=f"{reference}'s speed ({job.reference_basis or job.reference_source}) scaled by peak "
+                            f"FLOP/s, down to the same speed where overhead bounds the step")
+    overheads = load_overheads()
+    step = job.gpu.share(spec.gpus) if policy.keep_global_batch else job.gpu
+    on_kind, at_reference = modelled(step, kind, job.assumed_mfu), modelled(job.gpu, reference, job.assumed_mfu)
+    whole = on_kind if step is job.gpu else modelled(job.gpu, kind, job.assumed_mfu)
+    ratio = at_reference.value / whole.value  # step seconds on kind over the reference's
+    if job.reference_source == "modelled":  # the reference is the model's: every kind straight from it
+        return _Speed(low=on_kind.low, value=on_kind.value, high=on_kind.high, step_ratio=ratio, source="modelled",
+                      basis=f"GPU model: {on_kind.words(overheads)}; overheads {overheads.basis()}",
+                      note=f"{on_kind.words(overheads)} ({overheads.short_basis()})")
+    ratios = _ratios(on_kind, at_reference)
+    value = ref * on_kind.value / at_reference.value
+    low, high = ref * lo * min(ratios), ref * hi * max(ratios)
+    if own and step is job.gpu:
+        speed = _Speed(low=ref * lo, value=ref, high=ref * hi, step_ratio=1.0, basis=job.reference_basis,
+                       source="measured" if job.reference_source == "measured" else "modelled")
+        if job.reference_source == "assumed" and at_reference.high < ref * lo:
+            speed.note = (f"the GPU model gives {at_reference.low:,.0f}-{at_reference.high:,.0f} tok/s "
+                          f"({at_reference.words(overheads)}; {overheads.short_basis()})")
+        return speed
+    what = f"{reference}'s speed ({job.reference_basis or job.reference_source})"
+    return _Speed(low=low, value=value, high=high, step_ratio=ratio, source="modelled",
+                  basis=f"{what} x the GPU model's {kind}/{reference} ratio ({on_kind.words(overheads)}; overheads "
+                        f"{overheads.basis()})",
+                  note=f"throughput scaled from {reference} by the GPU model ({on_kind.bound}-bound)")
+
+
+def _ratios(on_kind: Modelled, at_reference: Modelled) -> tuple[float, float, float]:
+    return (on_kind.low / at_reference.low, on_kind.value / at_reference.value, on_kind.high / at_reference.high)
 
 
 def _memory(job: OptionsJob, spec: OptionSpec, strategy: Strategy) -> float:
@@ -225,15 +317,17 @@ def _strategy(spec: OptionSpec, job: OptionsJob, available: float) -> tuple[Stra
     return "fsdp", "fsdp: sharded over every GPU, and still too big"
 
 
-def _efficiency(spec: OptionSpec, strategy: Strategy, job: OptionsJob, policy: OptionsPolicy) -> tuple[float, float]:
-    """The share of linear speed-up kept, and a step's communication seconds (module docstring)."""
+def _efficiency(spec: OptionSpec, strategy: Strategy, job: OptionsJob, policy: OptionsPolicy,
+                step_ratio: float) -> tuple[float, float]:
+    """The share of linear speed-up kept, and a step's communication seconds (module docstring); `step_ratio`: a
+    step's seconds on the option's kind over the reference's."""
     if spec.gpus == 1:
         return 1.0, 0.0
     if policy.scaling_efficiency is not None or job.traffic is None:
         return scaling_factor(spec.gpus, policy.scaling_efficiency or DEFAULT_SCALING), 0.0
     traffic, shrink = job.traffic, (spec.gpus if policy.keep_global_batch else 1)
     on_this_gpu = traffic.model_copy(update={
-        "compute_seconds": traffic.compute_seconds * _peak(job.reference) / _peak(spec.kind) / shrink,
+        "compute_seconds": traffic.compute_seconds * step_ratio / shrink,
         "micro_batches": max(1, traffic.micro_batches // shrink)})
     spread = "fsdp" if strategy in SHARDED else strategy
     moved = step_communication(on_this_gpu, spread, spec.kind, spec.gpus_per_node, spec.nodes, spec.network)
@@ -275,13 +369,17 @@ def _peak(kind: str) -> float:
 
 
 def format_options(rows: list[OptionRow]) -> str:
-    """A plain-text table, one line per option, columns padded to their widest cell."""
-    header = ["option", "fits", "GiB/GPU", "tok/s", "scaling", "MFU", "hours", "USD", "spot h", "spot USD", "lr",
-              "batch", "note"]
+    """A plain-text table, one line per option, columns padded to their widest cell; a range [low-high] beside a
+    value where the row has one."""
+    header = ["option", "fits", "GiB/GPU", "source", "tok/s", "scaling", "MFU", "hours", "USD", "spot h", "spot USD",
+              "lr", "batch", "note"]
     cells = [header] + [[
         row.label, "yes" if row.fits else "NO", f"{row.memory_per_gpu_gib:.1f}/{row.memory_available_gib:.0f}",
-        f"{row.tokens_per_second:,.0f}", "-" if row.gpus == 1 else f"{row.scaling_efficiency:.0%}", f"{row.mfu:.0%}",
-        f"{row.hours:.2f}", _dollars(row.dollars),
+        row.source, ranged(row.tokens_per_second, row.tokens_per_second_low, row.tokens_per_second_high, "{:,.0f}"),
+        "-" if row.gpus == 1 else f"{row.scaling_efficiency:.0%}", _percent(row.mfu),
+        ranged(row.hours, row.hours_low, row.hours_high, "{:.2f}"),
+        _dollars(row.dollars) if row.dollars is None else ranged(row.dollars, row.dollars_low, row.dollars_high,
+                                                                  "{:,.2f}"),
         "-" if row.spot_hours is None else f"{row.spot_hours:.2f}",
         "-" if row.spot_hours is None else _dollars(row.spot_dollars),
         f"{row.learning_rate:.3g}", str(row.global_batch), row.note,
@@ -289,6 +387,20 @@ def format_options(rows: list[OptionRow]) -> str:
     widths = [max(len(line[i]) for line in cells) for i in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1] for line in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def ranged(value: float, low: float | None, high: float | None, spec: str) -> str:
+    """`value`, and its range [low-high] where it has one that reads differently (`spec`: a format string)."""
+    text = spec.format(value)
+    if low is None or high is None:
+        return text
+    low_text, high_text = spec.format(low), spec.format(high)
+    return text if low_text == high_text == text else f"{text} [{low_text}-{high_text}]"
+
+
+def _percent(share: float) -> str:
+    """A share as a percentage, to two significant figures below 1 %."""
+    return f"{share:.0%}" if share >= 0.01 or share == 0 else f"{share * 100:.2g}%"
 
 
 def more_nodes(rows: list[OptionRow]) -> list[str]:
