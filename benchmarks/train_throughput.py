@@ -1,54 +1,68 @@
-"""Training throughput: the field notes' "before" and "after" configurations, Hugging Face Trainer padding-free,
-and ours, one run, same data, same model, same examples measured.
+"""Training throughput: our train step (eager, compiled, CUDA graphs, or the knobs our plan picks) beside the field
+notes' "before" and "after" configurations and Hugging Face Trainer padding-free, one run, same data, same model.
 
-    uv run python benchmarks/train_throughput.py [--model tiny|smollm2|llama3-8b] [--measured 32] [--out FILE]
-        [--configs before after hf_flattening ours] [--results-dir DIR] [--profile]
+    uv run python benchmarks/train_throughput.py [--model test|tiny|smollm2|llama3-8b] [--configs new hf_flattening]
+        [--steps demo:16 rich:t20480 rows8k:t32768:r8192] [--cudnn off on] [--results-dir DIR] [--out FILE]
 
+  new            our train step as the train stage runs it (phase1a/train/steps.py `optimizer_step` on
+                 `StepBatches`), with fixed knobs: static rows (a few bucket lengths, phase1a/train/packing.py
+                 `RowShape`), varlen attention, no checkpointing, fused AdamW, 2 loader workers on a GPU; rows of
+                 the whole step, or of `:rN` tokens
+  new_compiled   the same, each decoder layer compiled (fullgraph, static shapes; phase1a/model/build.py)
+  new_graphs     the same, compiled layers replayed as CUDA graphs (reduce-overhead; CUDA only)
+  ours           the knobs our plan picks by calibration on this machine (`--calibration-budget`, not timed)
   before         every example padded to 2048 tokens, micro-batch 2 x accumulation 8, no TF32, no dataloader
                  workers, AdamW for-each (Hugging Face Trainer's default)
   after          padded to the right-sized length (p99, at most 2048), TF32, 4 workers, gradient checkpointing,
                  micro-batch 2 x 4
-  hf_flattening  Hugging Face Trainer with `DataCollatorWithFlattening` (padding-free: each micro-batch of 8 is
-                 one row with restarting position_ids), 8 x 2, fused AdamW, TF32, 4 workers on a GPU, no
-                 checkpointing: the strongest setup a peer gets from the library's own parts
-  ours           packed rows (no padding), the knobs our plan picks by calibration on this machine, fused AdamW
-  trl_sft        (asked for by name, with TRL installed beside the project) TRL's SFTTrainer with
-                 `padding_free=True` on the same chat records, tokenized by TRL itself, 8 x 2: its own token
-                 count is its useful tokens
+  hf_flattening  Hugging Face Trainer with `DataCollatorWithFlattening` (padding-free: each micro-batch is one row
+                 with restarting position_ids), fused AdamW, TF32, 4 workers on a GPU, no checkpointing: the
+                 strongest setup a peer gets from the library's own parts; micro-batches of 8 at the demo batch,
+                 the whole step (or `:rN` tokens of it) in one row at a token-rich one
+  trl_sft        (asked for by name, with TRL and `datasets` installed beside the project) TRL's SFTTrainer with
+                 `padding_free=True` on the same chat records, tokenized by TRL itself, 8 x 2
 
-Each configuration runs in its own process (its peak memory is its own) on a freshly loaded copy of the same
-randomly initialised model (weights do not change speed), LoRA r=16 on every projection. The peers attend with
-transformers' SDPA (a padding mask, or for flattened rows the block-diagonal mask it builds from the restarting
-position_ids); ours with the implementation our plan picks (`method.attention: auto`). After one warm-up
-optimizer step, the same `--measured` examples are timed. Useful tokens are the examples' own (truncated to the
-configuration's length); padding waste is the share of computed tokens that were padding. MFU counts model
-FLOPs (4N a token for LoRA plus attention, the same count for every configuration) of the useful tokens over
-the GPU's dense bf16 peak; a CPU has no peak in the catalogue, so there the achieved TFLOP/s are reported
-instead.
+A step (`--steps NAME:SIZE[:rROW]`): SIZE examples, or `tN` for as many examples (a multiple of 16) as make the
+mean step hold N tokens; `rROW`: rows of at most ROW tokens (default: the whole step in one row). `before` and
+`after` are the field notes' demo-batch configurations and run at the 16-example step only.
 
-`--results-dir` keeps one JSON per configuration and skips those already there, so a run cut short (a GPU
-lease ending) continues where it stopped; the model, data and tokenization under `--work` are reused too.
-`--profile` adds a torch.profiler table of a few of our steps (the kernels that bound them). Prints JSON;
-`--out` writes the summary.
+Every measurement runs the windows of benchmarks/step_meter.py on the same examples, in order (the first of the
+generated data): warm-up (every static row length, then real steps), timed (useful tokens/s, padded tokens/s,
+padding share, MFU, peak memory), host syncs counted, profiled (GPU-busy fraction, the top kernels; the table beside
+the result). Useful tokens are the examples' own (truncated to the configuration's length); MFU counts model FLOPs
+(4N a token for LoRA plus attention, phase1a/model/cost_model.py, the same count for every configuration) of the
+useful tokens over the GPU's dense bf16 peak; a CPU has no peak, so there only the achieved TFLOP/s. Every derived
+number is computed from the raw numbers in the same result file (`derived`, step_meter.derive).
+
+Each measurement runs in its own process on a GPU (its peak memory and CUDA state are its own; on a CPU, where
+peak memory is the process's RSS anyway, one after another in this one), on a freshly built copy of the same
+randomly initialised model (weights do not change speed), LoRA r=16 on every projection. The Llama-3-8B shape is
+built on the device in bf16 from its config (`--layers`, 8 by default): no checkpoint is written. `--cudnn off on`
+runs the SDPA-based peers with SDPA's cuDNN backend disabled, then enabled (cuDNN's masked backward has a NaN
+regression on Hopper in torch 2.11-2.13: a run whose loss is not finite says so). `--results-dir` keeps one JSON
+per measurement and skips those already there, so a run cut short continues where it stopped; the model, data and
+tokenization under `--work` are reused too. Prints JSON; `--out` writes the summary.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from step_meter import ON_DEVICE, Meter, Windows, builds_on_device, cudnn_sdpa, jsonable, on_device_loader, with_derived
 from tokenize_throughput import _in_process, _peak_rss_mib, generate  # same data, same process runner
-
-from phase1a.core.units import GIB, MIB
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the tokenizer's)
     "test": (64, 128, 2, 4, 2, None),  # the test suite's tiny Llama: the GPU check's dry run
@@ -56,12 +70,20 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: t
     "smollm2": (576, 1536, 30, 9, 3, None),
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
 }
-CONFIGS = ("before", "after", "hf_flattening", "ours")
-OPTIONAL_CONFIGS = ("trl_sft",)  # a package outside the project: `uv run --with trl ...`
+ON_DEVICE_SHAPES = ("llama3-8b",)  # built on the device from their config: no 16 GB checkpoint on disk
+DEFAULT_LAYERS = {"llama3-8b": 8}  # full width, 8 of its 32 layers (--layers): the GPU check's shape
+NEW_CONFIGS = ("new", "new_compiled", "new_graphs")
+PEERS = ("before", "after", "hf_flattening")
+CONFIGS = (*NEW_CONFIGS, "ours", *PEERS)
+OPTIONAL_CONFIGS = ("trl_sft",)  # packages outside the project: `uv run --with trl ...`
+SDPA_CONFIGS = (*PEERS, "trl_sft")  # attend with transformers' SDPA: measured with cuDNN's backend on and off
 SMALL_VOCABULARY = ("test", "tiny")  # shapes that take the test suite's tokenizer
-GLOBAL_BATCH = 16  # ours and hf_flattening; the field notes' "after" ran 8
-WARMUP_EXAMPLES = 16  # one optimizer step of 16 examples warms every configuration up
-PROFILED_STEPS = 3
+DEMO_BATCH = 16  # the demo's global batch
+GLOBAL_BATCH = DEMO_BATCH  # the name other benchmarks import
+FIELD_NOTES = {"before": (2048, 2, 8, False, 0, False), "after": (None, 2, 4, True, 4, True)}
+# length (None: right-sized), micro-batch, accumulation, checkpointing, workers, TF32
+HF_MICRO = 8  # hf_flattening's micro-batch at the demo batch
+WINDOWS = Windows(warmup=2, timed=16, syncs=2, profiled=3)
 
 
 def model_and_data(model: str, work: Path, examples: int, max_answer_words: int) -> tuple[str, Path]:
@@ -80,10 +102,12 @@ def model_and_data(model: str, work: Path, examples: int, max_answer_words: int)
     return str(model_dir), data
 
 
-def make_model_dir(shape: str, tokenizer_dir: Path | None, target: Path) -> Path:
-    """A randomly initialised Llama of `shape`, written once and reused. The test and tiny shapes take the test
-    suite's 400-token BPE tokenizer (built from scratch, no hub): with SmolLM2's 49k vocabulary the logits alone
-    would take a CPU minutes."""
+def make_model_dir(shape: str, tokenizer_dir: Path | None, target: Path, layers: int | None = None,
+                   on_device: bool = False) -> Path:
+    """A randomly initialised Llama of `shape` (`layers` of them, default the shape's), written once and reused;
+    `on_device`: its config and tokenizer only, the model built on the device when it is loaded
+    (step_meter.on_device_loader). The test and tiny shapes take the test suite's 400-token BPE tokenizer (built
+    from scratch, no hub): with SmolLM2's 49k vocabulary the logits alone would take a CPU minutes."""
     if (target / "COMPLETE").is_file():
         return target
     import torch
@@ -96,29 +120,132 @@ def make_model_dir(shape: str, tokenizer_dir: Path | None, target: Path) -> Path
         tokenizer = make_tokenizer()
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[shape]
+    hidden, intermediate, default_layers, heads, kv_heads, vocab = SHAPES[shape]
     config = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=8192, tie_word_embeddings=shape != "llama3-8b",
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
+                         num_hidden_layers=layers or default_layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                         tie_word_embeddings=shape != "llama3-8b", pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
     shutil.rmtree(target, ignore_errors=True)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in bf16 directly: an 8B model in fp32 first would take 32 GB
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(target)
+    if on_device:
+        target.mkdir(parents=True)
+        config.save_pretrained(target)
+        (target / ON_DEVICE).touch()
+    else:
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # made in bf16 directly: an 8B model in fp32 first would take 32 GB
+        try:
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
+        model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    (target / "COMPLETE").touch()  # 16 GB for the 8B shape: a part cut off mid-write is written again
+    (target / "COMPLETE").touch()  # a model cut off mid-write is written again
     return target
 
 
-def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int], length: int, micro: int,
-                   accumulation: int, checkpointing: bool, workers: int, tf32: bool, queue) -> None:
+@contextmanager
+def project_loader(model_dir):
+    """The project's model loading as the train stage has it; for a directory built on the device, the project's
+    `build_model` with its `load_model` replaced by step_meter.on_device_loader (the rest of `build_model`: the
+    chunked loss, LoRA, bf16 adapters, checkpointing, compilation, unchanged)."""
+    if not builds_on_device(model_dir):
+        yield
+        return
+    import phase1a.model.build as build
+    from phase1a.model import chunked_loss
+
+    original = build.load_model
+    build.load_model = on_device_loader(chunked_loss.install)
+    try:
+        yield
+    finally:
+        build.load_model = original
+
+
+# ------------------------------------------------------------------------------------------------ the measurements
+
+def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
+    """Our train step (`new`, `new_compiled`, `new_graphs`: fixed knobs; `ours`: the plan's) in the windows."""
+    import numpy as np
+    import torch
+
+    from phase1a.config.schema import MethodConfig
+    from phase1a.core.hardware import training_device
+    from phase1a.model.build import build_model, make_optimizer
+    from phase1a.train.packing import StepBatch, StepBatches, pack, static_rows, step_loader
+    from phase1a.train.steps import optimizer_step
+
+    _threads(spec)
+    config, batch, windows = spec["config"], spec["batch"], Windows(**spec["windows"])
+    cuda = torch.cuda.is_available()
+    knobs = _plan_knobs(model_dir, spec) if config == "ours" else {
+        "max_seq_length": spec["max_seq_length"], "gradient_checkpointing": False,
+        "compile": config in ("new_compiled", "new_graphs"), "cuda_graphs": config == "new_graphs",
+        "dataloader_workers": 2 if cuda else 0,
+        "row_tokens": spec["row_tokens"] or batch * spec["max_seq_length"]}
+    if knobs["cuda_graphs"] and not cuda:
+        raise SystemExit("new_graphs: CUDA graphs need CUDA")
+    method = MethodConfig(batch_size=batch, lora={"r": 16, "alpha": 32})
+    began = time.perf_counter()
+    with project_loader(model_dir):
+        model = build_model(Path(model_dir), method, knobs["gradient_checkpointing"], compile=knobs["compile"],
+                            cuda_graphs=knobs["cuda_graphs"], compile_cache=Path(spec["work"]) / "compile-cache")
+    optimizer = make_optimizer(model, method)
+    static = static_rows(training_device(), knobs["compile"]) or spec.get("static_rows", False)
+    order = np.arange(batch * windows.total)
+    batches = StepBatches(train_path, knobs["max_seq_length"], order, batch, knobs["row_tokens"], static=static)
+    shape = batches.shape
+    model.train()
+    built = time.perf_counter()
+    # Every row length the timed steps can take, before they run: a row of one example padded to each length,
+    # twice (three times with CUDA graphs: a warm-up, the capture, a replay).
+    repeats = 3 if knobs["cuda_graphs"] else 2
+    for length in shape.lengths():
+        row = pack(batches.rows, order[:1], shape, length)
+        for _ in range(repeats):
+            optimizer_step(model, optimizer, StepBatch(micro_batches=[row], supervised=row.supervised,
+                                                       step_tokens=row.tokens))
+    meter = Meter(windows, _table(spec))
+    loader = iter(step_loader(batches, range(windows.total), knobs["dataloader_workers"], pin_memory=cuda))
+    for index in range(windows.total):
+        step = next(loader)
+        outcome = optimizer_step(model, optimizer, step)
+        meter.after(index, step.tokens, step.padded_tokens, outcome.loss)
+    facts = _facts(model_dir, model)
+    queue.put(_result(spec, meter, facts, {
+        **knobs, "static_rows": static, "row_shape": asdict(shape), "row_lengths": shape.lengths(),
+        "attention": model.config._attn_implementation, "liger": _liger(method), "optimizer": method.optimizer,
+        "build_seconds": round(built - began, 2), "warmup_seconds": round(meter.began - built, 2)}))
+
+
+def _plan_knobs(model_dir: str, spec: dict) -> dict:
+    """`ours`: what make_plan picks on this machine (its calibration is not timed)."""
+    from phase1a.config.schema import Phase1aConfig
+    from phase1a.data.tokenized import TokenizedData
+    from phase1a.model.loading import prepare_model
+    from phase1a.train.packing import token_budget
+    from tasks.plan import make_plan
+
+    data = TokenizedData.model_validate_json(spec["data_json"])
+    config = Phase1aConfig.model_validate({
+        "work_dir": (work := tempfile.mkdtemp()), "cache_dir": work, "data": {"source": "unused"},
+        "model": {"name_or_path": model_dir},
+        "method": {"batch_size": spec["batch"], "lora": {"r": 16, "alpha": 32}},
+        "hardware": {"target": config_target()},
+        "plan": {"calibration_share": 1.0, "calibration_budget": spec["calibration_budget"]}})
+    with project_loader(model_dir):
+        plan = make_plan(config, prepare_model(config), data)
+    return {"max_seq_length": plan.max_seq_length, "gradient_checkpointing": plan.gradient_checkpointing,
+            "compile": plan.compile, "cuda_graphs": plan.cuda_graphs, "dataloader_workers": plan.dataloader_workers,
+            "row_tokens": token_budget(plan.micro_batch_size, plan.max_seq_length),
+            "micro_batch_size": plan.micro_batch_size, "plan_tokens_per_second": round(plan.tokens_per_second, 1)}
+
+
+def measure_padded(model_dir: str, train_path: str, spec: dict, queue) -> None:
     """The field notes' trainer: padded batches with an attention mask, the model's own mean loss."""
     import torch
     from torch.utils.data import DataLoader
@@ -128,13 +255,18 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
     from phase1a.model.build import build_model
     from phase1a.train.packing import TokenRows
 
+    _threads(spec)
+    length, micro, accumulation, checkpointing, workers, tf32 = spec["padded"]
+    windows = Windows(**spec["windows"])
     rows = TokenRows.load(train_path, length)
     method = MethodConfig(optimizer="adamw", liger="off", attention="sdpa")
-    model = build_model(Path(model_dir), method, checkpointing)
+    with project_loader(model_dir):
+        model = build_model(Path(model_dir), method, checkpointing)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32  # build_model turns it on
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     pad = model.config.pad_token_id or 0
     device = next(model.parameters()).device
+    lengths = rows.lengths()
 
     def padded(i: int) -> dict:
         start, end = int(rows.offsets[i]), rows.end(i)
@@ -144,31 +276,31 @@ def measure_padded(name: str, model_dir: str, train_path: str, indices: list[int
         labels[: end - start] = torch.from_numpy(rows.labels[start:end].astype("int64"))
         return {"input_ids": ids, "attention_mask": (torch.arange(length) < end - start).long(), "labels": labels}
 
-    # The first optimizer step's examples warm up (kernels chosen, optimizer state allocated), as for the others.
-    warmup_batches = WARMUP_EXAMPLES // micro
-    loader = DataLoader([padded(i) for i in indices], batch_size=micro, num_workers=workers,
-                        pin_memory=torch.cuda.is_available())
+    step_examples = micro * accumulation
+    loader = iter(DataLoader([padded(i) for i in range(step_examples * windows.total)], batch_size=micro,
+                             num_workers=workers, pin_memory=torch.cuda.is_available()))
+    meter = Meter(windows, _table(spec))
     model.train()
-    began, computed = None, 0
-    for step, batch in enumerate(loader):
-        if step == warmup_batches:
-            began = _start_clock()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        (model(**batch, use_cache=False).loss / accumulation).backward()
-        computed += batch["input_ids"].numel() if began is not None else 0
-        if (step + 1) % accumulation == 0:
+    with cudnn_sdpa(spec.get("cudnn")):
+        for step in range(windows.total):
+            loss = torch.zeros((), device=device)
+            for _ in range(accumulation):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+                micro_loss = model(**batch, use_cache=False).loss / accumulation
+                micro_loss.backward()
+                loss += micro_loss.detach()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    _sync()
-    useful = int(rows.lengths()[indices[WARMUP_EXAMPLES:]].sum())
-    queue.put(_summary(name, time.perf_counter() - began, useful, computed, {
+            examples = range(step * step_examples, (step + 1) * step_examples)
+            meter.after(step, int(lengths[examples.start:examples.stop].sum()), step_examples * length, loss)
+    queue.put(_result(spec, meter, _facts(model_dir, model), {
         "max_seq_length": length, "micro_batch_size": micro, "accumulation": accumulation,
-        "gradient_checkpointing": checkpointing, "dataloader_workers": workers, "tf32": tf32}))
+        "gradient_checkpointing": checkpointing, "dataloader_workers": workers, "tf32": tf32,
+        "attention": model.config._attn_implementation}))
 
 
-def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], length: int, micro: int,
-                          workers: int, queue) -> None:
+def measure_hf_flattening(model_dir: str, train_path: str, spec: dict, queue) -> None:
     """Hugging Face Trainer, padding-free: `DataCollatorWithFlattening` makes each micro-batch one row whose
     position_ids restart at every example, which transformers' attention turns into per-example attention."""
     import torch
@@ -178,30 +310,35 @@ def measure_hf_flattening(model_dir: str, train_path: str, indices: list[int], l
     from phase1a.model.build import build_model
     from phase1a.train.packing import TokenRows
 
-    rows = TokenRows.load(train_path, length)
-    model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
+    _threads(spec)
+    windows, batch, micro = Windows(**spec["windows"]), spec["batch"], spec["peer_micro"]
+    rows = TokenRows.load(train_path, spec["max_seq_length"])
+    with project_loader(model_dir):
+        model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
     cuda = torch.cuda.is_available()
+    count = batch * windows.total
     examples = [{"input_ids": rows.input_ids[int(rows.offsets[i]):rows.end(i)].tolist(),
-                 "labels": rows.labels[int(rows.offsets[i]):rows.end(i)].tolist()} for i in indices]
-
-    accumulation = GLOBAL_BATCH // micro
-    clock = _step_clock()
-    with tempfile.TemporaryDirectory() as output_dir:
+                 "labels": rows.labels[int(rows.offsets[i]):rows.end(i)].tolist()} for i in range(count)]
+    lengths = rows.lengths()[:count]
+    tokens = [int(lengths[s * batch:(s + 1) * batch].sum()) for s in range(windows.total)]
+    meter = Meter(windows, _table(spec))
+    workers = 4 if cuda else 0  # forked loaders on a CPU only take cores from the model
+    with tempfile.TemporaryDirectory() as output_dir, cudnn_sdpa(spec.get("cudnn")):
         arguments = TrainingArguments(
-            **_trainer_arguments(output_dir, micro, len(indices)), tf32=True if cuda else None,
+            **_trainer_arguments(output_dir, micro, batch, windows.total), tf32=True if cuda else None,
             optim="adamw_torch_fused" if cuda else "adamw_torch", dataloader_num_workers=workers,
             dataloader_pin_memory=cuda, remove_unused_columns=False, max_grad_norm=1.0)
-        _in_order(Trainer)(model=model, args=arguments, train_dataset=examples,
-                           data_collator=DataCollatorWithFlattening(), callbacks=[clock]).train()
-    _sync()
-    useful = int(rows.lengths()[indices[WARMUP_EXAMPLES:]].sum())
-    queue.put(_summary("hf_flattening", time.perf_counter() - clock.began, useful, useful, {
-        "max_seq_length": length, "micro_batch_size": micro, "accumulation": accumulation,
-        "gradient_checkpointing": False, "dataloader_workers": workers, "tf32": cuda, "packed": True}))
+        output = _in_order(Trainer)(model=model, args=arguments, train_dataset=examples,
+                                    data_collator=DataCollatorWithFlattening(),
+                                    callbacks=[_windows_callback(meter, tokens)]).train()
+    queue.put(_result(spec, meter, _facts(model_dir, model), {
+        "max_seq_length": spec["max_seq_length"], "micro_batch_size": micro, "accumulation": batch // micro,
+        "gradient_checkpointing": False, "dataloader_workers": workers, "tf32": cuda, "packed": True,
+        "attention": model.config._attn_implementation}, _trainer_losses(output)))
 
 
-def measure_trl_sft(model_dir: str, data_path: str, count: int, length: int, micro: int, queue) -> None:
-    """TRL's SFTTrainer, padding-free, on the first `count` chat records in order: the peer most users start from."""
+def measure_trl_sft(model_dir: str, data_path: str, spec: dict, queue) -> None:
+    """TRL's SFTTrainer, padding-free, on the chat records in order: the peer most users start from."""
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -209,30 +346,61 @@ def measure_trl_sft(model_dir: str, data_path: str, count: int, length: int, mic
     from phase1a.model.build import build_model
     from phase1a.model.loading import load_tokenizer
 
-    model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
-    accumulation = GLOBAL_BATCH // micro
-    records = load_dataset("json", data_files=data_path, split="train").select(range(count))
-    clock, tokens = _step_clock(), []
-    with tempfile.TemporaryDirectory() as output_dir:
+    _threads(spec)
+    windows, batch, micro = Windows(**spec["windows"]), spec["batch"], HF_MICRO
+    with project_loader(model_dir):
+        model = build_model(Path(model_dir), MethodConfig(liger="off", attention="sdpa"), gradient_checkpointing=False)
+    accumulation = batch // micro
+    records = load_dataset("json", data_files=data_path, split="train").select(range(batch * windows.total))
+    meter, tokens = Meter(windows, _table(spec)), []
+    with tempfile.TemporaryDirectory() as output_dir, cudnn_sdpa(spec.get("cudnn")):
         # TRL refuses max_length with padding-free rows unless it packs; the records are within it anyway.
-        arguments = SFTConfig(**_trainer_arguments(output_dir, micro, count), padding_free=True, max_length=None,
-                              dataloader_num_workers=0)
+        arguments = SFTConfig(**_trainer_arguments(output_dir, micro, batch, windows.total), padding_free=True,
+                              max_length=None, dataloader_num_workers=0)
+        step_tokens = _CollatedTokens(tokens, accumulation)
         trainer = _in_order(SFTTrainer)(model=model, args=arguments, train_dataset=records,
-                                        processing_class=load_tokenizer(Path(model_dir)), callbacks=[clock])
+                                        processing_class=load_tokenizer(Path(model_dir)),
+                                        callbacks=[_windows_callback(meter, step_tokens)])
         collate = trainer.data_collator
 
         def counting(features):  # in this process: no loader workers
-            batch = collate(features)
-            tokens.append(int(batch["input_ids"].numel()))
-            return batch
+            collated = collate(features)
+            tokens.append(int(collated["input_ids"].numel()))
+            return collated
 
         trainer.data_collator = counting
-        trainer.train()
-    _sync()
-    useful = sum(tokens[accumulation:])  # the first optimizer step's micro-batches warm up
-    queue.put(_summary("trl_sft", time.perf_counter() - clock.began, useful, useful, {
-        "max_seq_length": length, "micro_batch_size": micro, "accumulation": accumulation,
-        "gradient_checkpointing": False, "dataloader_workers": 0, "packed": True}))
+        output = trainer.train()
+    queue.put(_result(spec, meter, _facts(model_dir, model), {
+        "micro_batch_size": micro, "accumulation": accumulation, "gradient_checkpointing": False,
+        "dataloader_workers": 0, "packed": True}, _trainer_losses(output)))
+
+
+class _CollatedTokens:
+    """Step k's tokens, as TRL's collator counted them (its own tokenization: its token count is its useful one)."""
+
+    def __init__(self, tokens: list[int], accumulation: int):
+        self.tokens, self.accumulation = tokens, accumulation
+
+    def __getitem__(self, step: int) -> int:
+        return sum(self.tokens[step * self.accumulation:(step + 1) * self.accumulation])
+
+
+def _windows_callback(meter: Meter, tokens):
+    """Drives the meter's windows at the Trainer's optimizer-step boundaries; padding-free: computed = useful."""
+    from transformers import TrainerCallback
+
+    class Windowed(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step = state.global_step - 1
+            meter.after(step, tokens[step], tokens[step])
+
+    return Windowed()
+
+
+def _trainer_losses(output) -> dict:
+    """The Trainer's mean training loss over every step (its NaN filter off, so a NaN step shows)."""
+    loss = float(output.training_loss)
+    return {"mean_over_run": loss, "not_finite": int(not math.isfinite(loss))}
 
 
 def _in_order(trainer_class):
@@ -246,123 +414,81 @@ def _in_order(trainer_class):
     return InOrder
 
 
-def _step_clock():
-    """Starts the clock after the first optimizer step, as the other configurations warm up on one."""
-    from transformers import TrainerCallback
-
-    class Clock(TrainerCallback):
-        began: float | None = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                self.began = _start_clock()
-
-    return Clock()
-
-
-def _trainer_arguments(output_dir: str, micro: int, examples: int) -> dict:
-    """What both Trainer-based peers share: global batch 16 in micro-batches of `micro`, one pass over
-    `examples`, a constant learning rate, bf16 on a GPU, no logging, checkpoints or trackers."""
+def _trainer_arguments(output_dir: str, micro: int, batch: int, steps: int) -> dict:
+    """What both Trainer-based peers share: `batch` examples a step in micro-batches of `micro`, `steps` steps, a
+    constant learning rate, bf16 on a GPU, no logging, checkpoints or trackers, no NaN filter on the loss."""
     import torch
 
     return {"output_dir": output_dir, "per_device_train_batch_size": micro,
-            "gradient_accumulation_steps": GLOBAL_BATCH // micro, "max_steps": examples // GLOBAL_BATCH,
-            "learning_rate": 1e-4, "lr_scheduler_type": "constant", "bf16": torch.cuda.is_available(),
-            "logging_strategy": "no", "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "seed": 0}
+            "gradient_accumulation_steps": batch // micro, "max_steps": steps, "learning_rate": 1e-4,
+            "lr_scheduler_type": "constant", "bf16": torch.cuda.is_available(), "logging_strategy": "no",
+            "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "seed": 0,
+            "logging_nan_inf_filter": False}
 
 
-def measure_ours(model_dir: str, data_json: str, indices: list[int], calibration_budget: str, profile: bool,
-                 queue) -> None:
-    """Our train stage's step on the knobs our plan picks here (its calibration is not timed)."""
-    import numpy as np
+def _threads(spec: dict) -> None:
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+
+
+def _table(spec: dict) -> Path | None:
+    return Path(spec["results_dir"]) / f"{spec['label']}.profile.txt" if spec.get("results_dir") else None
+
+
+def _facts(model_dir: str, model) -> dict:
+    """Parameters, FLOPs a token (4N + attention at the data's mean length: the same for every configuration) and
+    the device's dense bf16 peak, recorded raw beside the measurement."""
+    from phase1a.core.hardware import detect
+    from phase1a.model.cost_model import model_facts
+
+    facts = model_facts(Path(model_dir))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = base.get_input_embeddings().weight
+    tied = embeddings is base.get_output_embeddings().weight
+    return {"parameters": facts.parameters, "layers": facts.layers, "peak_flops": detect()[1].peak_flops,
+            "input_embedding_parameters": 0 if tied else embeddings.numel()}
+
+
+def _result(spec: dict, meter: Meter, facts: dict, knobs: dict, trainer_losses: dict | None = None) -> dict:
+    """The measurement's record: what ran, the windows' raw numbers, and the numbers derived from them."""
     import torch
 
-    from phase1a.config.schema import Phase1aConfig
-    from phase1a.data.tokenized import TokenizedData
-    from phase1a.model.build import build_model, make_optimizer
-    from phase1a.model.loading import prepare_model
-    from phase1a.train.packing import StepBatches, step_loader, token_budget
-    from phase1a.train.steps import optimizer_step
-    from tasks.plan import make_plan
+    from phase1a.model.cost_model import flops_per_token, model_facts
 
-    data = TokenizedData.model_validate_json(data_json)
-    config = Phase1aConfig.model_validate({
-        "work_dir": (work := tempfile.mkdtemp()), "cache_dir": work, "data": {"source": "unused"},
-        "model": {"name_or_path": model_dir},
-        "method": {"batch_size": GLOBAL_BATCH, "lora": {"r": 16, "alpha": 32}},
-        "hardware": {"target": config_target()},
-        "plan": {"calibration_share": 1.0, "calibration_budget": calibration_budget}})
-    plan = make_plan(config, prepare_model(config), data)
-    model = build_model(Path(model_dir), config.method, plan.gradient_checkpointing, compile=plan.compile)
-    optimizer = make_optimizer(model, config.method)
-    order = np.array(indices)
-    batches = StepBatches(data.train_path, plan.max_seq_length, order, GLOBAL_BATCH,
-                          token_budget(plan.micro_batch_size, plan.max_seq_length))
-    model.train()
-    began, computed = None, 0
-    for step, step_batch in enumerate(step_loader(batches, range(len(batches)), plan.dataloader_workers,
-                                                  pin_memory=torch.cuda.is_available())):
-        if step == WARMUP_EXAMPLES // GLOBAL_BATCH:
-            began = _start_clock()
-        optimizer_step(model, optimizer, step_batch)
-        computed += sum(row["input_ids"].numel() for row in step_batch["micro_batches"]) if began is not None else 0
-    _sync()
-    seconds = time.perf_counter() - began
-    useful = int(batches.rows.lengths()[order[WARMUP_EXAMPLES:]].sum())
-    result = _summary("ours", seconds, useful, computed, {
-        "max_seq_length": plan.max_seq_length, "micro_batch_size": plan.micro_batch_size,
-        "accumulation": plan.gradient_accumulation, "gradient_checkpointing": plan.gradient_checkpointing,
-        "dataloader_workers": plan.dataloader_workers, "compile": plan.compile, "packed": True,
-        "attention": model.config._attn_implementation, "plan_tokens_per_second": round(plan.tokens_per_second, 1)})
-    if profile:
-        result["profile"] = _profile(model, optimizer, batches)
-    queue.put(result)
+    record = meter.record()
+    if trainer_losses is not None:
+        record["losses"] = trainer_losses
+    if record["peak_memory_bytes"] is None:  # a CPU: the process's peak RSS
+        record["peak_rss_bytes"] = int(_peak_rss_mib() * 2**20)
+    per_token = flops_per_token(model_facts(Path(spec["model_dir"])), False, False, spec["mean_length"])
+    return with_derived({
+        "label": spec["label"], "config": spec["config"], "model": spec["model"], "code": "this tree",
+        "step": spec["step"], "batch": spec["batch"], "cudnn_sdpa": _cudnn_label(spec.get("cudnn")),
+        "torch": torch.__version__, **knobs, **facts, "flops_per_token": per_token,
+        "mean_example_tokens": spec["mean_length"], **record,
+        "profile_table": f"{spec['label']}.profile.txt" if spec.get("results_dir") else None})
 
 
-def _profile(model, optimizer, batches) -> str:
-    """The operators that take our steps' time, heaviest first: what bounds the throughput."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from phase1a.train.steps import optimizer_step
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as profiler:
-        for step in range(min(PROFILED_STEPS, len(batches))):
-            optimizer_step(model, optimizer, batches[step])
-        _sync()
-    return profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=20)
+def _cudnn_label(cudnn: bool | None) -> str | None:
+    return None if cudnn is None else ("on" if cudnn else "off")
 
 
-def _summary(name: str, seconds: float, useful: int, computed: int, knobs: dict) -> dict:
+def _liger(method) -> str:
+    import importlib.util
+
     import torch
 
-    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else _peak_rss_mib() * MIB / GIB
-    return {"config": name, **knobs, "seconds": round(seconds, 3), "useful_tokens": useful, "computed_tokens": computed,
-            "useful_tokens_per_s": round(useful / seconds, 1), "padding_waste": round(1 - useful / computed, 4),
-            "peak_memory_gib": round(peak, 3)}
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    applies = torch.cuda.is_available() and method.liger != "off" and installed
+    return f"{method.liger} ({'kernels applied' if applies else 'not applied'})"
 
 
-def _start_clock() -> float:
-    """Synchronise, zero the peak-memory counter, and return the start time of the measured steps."""
-    import torch
-
-    _sync()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    return time.perf_counter()
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
+# ------------------------------------------------------------------------------------------------------- the bench
 
 class Bench:
-    """What every configuration shares: the model directory, the tokenized data and the examples measured."""
+    """What every configuration shares: the model directory, the tokenized data and the steps' sizes."""
 
     def __init__(self, args: argparse.Namespace):
         from phase1a.config.schema import ModelConfig
@@ -375,32 +501,80 @@ class Bench:
         tokenizer_dir = args.tokenizer
         if tokenizer_dir is None and args.model not in SMALL_VOCABULARY:
             tokenizer_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))
-        self.model_dir = make_model_dir(args.model, tokenizer_dir, args.work / f"model-{args.model}")
+        layers = args.layers or DEFAULT_LAYERS.get(args.model)
+        on_device = args.model in ON_DEVICE_SHAPES
+        name = f"model-{args.model}" + (f"-{layers}l" if layers else "") + ("-on-device" if on_device else "")
+        self.model_dir = make_model_dir(args.model, tokenizer_dir, args.work / name, layers, on_device)
         self.data_path = data_path = args.work / f"chat_{args.examples}_{args.max_answer_words}.jsonl"
         if not data_path.is_file():
             generate(data_path, args.examples, seed=1, max_answer_words=args.max_answer_words)
         # One fingerprint per model and data: a re-run (or the next configuration's part) reuses the tokenization.
         self.data = tokenize_dataset(data_path, load_tokenizer(self.model_dir), 8192, TokenizeOptions(),
                                      args.work / "cache" / f"bench-{args.model}-{data_path.stem}")
-        self.indices = list(range(WARMUP_EXAMPLES + args.measured))
+        lengths = TokenRows.load(self.data.train_path).lengths()
+        self.examples = len(lengths)
+        self.mean_length = float(lengths.mean())
         # "after" right-sizes as the field notes did: to the p99 length (truncating the longest 1 %), within 2048.
-        self.right_sized = min(2048, right_size(TokenRows.load(self.data.train_path).lengths(), 99.0, 8192, None))
+        self.right_sized = min(2048, right_size(lengths, 99.0, 8192, None))
 
-    def run(self, config: str, args: argparse.Namespace) -> dict:
-        """Several configurations: each in a process of its own; one (a part of the GPU check): in this one."""
-        model, train = str(self.model_dir), self.data.train_path
-        call = _in_process if len(args.configs) > 1 else _here
-        if config == "before":
-            return call(measure_padded, "before", model, train, self.indices, 2048, 2, 8, False, 0, False)
-        if config == "after":
-            return call(measure_padded, "after", model, train, self.indices, self.right_sized, 2, 4, True, 4, True)
-        if config == "hf_flattening":  # forked loaders on a CPU only take cores from the model
-            return call(measure_hf_flattening, model, train, self.indices, self.data.max_seq_length, 8,
-                        4 if _cuda() else 0)
+    def step(self, text: str) -> dict:
+        """`NAME:SIZE[:rROW]` (module docstring) -> name, examples a step, a row's tokens (0: the whole step)."""
+        name, size, *rest = text.split(":")
+        if size.startswith("t"):
+            batch = DEMO_BATCH * max(1, math.ceil(int(size[1:]) / self.mean_length / DEMO_BATCH))
+        else:
+            batch = int(size)
+        row = int(rest[0].removeprefix("r")) if rest else 0
+        return {"step": name, "batch": batch, "row_tokens": row}
+
+    def spec(self, config: str, step: dict, cudnn: bool | None, args: argparse.Namespace) -> dict:
+        label = f"{config}-{step['step']}" + (f"-cudnn_{_cudnn_label(cudnn)}" if cudnn is not None else "")
+        windows = Windows(*args.windows)
+        if step["batch"] * windows.total > self.examples:
+            raise SystemExit(f"{label}: {windows.total} steps of {step['batch']} examples need "
+                             f"{step['batch'] * windows.total} examples; the data has {self.examples} "
+                             f"(--examples)")
+        return {"label": label, "config": config, "model": args.model, "model_dir": str(self.model_dir),
+                **step, "cudnn": cudnn, "windows": asdict(windows), "max_seq_length": self.data.max_seq_length,
+                "mean_length": self.mean_length, "work": str(args.work), "threads": args.threads,
+                "results_dir": str(args.results_dir) if args.results_dir else None,
+                "static_rows": args.static_rows, "calibration_budget": args.calibration_budget,
+                "data_json": self.data.model_dump_json() if config == "ours" else None,
+                "peer_micro": _peer_micro(step, self.mean_length),
+                "padded": _padded_knobs(config, self.right_sized, args.padded_length)}
+
+    def run(self, spec: dict, separate: bool) -> dict:
+        """One measurement: in a process of its own (`separate`), or in this one."""
+        call = _in_process if separate else _here
+        model, train, config = str(self.model_dir), self.data.train_path, spec["config"]
+        if config in FIELD_NOTES:
+            if spec["batch"] != DEMO_BATCH:
+                raise SystemExit(f"{config} is the field notes' demo-batch configuration: --steps NAME:16 only")
+            return call(measure_padded, model, train, spec)
+        if config == "hf_flattening":
+            return call(measure_hf_flattening, model, train, spec)
         if config == "trl_sft":  # TRL tokenizes the records itself: the first ones of the file, as many
-            return call(measure_trl_sft, model, str(self.data_path), len(self.indices), self.data.max_seq_length, 8)
-        return call(measure_ours, model, self.data.model_dump_json(), self.indices, args.calibration_budget,
-                    args.profile)
+            return call(measure_trl_sft, model, str(self.data_path), spec)
+        return call(measure_new, model, train, spec)
+
+
+def _peer_micro(step: dict, mean_length: float) -> int:
+    """hf_flattening's micro-batch: 8 at the demo batch; otherwise the whole step in one row, or as many examples
+    as fill a row of `row_tokens` on average (a divisor of the step)."""
+    batch, row = step["batch"], step["row_tokens"]
+    if batch == DEMO_BATCH:
+        return HF_MICRO
+    if not row:
+        return batch
+    fits = max(1, int(row // mean_length))
+    return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= fits)
+
+
+def _padded_knobs(config: str, right_sized: int, before_length: int) -> tuple | None:
+    if config not in FIELD_NOTES:
+        return None
+    length, *rest = FIELD_NOTES[config]
+    return (before_length if length else right_sized, *rest)
 
 
 class _Box:
@@ -433,85 +607,95 @@ def write_json(path: Path, value: dict) -> None:
     from phase1a.core.atomic import write_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps(value, indent=2) + "\n")
+    write_atomically(path, json.dumps(value, indent=2, default=jsonable) + "\n")
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def with_mfu(result: dict, model_dir: Path, mean_length: float) -> dict:
-    """Model TFLOP/s of the useful tokens (4N + attention for LoRA, the same count for every configuration)."""
-    from phase1a.core.hardware import detect
-    from phase1a.model.cost_model import flops_per_token, mfu, model_facts
-
-    per_token = flops_per_token(model_facts(model_dir), False, False, mean_length)
-    peak = detect()[1].peak_flops
-    return {**result, "model_tflops_per_s": round(result["useful_tokens_per_s"] * per_token / 1e12, 4),
-            "mfu": mfu(result["useful_tokens_per_s"], per_token, peak) if peak else None}
-
-
-def speedups(results: list[dict]) -> dict[str, float]:
-    """Ours over each other configuration present, in useful tokens/s."""
-    by_name = {r["config"]: r for r in results}
-    if "ours" not in by_name:
-        return {}
-    ours = by_name["ours"]["useful_tokens_per_s"]
-    return {f"speedup_vs_{peer}": round(ours / by_name[peer]["useful_tokens_per_s"], 2)
-            for peer in CONFIGS + OPTIONAL_CONFIGS if peer != "ours" and peer in by_name}
-
-
-def summarise(args: argparse.Namespace, bench: Bench, results: list[dict]) -> dict:
-    import torch
-
-    from phase1a.core.hardware import detect
-    from phase1a.model.cost_model import model_facts
-
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": detect()[1].name,
-        "machine": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv), "model": args.model,
-        "parameters": model_facts(bench.model_dir).parameters, "examples_measured": args.measured,
-        "right_sized_max_seq_length": bench.right_sized, "results": results, **speedups(results),
-    }
+def speedups(results: list[dict], ours: str = "new") -> dict[str, float]:
+    """`ours` (a config) over each other configuration at the same step, in useful tokens/s (derived)."""
+    by_step: dict[str, dict[str, dict]] = {}
+    for result in results:
+        by_step.setdefault(result["step"], {})[result["label"]] = result
+    ratios = {}
+    for step, measured in by_step.items():
+        mine = measured.get(f"{ours}-{step}")
+        if mine is None:
+            continue
+        for label, other in measured.items():
+            if label != mine["label"]:
+                ratios[f"{mine['label']}_vs_{label}"] = round(
+                    mine["derived"]["useful_tokens_per_s"] / other["derived"]["useful_tokens_per_s"], 3)
+    return ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's; llama3-8b: 8)")
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer directory; default: SmolLM2-135M-Instruct's, "
                                                        "or for --model test and tiny the test suite's small BPE")
-    parser.add_argument("--measured", type=int, default=16, help="examples timed (a multiple of 16)")
     parser.add_argument("--examples", type=int, default=2000, help="examples generated (the plan's length analysis)")
     parser.add_argument("--max-answer-words", type=int, default=300)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS + OPTIONAL_CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS + OPTIONAL_CONFIGS, default=["new", *PEERS])
+    parser.add_argument("--steps", nargs="+", default=[f"demo:{DEMO_BATCH}"], help="NAME:SIZE[:rROW] (docstring)")
+    parser.add_argument("--cudnn", nargs="+", choices=("off", "on"), default=["off"],
+                        help="SDPA peers: cuDNN's SDPA backend off and/or on (a CUDA host)")
+    parser.add_argument("--windows", nargs=4, type=int, metavar=("WARMUP", "TIMED", "SYNCS", "PROFILED"),
+                        default=[WINDOWS.warmup, WINDOWS.timed, WINDOWS.syncs, WINDOWS.profiled],
+                        help="steps in each window (benchmarks/step_meter.py)")
+    parser.add_argument("--static-rows", action="store_true",
+                        help="static rows on a CPU too (a GPU always has them): the dry run's path")
+    parser.add_argument("--threads", type=int, help="torch threads in each measurement")
+    parser.add_argument("--padded-length", type=int, default=2048,
+                        help="before: the length every example is padded to (the field notes': 2048)")
     parser.add_argument("--calibration-budget", default="60s", help="ours: the plan's calibration budget")
-    parser.add_argument("--profile", action="store_true", help="ours: a profiler table of a few steps")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-train-bench"))
-    parser.add_argument("--results-dir", type=Path, help="one JSON per configuration; those present are kept")
+    parser.add_argument("--results-dir", type=Path, help="one JSON per measurement; those present are kept")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.measured % GLOBAL_BATCH:
-        parser.error(f"--measured must be a multiple of {GLOBAL_BATCH}")
+
+    import torch
 
     bench = Bench(args)
-    mean_length = bench.data.lengths.total_tokens / bench.data.lengths.count
-    results = []
-    for config in args.configs:
-        done = args.results_dir / f"{config}.json" if args.results_dir else None
+    cuda = torch.cuda.is_available()
+    cudnn_modes = [mode == "on" for mode in args.cudnn] if cuda else [None]
+    specs = [bench.spec(config, bench.step(step), cudnn, args)
+             for step in args.steps for config in args.configs
+             for cudnn in (cudnn_modes if config in SDPA_CONFIGS else [None])
+             if config not in FIELD_NOTES or bench.step(step)["batch"] == DEMO_BATCH]
+    results, failed = [], {}
+    for spec in specs:
+        done = args.results_dir / f"{spec['label']}.json" if args.results_dir else None
         if done is not None and done.is_file():
             result = json.loads(done.read_text())
         else:
-            result = {"model": args.model, **with_mfu(bench.run(config, args), bench.model_dir, mean_length)}
+            try:
+                result = bench.run(spec, separate=cuda and len(specs) > 1)
+            except Exception as error:  # the next measurement still runs; this one is retried next time
+                failed[spec["label"]] = f"{type(error).__name__}: {error}"[:1000]
+                print(f"{spec['label']} failed: {failed[spec['label']]}", flush=True)
+                continue
             if done is not None:
                 write_json(done, result)
         results.append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
-    summary = summarise(args, bench, results)
-    print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
+        print(json.dumps({k: result[k] for k in ("label", "derived", "losses")}), flush=True)
+    summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": _device(),
+               "machine": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
+               "model": args.model, "model_dir": str(bench.model_dir), "examples": bench.examples,
+               "mean_example_tokens": round(bench.mean_length, 1), "right_sized_max_seq_length": bench.right_sized,
+               "labels": [r["label"] for r in results], **speedups(results)}
+    if failed:
+        summary.update(status="failed", failed=failed, reason="; ".join(f"{k}: {v}" for k, v in failed.items()))
+    print(json.dumps(summary, indent=2))
     if args.out:
-        write_json(args.out, summary)
+        write_json(args.out, {**summary, "results": results})
+    if failed:
+        sys.exit(1)
+
+
+def _device() -> str:
+    from phase1a.core.hardware import detect
+
+    return detect()[1].name
 
 
 if __name__ == "__main__":
