@@ -36,11 +36,11 @@ lint: setup
 docs: setup
 	$(UV) run --frozen python -m phase1a.config.reference --write
 
-# GPU proof (docs/gpu.md). Here, with network: the wheels and tokenizer a bare GPU host lacks, into .gpu/.
+# GPU proof (docs/gpu.md). Here, with git and network: what a bare GPU host lacks (wheels, tokenizer, old tree) into .gpu/.
 # There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.
 GPU_PYTHON ?= python3
 gpu-wheels: setup
-	$(UV) run --frozen --with pip python benchmarks/gpu_check.py --prepare
+	$(UV) run --frozen --with pip python benchmarks/gpu_check.py --prepare $(GPU_WHEELS_ARGS)
 
 gpu-check: $(if $(DRY_RUN),setup)
 	$(if $(DRY_RUN),$(UV) run --frozen python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)

@@ -1,18 +1,21 @@
-"""GPU proof in one command: what the host lacks installed from carried wheels, the CUDA-only tests, the train
-benchmark on SmolLM2-135M and on a Llama-3-8B shape, the plan against the clock, tokenize on the host's many
-cores, and a summary.
+"""GPU proof in one command: what the host lacks installed from carried wheels, then, decisive numbers first, the
+attention op alone, the train step on a SmolLM2-135M shape and on a Llama-3-8B shape (ours, the code before issue 34
+carried beside it, and the peers, in the same run), compiled layers and CUDA graphs, the CUDA-only tests, the plan
+against the clock, tokenize on the host's many cores, vLLM serving, and a summary whose first table is issue 34's
+goals.
 
-    make gpu-wheels              # once, on a machine with network: .gpu/wheels and .gpu/tokenizer (< 64 MiB)
+    make gpu-wheels              # once, on a machine with git and network: .gpu/ (wheels, tokenizer, before.tar)
     make gpu-check               # on the GPU host: python3 benchmarks/gpu_check.py
     make gpu-check DRY_RUN=1     # on a CPU: every part on the test suite's tiny Llama; what needs CUDA skipped
 
 The host needs torch, transformers, peft, accelerate, pyarrow, pytest and PyYAML (a stock CUDA PyTorch image has
-them); no network, no Prefect, no `datasets`. Each part runs in its own process, writes its result under
-`--results` as it finishes and a status file `parts/<part>.json`; a re-run skips finished parts. A part is only
-started when the time left in `--budget` (540 s: one 10-minute command with a margin) covers its expected
-time; a part still running when the budget ends is stopped and redone by the next run. So a host lent for short
-commands runs the same command two or three times. Exit status: 0 all parts finished, 3 parts left (run the
-same command again), 1 a part failed (its status file holds the end of its log).
+them); no network, no git, no Prefect, no `datasets`. Each part runs in its own process and writes each measurement
+under `--results` as it finishes, with a status file `parts/<part>.json`; a re-run skips finished parts (and a part
+cut off keeps the measurements it finished). A part is only started when the time left in `--budget` (540 s: one
+10-minute command with a margin) covers its expected time; a part still running when the budget ends is stopped
+and redone by the next run. So a host lent for short commands runs the same command two or three times. Exit
+status: 0 all parts finished, 3 parts left (run the same command again), 1 a part failed (its status file holds the
+end of its log).
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -42,25 +47,39 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(ROOT))
 
-# Neither imports a third-party package at the top: the host's bare python runs this before installing the wheels.
-from train_throughput import CONFIGS as BENCH_CONFIGS, speedups, write_json
+# None imports a third-party package at the top: the host's bare python runs this before installing the wheels.
+from step_meter import write_json
 
 from phase1a.core.hardware import usable_cores
 from phase1a.core.units import GIB, MIB
 
-GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, installed packages, results kept between commands
+GPU_DIR = ROOT / ".gpu"  # ignored: wheels, tokenizer, the old tree, installed packages, results kept between commands
 WHEELS, TOKENIZER, SITE = GPU_DIR / "wheels", GPU_DIR / "tokenizer", GPU_DIR / "site"
+LOCKED_SITE = GPU_DIR / "site-lock"  # the lock's transformers and peft (and what they need), ahead of the host's
+BEFORE_TAR = GPU_DIR / "before.tar"  # the code before issue 34: `git archive BEFORE phase1a tasks flows benchmarks`
+BEFORE = "bec201d"  # the commit before issue 34's train step (f657d4c)
+BEFORE_PATHS = ("phase1a", "tasks", "flows", "benchmarks")
 CARRY_LIMIT = 64 * MIB  # what a GPU lease takes along: the working tree and the carried folder together
 HOST_PYTHON = "3.12"  # the GPU hosts' interpreter: the wheels are downloaded for it
 # What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them.
 FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
-# The optional GPU packages (docs/gpu.md): liger-kernel's Triton kernels, bitsandbytes' NF4 and 8-bit Adam.
-OPTIONAL = {"liger-kernel": "0.8.5", "bitsandbytes": "0.50.2"}
+# The project's transformers and peft, installed where the host's version differs from the lock's (the code calls
+# transformers' activation_checkpointing_* API, new in 5.23; its attention and masking interfaces move between
+# releases), with what they import that may be too old or missing on the host, installed only when importing
+# them says so (`install_locked`).
+LOCKED = ("transformers", "peft")
+LOCKED_DEPENDENCIES = ("huggingface-hub", "tokenizers", "safetensors", "regex", "httpx2", "httpcore2", "h11", "h2",
+                       "hpack", "hyperframe", "anyio", "sniffio", "certifi", "idna", "typing-extensions", "filelock",
+                       "fsspec", "tqdm", "packaging")
+# The optional GPU packages (docs/gpu.md): liger-kernel's Triton kernels; bitsandbytes' NF4 and 8-bit Adam only with
+# --with-bitsandbytes: its 42 MB wheel and the lock's transformers do not fit the 64 MiB together, and it only
+# serves the QLoRA and 8-bit optimizer tests, which skip without it.
+OPTIONAL = {"liger-kernel": "0.8.5"}
+BITSANDBYTES = {"bitsandbytes": "0.50.2"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 GPU_TESTS = ("tests/test_speedups.py", "tests/test_gpu_paths.py")
-FAMILIES = {"smollm2": "SmolLM2-135M shape", "llama3-8b": "Llama-3-8B shape"}
-GOALS = {"mfu": 0.50, "speedup_vs_after": 2.0, "speedup_vs_hf_flattening": 1.25}  # the 8B shape on one H100
+FAMILIES = {"smollm2": "SmolLM2-135M shape", "llama3-8b": "Llama-3-8B shape (full width, 8 layers)"}
 
 
 @dataclass
@@ -72,6 +91,7 @@ class Run:
     dry_run: bool
     budget: float
     retry_failed: bool
+    before_tar: Path = BEFORE_TAR
     gpus: int = 1  # CUDA devices on this host
     began: float = field(default_factory=time.monotonic)
 
@@ -79,10 +99,15 @@ class Run:
         return self.budget - (time.monotonic() - self.began)
 
     def env(self) -> dict[str, str]:
-        paths = [str(SITE)] if SITE.is_dir() else []
-        paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1",
-                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return {**os.environ, "PYTHONPATH": python_path(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"}
+
+
+def python_path(tree: Path) -> str:
+    """The carried packages (the lock's transformers first), then `tree`'s code, then what PYTHONPATH held."""
+    paths = [str(p) for p in (LOCKED_SITE, SITE) if p.is_dir()]
+    paths += [str(tree), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in paths if p)
 
 
 @dataclass(frozen=True)
@@ -101,24 +126,84 @@ def _python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def _train_part(family: str, config: str, seconds: int, cuda_only: str | None = None) -> Part:
-    def command(run: Run) -> list[str]:
-        model = "test" if run.dry_run else family
-        sizes = (["--measured", "16", "--examples", "200", "--max-answer-words", "40", "--calibration-budget", "10s"]
-                 if run.dry_run else ["--measured", "256" if family == "llama3-8b" else "1024", "--examples", "20000",
-                                      "--calibration-budget", "120s" if family == "llama3-8b" else "60s"])
+# ---------------------------------------------------------------------------------------------------- train parts
+
+# Each family's data, model and step sizes (benchmarks/train_throughput.py `--steps`): on a GPU, 20,000 generated
+# chat examples (a mean near 140 SmolLM2 tokens); the dry run, the test suite's tiny Llama on 400 short ones.
+TRAIN_DATA = {
+    "smollm2": ["--model", "smollm2", "--examples", "20000", "--max-answer-words", "300"],
+    "llama3-8b": ["--model", "llama3-8b", "--layers", "8", "--examples", "20000", "--max-answer-words", "300"],
+    "dry": ["--model", "test", "--examples", "400", "--max-answer-words", "40", "--threads", "1"],
+}
+STEPS = {  # the demo's batch, a token-rich static step (>= 16k tokens), the 8B shape's 8k-token rows
+    "smollm2": {"demo": "demo:16", "rich": "rich:t20480"},
+    "llama3-8b": {"rows8k": "rows8k:t32768:r8192"},
+    "dry": {"demo": "demo:16", "rich": "rich:t5000", "rows8k": "rows8k:t5000:r2048"},
+}
+# Steps a window (benchmarks/step_meter.py): warm-up, timed, syncs counted, profiled. Every warm-up is 2 steps, so
+# the timed steps of a slower measurement (fewer of them) are among the faster ones' timed steps.
+WINDOWS = {"fast": (2, 24, 2, 3), "slow": (2, 8, 1, 2), "slower": (2, 4, 1, 1), "dry": (1, 2, 1, 1)}
+
+
+@dataclass(frozen=True)
+class Train:
+    """One train part: measurements of `configs` at `steps` of a family, each a result file, in one process."""
+
+    family: str
+    name: str
+    configs: tuple[str, ...]
+    steps: tuple[str, ...]
+    windows: str
+    dry_steps: tuple[str, ...] | None = None  # the dry run's subset (None: the same)
+
+    def command(self, run: Run) -> list[str]:
+        data = TRAIN_DATA["dry" if run.dry_run else self.family]
+        steps = STEPS["dry" if run.dry_run else self.family]
+        names = self.dry_steps if run.dry_run and self.dry_steps is not None else self.steps
         tokenizer = [] if run.dry_run else ["--tokenizer", str(TOKENIZER)]
-        profile = ["--profile"] if config == "ours" else []
-        return _python("benchmarks/train_throughput.py", "--model", model, *tokenizer, *sizes, "--configs", config,
-                       *profile, "--work", str(run.work / "train"),
-                       "--results-dir", str(run.results / f"train-{family}"))
-    what = f"train benchmark, {FAMILIES[family]} (the test model in a dry run): {config}"
-    return Part(f"train-{family}-{config}", what, seconds, command, f"train-{family}/{config}.json", cuda_only)
+        extra = ["--static-rows"] if run.dry_run else ["--cudnn", "off", "on"]
+        if run.dry_run and {"before", "after"} & set(self.configs):
+            extra += ["--padded-length", "512"]  # the field notes' 2048 costs a CPU a minute a step
+        return _python("benchmarks/train_throughput.py", *data, *tokenizer, "--configs", *self.configs,
+                       "--steps", *(steps[name] for name in names),
+                       "--windows", *map(str, WINDOWS["dry" if run.dry_run else self.windows]), *extra,
+                       "--calibration-budget", "10s" if run.dry_run else "60s", "--work", str(run.work / "train"),
+                       "--results-dir", str(run.results / f"train-{self.family}"),
+                       "--out", str(run.results / self.result))
+
+    @property
+    def result(self) -> str:
+        return f"train-{self.family}/parts/{self.name}.json"
+
+
+def _train_part(train: Train, seconds: int, what: str, cuda_only: str | None = None) -> Part:
+    return Part(f"train-{train.family}-{train.name}", f"{FAMILIES[train.family]}: {what}", seconds, train.command,
+                train.result, cuda_only)
+
+
+def _old_part(family: str, steps: tuple[str, ...], windows: tuple[int, ...], seconds: int, what: str,
+              cuda_only: str | None = None) -> Part:
+    """The code before issue 34 from .gpu/before.tar, in a process of its own per step (`old_code` below)."""
+    name = "old" if len(steps) == 1 and steps[0] in ("demo", "rows8k") else "old-" + "-".join(steps)
+
+    def command(run: Run) -> list[str]:
+        sizes = WINDOWS["dry"] if run.dry_run else windows
+        return _python("benchmarks/gpu_check.py", "--old-code", family, "--old-steps", *steps,
+                       "--old-windows", *map(str, sizes), "--work", str(run.work), "--results", str(run.results),
+                       "--before-tar", str(run.before_tar), *(["--dry-run"] if run.dry_run else []))
+
+    return Part(f"train-{family}-{name}", f"{FAMILIES[family]}: {what}", seconds, command,
+                f"train-{family}/parts/{name}.json", cuda_only)
 
 
 def _tests(run: Run) -> list[str]:
     return _python("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs",
                    f"--junitxml={run.results / 'tests.xml'}", *GPU_TESTS)
+
+
+def _attention(run: Run) -> list[str]:
+    return _python("benchmarks/attention_op.py", "--out", str(run.results / "attention-op.json"),
+                   *(["--dry-run"] if run.dry_run else []))
 
 
 def _plan(run: Run) -> list[str]:
@@ -164,12 +249,40 @@ def _vllm_missing(run: Run) -> str | None:
     return None if run.dry_run or importlib.util.find_spec("vllm") is not None else VLLM_MISSING
 
 
-EIGHT_B = "needs CUDA: a Llama-3-8B shape is 16 GB of bf16 weights"
+EIGHT_B = "needs CUDA: the Llama-3-8B shape is built on the GPU (5.6 GB of bf16 weights at 8 layers)"
+GRAPHS = "needs CUDA: CUDA graphs"
+COMPILE_ON_CPU = ("compiling every row length on a 2-core CPU takes minutes; tests/test_speedups.py compiles a "
+                  "layer whole on a CPU (no graph breaks, no recompiles)")
+# Expected seconds on an H100: estimates, conservative (process start, model build, Liger's and the compiler's
+# first kernels and CUPTI's start included; the H200 run of 2026-11-26 took 2 to 3.5 times the estimates then).
 PARTS = [
+    Part("attention-op", "the attention alone, 16k tokens of chat-like examples, SmolLM2 and Llama-3-8B heads: the "
+         "per-example SDPA loop before issue 34 against the varlen op, ms a call, parity", 60, _attention,
+         "attention-op.json"),
+    _train_part(Train("smollm2", "new", ("new",), ("demo", "rich"), "fast"), 150,
+                "our train step, eager, at the demo's batch and at a token-rich static step"),
+    _old_part("smollm2", ("demo",), WINDOWS["slow"], 150,
+              "the code before issue 34 (bec201d, from .gpu/before.tar) at the demo's batch"),
+    _train_part(Train("smollm2", "hf_flattening", ("hf_flattening",), ("demo", "rich"), "fast", ("demo",)), 200,
+                "peer: Hugging Face Trainer padding-free, cuDNN SDPA off and on, at both steps"),
+    _train_part(Train("smollm2", "padded", ("before", "after"), ("demo",), "slow"), 240,
+                "peers: the field notes' before and after, cuDNN SDPA off and on"),
+    _old_part("smollm2", ("rich",), WINDOWS["slower"], 200, "the code before issue 34 at the token-rich step",
+              "the dry run runs the code before issue 34 once, at the demo's batch (train-smollm2-old)"),
+    _train_part(Train("llama3-8b", "new", ("new",), ("rows8k",), "slow"), 150,
+                "our train step, eager, 8k-token rows", EIGHT_B),
+    _old_part("llama3-8b", ("rows8k",), WINDOWS["slow"], 200, "the code before issue 34, 8k-token rows", EIGHT_B),
+    _train_part(Train("llama3-8b", "hf_flattening", ("hf_flattening",), ("rows8k",), "slow"), 200,
+                "peer: Hugging Face Trainer padding-free, rows of about 8k tokens, cuDNN SDPA off and on", EIGHT_B),
+    _train_part(Train("smollm2", "compiled", ("new_compiled",), ("demo", "rich"), "fast"), 300,
+                "our train step, each layer compiled, at both steps", COMPILE_ON_CPU),
+    _train_part(Train("smollm2", "graphs", ("new_graphs",), ("demo", "rich"), "fast"), 300,
+                "our train step, compiled layers as CUDA graphs, at both steps", GRAPHS),
+    _train_part(Train("llama3-8b", "compiled", ("new_compiled", "new_graphs"), ("rows8k",), "slow"), 360,
+                "our train step compiled, then as CUDA graphs, 8k-token rows", EIGHT_B),
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
-    *[_train_part("smollm2", config, 60 if config != "ours" else 150) for config in BENCH_CONFIGS],
-    *[_train_part("llama3-8b", config, {"before": 200, "after": 120, "hf_flattening": 90, "ours": 270}[config], EIGHT_B)
-      for config in BENCH_CONFIGS],
+    _train_part(Train("smollm2", "ours", ("ours",), ("demo",), "fast"), 180,
+                "the knobs our plan picks by calibration (60 s, not timed), the demo's batch"),
     Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
          "plan-smollm2.json"),
     Part("ranks-2gpu", "two ranks under torchrun on two GPUs (NCCL): DDP and FSDP against one process", 120,
@@ -185,26 +298,41 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="on a CPU: the test suite's tiny Llama; CUDA-only parts skipped")
-    parser.add_argument("--prepare", action="store_true", help="download the wheels and the tokenizer into .gpu/")
+    parser.add_argument("--prepare", action="store_true",
+                        help="download the wheels and the tokenizer into .gpu/, and write .gpu/before.tar")
     parser.add_argument("--python-version", default=HOST_PYTHON, help="--prepare: the GPU host's Python")
+    parser.add_argument("--with-bitsandbytes", action="store_true",
+                        help="--prepare: carry bitsandbytes too (it does not fit beside the lock's transformers)")
     parser.add_argument("--results", type=Path, help="default: benchmarks/results/gpu-check-<device>-<date>, "
                                                      "or .gpu/dry-run for --dry-run")
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-gpu-check"))
     parser.add_argument("--budget", type=float, default=540.0, help="seconds this command may take")
     parser.add_argument("--parts", nargs="+", help="only these parts (names as in the summary)")
     parser.add_argument("--retry-failed", action="store_true", help="run failed parts again")
+    parser.add_argument("--before-tar", type=Path, default=BEFORE_TAR,
+                        help=f"the code before issue 34 (`git archive {BEFORE}`), written by --prepare")
     parser.add_argument("--serve-vllm", action="store_true", help=argparse.SUPPRESS)  # the serve-vllm part's process
+    parser.add_argument("--old-code", choices=sorted(FAMILIES), help=argparse.SUPPRESS)  # an old-code part's process
+    parser.add_argument("--old-steps", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--old-windows", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prepare:
-        return prepare(args.python_version)
+        return prepare(args.python_version, args.with_bitsandbytes)
     if args.serve_vllm:
         return serve_vllm(args.work, args.results / "serve-vllm.json", args.dry_run)
+    if args.old_code:
+        return old_code(args.old_code, args.old_steps, tuple(args.old_windows), args.work, args.results,
+                        args.before_tar, args.dry_run)
 
     began = time.monotonic()
-    installed = install_missing()
-    if SITE.is_dir():
-        sys.path.insert(0, str(SITE))  # the environment's report sees what the parts will import
-    environment = describe_environment(installed)
+    if args.dry_run and not args.before_tar.is_file() and shutil.which("git") and (ROOT / ".git").exists():
+        write_before_tar(ROOT, BEFORE, args.before_tar)  # what `make gpu-wheels` carries to a GPU host
+        print(f"wrote {args.before_tar} (git archive {BEFORE})")
+    installed = install_missing() + install_locked()
+    for site in (SITE, LOCKED_SITE):
+        if site.is_dir():
+            sys.path.insert(0, str(site))  # the environment's report sees what the parts will import
+    environment = describe_environment(installed, args.before_tar)
     cuda = environment["cuda_available"]
     if not cuda and not args.dry_run:
         print("no CUDA device here: run on a GPU host, or `make gpu-check DRY_RUN=1` for the CPU dry run")
@@ -214,7 +342,7 @@ def main() -> int:
     (results / "parts").mkdir(parents=True, exist_ok=True)
     run = Run(results=results.resolve(), work=args.work, dry_run=args.dry_run,
               budget=args.budget - (time.monotonic() - began), retry_failed=args.retry_failed,
-              gpus=environment["gpus"])
+              before_tar=args.before_tar, gpus=environment["gpus"])
     write_json(run.results / "environment.json", environment)
     left = [part.name for part in PARTS if (not args.parts or part.name in args.parts) and not run_part(part, run)]
     summary = collect(run.results)
@@ -259,7 +387,8 @@ def run_part(part: Part, run: Run) -> bool:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)  # its DataLoader workers and spawned measurements too
             process.wait()
-            print(f"[{part.name}] stopped at the end of the budget; the next run redoes it")
+            print(f"[{part.name}] stopped at the end of the budget; the next run redoes it (its finished "
+                  f"measurements are kept)")
             return False
     seconds = round(time.monotonic() - began, 1)
     produced = (run.results / part.result).is_file()
@@ -282,6 +411,96 @@ def _status(results: Path, name: str) -> dict:
     path = results / "parts" / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
+
+# --------------------------------------------------------------------------- the code before issue 34, beside ours
+
+def old_code(family: str, steps: list[str], windows: tuple[int, ...], work: Path, results: Path, before_tar: Path,
+             dry_run: bool) -> int:
+    """An old-code part: extract .gpu/before.tar, prepare this checkout's benchmark (model, data, tokenization: the
+    same files ours reads), then run benchmarks/old_code.py per step in a process whose `phase1a` is the old tree's.
+    Writes train-<family>/old-<step>.json per step and the part's summary; skipped, saying so, without the tar."""
+    name = "old" if len(steps) == 1 and steps[0] in ("demo", "rows8k") else "old-" + "-".join(steps)
+    out = results / f"train-{family}" / "parts" / f"{name}.json"
+    if not before_tar.is_file():
+        reason = f"no {before_tar}: `make gpu-wheels` writes it (git archive {BEFORE}) where git is"
+        write_json(out, {"status": "skipped", "reason": reason})
+        print(f"old code: skipped: {reason}")
+        return 0
+    tree = extract_before(before_tar, work / "before")
+    bench, args = _bench(family, work, dry_run)
+    steps_text = STEPS["dry" if dry_run else family]
+    labels = []
+    for step_name in steps:
+        spec = _old_spec(bench, args, family, steps_text[step_name], windows, results, tree)
+        target = results / f"train-{family}" / f"{spec['label']}.json"
+        labels.append(spec["label"])
+        if target.is_file():
+            continue
+        spec_file = work / f"old-{family}-{spec['label']}.spec.json"
+        write_json(spec_file, spec)
+        env = {**os.environ, "PYTHONPATH": python_path(tree), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        print(f"old code ({spec['code']}): {spec['label']}", flush=True)
+        subprocess.run(_python(str(ROOT / "benchmarks" / "old_code.py"), "--tree", str(tree), "--spec",
+                               str(spec_file), "--out", str(target)), cwd=tree, env=env, check=True)
+    write_json(out, {"status": "ok", "labels": labels, "tree": str(tree), "code": _before_commit(tree)})
+    return 0
+
+
+def extract_before(tar: Path, target: Path) -> Path:
+    """The tar's tree under `target`, once per tar (its size and mtime name the folder)."""
+    stat = tar.stat()
+    tree = target / f"{stat.st_size}-{int(stat.st_mtime)}"
+    if not (tree / "EXTRACTED").is_file():
+        shutil.rmtree(tree, ignore_errors=True)
+        tree.mkdir(parents=True)
+        with tarfile.open(tar) as archive:
+            archive.extractall(tree, filter="data")
+            commit = archive.pax_headers.get("comment")  # git archive writes the commit id there
+        if commit:
+            (tree / "BEFORE_COMMIT").write_text(commit[:12] + "\n")
+        (tree / "EXTRACTED").touch()
+    return tree
+
+
+def _before_commit(tree: Path) -> str:
+    """The commit `git archive` wrote into the tar's global header (extract_before keeps it), else BEFORE."""
+    marker = tree / "BEFORE_COMMIT"
+    return marker.read_text().strip() if marker.is_file() else BEFORE
+
+
+def _bench(family: str, work: Path, dry_run: bool):
+    """This checkout's train benchmark for the family: model directory, data, tokenization (made once, shared)."""
+    from train_throughput import Bench
+
+    parser = argparse.ArgumentParser()
+    for flag, kind in (("--model", str), ("--layers", int), ("--examples", int), ("--max-answer-words", int),
+                       ("--threads", int), ("--tokenizer", Path)):
+        parser.add_argument(flag, type=kind)
+    args = parser.parse_args(TRAIN_DATA["dry" if dry_run else family]
+                             + ([] if dry_run else ["--tokenizer", str(TOKENIZER)]))
+    args.work = work / "train"
+    return Bench(args), args
+
+
+def _old_spec(bench, args, family: str, step_text: str, windows: tuple[int, ...], results: Path, tree: Path) -> dict:
+    """What benchmarks/old_code.py needs, FLOPs a token and the device's peak computed here, as ours are."""
+    from transformers import AutoConfig
+
+    from phase1a.core.hardware import detect
+    from phase1a.model.cost_model import flops_per_token, model_facts
+
+    step = bench.step(step_text)
+    facts = model_facts(bench.model_dir)
+    config = AutoConfig.from_pretrained(bench.model_dir)
+    embeddings = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+    return {"label": f"old-{step['step']}", "model": args.model, "model_dir": str(bench.model_dir),
+            "train_path": bench.data.train_path, "max_seq_length": bench.data.max_seq_length, **step,
+            "windows": dict(zip(("warmup", "timed", "syncs", "profiled"), windows)), "threads": args.threads,
+            "mean_length": bench.mean_length, "results_dir": str(results / f"train-{family}"),
+            "code": _before_commit(tree), "parameters": facts.parameters, "layers": facts.layers,
+            "peak_flops": detect()[1].peak_flops, "input_embedding_parameters": embeddings,
+            "flops_per_token": flops_per_token(facts, False, False, bench.mean_length)}
 
 # ------------------------------------------------------------------------------- serve-vllm: the adapter in vLLM
 
@@ -512,26 +731,125 @@ def _wheel_module(wheel: Path) -> str:
     return wheel.name.split("-")[0].lower()  # distribution names in wheel files are normalised to underscores
 
 
+def _wheel_version(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _locked_group() -> set[str]:
+    return {_normalised(name) for name in LOCKED + LOCKED_DEPENDENCIES}
+
+
+def wheels_to_install(wheels: list[Path], version_of: Callable[[str], str | None]) -> list[Path]:
+    """Of the carried wheels: the lock's transformers and peft where the host's version differs (or is missing);
+    any other wheel outside their group where its package is missing. Their dependencies are `install_locked`'s."""
+    chosen = []
+    for wheel in wheels:
+        name = _wheel_module(wheel)
+        if name in {_normalised(n) for n in LOCKED}:
+            if version_of(name.replace("_", "-")) != _wheel_version(wheel):
+                chosen.append(wheel)
+        elif name not in _locked_group() and version_of(name.replace("_", "-")) is None:
+            chosen.append(wheel)
+    return chosen
+
+
+def _pip_install(wheels: list[Path], target: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)], check=True)
+
+
 def install_missing() -> list[str]:
-    """Install into .gpu/site the carried wheels whose package this interpreter cannot import."""
-    missing = [w for w in sorted(WHEELS.glob("*.whl")) if importlib.util.find_spec(_wheel_module(w)) is None]
+    """Install into .gpu/site the carried wheels (outside the lock's transformers group) whose package this
+    interpreter lacks."""
+    wheels = sorted(WHEELS.glob("*.whl"))
+    missing = [w for w in wheels_to_install(wheels, _installed_version)
+               if _wheel_module(w) not in {_normalised(n) for n in LOCKED}]
+    missing = [w for w in missing if importlib.util.find_spec(_wheel_module(w)) is None]
     if not missing:
         return []
     if importlib.util.find_spec("pip") is None:  # a uv venv (the CPU dry run): it has what the project needs
         print(f"no pip in {sys.executable}: carried wheels not installed ({', '.join(w.name for w in missing)})")
         return []
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, missing)], check=True)
+    _pip_install(missing, SITE)
     print(f"installed into {SITE.relative_to(ROOT)}: {', '.join(w.name for w in missing)}")
     return [w.name for w in missing]
 
 
-def prepare(python_version: str) -> int:
-    """Download what the GPU host lacks (no network there), and SmolLM2's tokenizer; check the 64 MiB limit."""
+LOCKED_PROBE = ("import transformers, peft, transformers.masking_utils, transformers.models.llama.modeling_llama; "
+                "from transformers import AttentionInterface, Trainer, DataCollatorWithFlattening; "
+                "print(transformers.__version__, peft.__version__)")
+
+
+def install_locked(attempts: int = 12) -> list[str]:
+    """The lock's transformers and peft into .gpu/site-lock (ahead of the host's on every part's path) where the
+    host's versions differ, then what importing them asks for, one carried wheel at a time: a module they cannot
+    find, or a version transformers' own check refuses, named in the error. If they still do not import, the folder
+    is removed and the host's versions run, the reason printed (and kept in environment.json)."""
+    wheels = sorted(WHEELS.glob("*.whl"))
+    chosen = [w for w in wheels_to_install(wheels, _installed_version)
+              if _wheel_module(w) in {_normalised(n) for n in LOCKED}]
+    done = LOCKED_SITE / "INSTALLED"
+    if done.is_file():
+        return json.loads(done.read_text())
+    if not chosen:
+        return []
+    if importlib.util.find_spec("pip") is None:
+        print(f"no pip in {sys.executable}: the lock's {', '.join(w.name for w in chosen)} not installed")
+        return []
+    shutil.rmtree(LOCKED_SITE, ignore_errors=True)
+    dependencies = {_wheel_module(w): w for w in wheels if _wheel_module(w) in _locked_group()
+                    and _wheel_module(w) not in {_normalised(n) for n in LOCKED}}
+    _pip_install(chosen, LOCKED_SITE)
+    installed = [w.name for w in chosen]
+    error = ""
+    for _ in range(attempts):
+        probe = subprocess.run([sys.executable, "-c", LOCKED_PROBE], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": python_path(ROOT)})
+        if probe.returncode == 0:
+            print(f"the lock's transformers and peft in {LOCKED_SITE.relative_to(ROOT)}: {probe.stdout.strip()} "
+                  f"(installed: {', '.join(installed)})")
+            done.write_text(json.dumps(installed))
+            return installed
+        error = (probe.stderr.strip().splitlines() or ["no error text"])[-1]
+        wanted = _named_in(error, dependencies)
+        if wanted is None:
+            break
+        _pip_install([dependencies.pop(wanted)], LOCKED_SITE)
+        installed.append(wanted)
+    shutil.rmtree(LOCKED_SITE, ignore_errors=True)
+    reason = f"the lock's transformers/peft do not import here ({error}); the host's run instead"
+    print(reason)
+    return [f"not installed: {reason}"]
+
+
+def _named_in(error: str, candidates: dict[str, Path]) -> str | None:
+    """The carried dependency an import error names: `No module named 'x'`, or transformers' `x>=v is required`."""
+    text = _normalised(error.replace("'", " ").replace('"', " "))
+    for name in candidates:
+        if re.search(rf"(?<![a-z0-9_]){re.escape(name)}(?![a-z0-9_])", text):
+            return name
+    return None
+
+
+def prepare(python_version: str, with_bitsandbytes: bool = False) -> int:
+    """Download what the GPU host lacks (no network there), the lock's transformers group, SmolLM2's tokenizer, and
+    the code before issue 34 as a tar (no git there); check the 64 MiB limit."""
     shutil.rmtree(WHEELS, ignore_errors=True)  # one version of each package: two would stop the install there
     WHEELS.mkdir(parents=True)
     lock = {p["name"]: p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
-    wanted = {name: lock[name] for name in FROM_LOCK} | OPTIONAL
+    wanted = ({name: lock[name] for name in FROM_LOCK + LOCKED + LOCKED_DEPENDENCIES if name in lock} | OPTIONAL
+              | (BITSANDBYTES if with_bitsandbytes else {}))
     platforms = [arg for platform_tag in PLATFORMS for arg in ("--platform", platform_tag)]
     for name, version in wanted.items():
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -542,31 +860,57 @@ def prepare(python_version: str) -> int:
     from phase1a.model.loading import load_tokenizer, resolve_model
 
     load_tokenizer(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))).save_pretrained(TOKENIZER)
-    carried = sum(p.stat().st_size for folder in (WHEELS, TOKENIZER) for p in folder.rglob("*") if p.is_file())
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    tree = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0")
-               if name and (ROOT / name).is_file())
-    total = carried + tree
-    print(f"{WHEELS.relative_to(ROOT)} and {TOKENIZER.relative_to(ROOT)}: {carried / MIB:.1f} MiB; "
-          f"with the tracked tree {total / MIB:.1f} MiB of the {CARRY_LIMIT / MIB:.0f} MiB a lease carries")
+    write_before_tar(ROOT, BEFORE, BEFORE_TAR)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    (GPU_DIR / "COMMIT").write_text(commit.stdout.strip() + "\n")  # the GPU host has no git
+    total, lines = carry_size(ROOT, [WHEELS, TOKENIZER, BEFORE_TAR])
+    print("\n".join(lines))
     return 0 if total <= CARRY_LIMIT else 1
+
+
+def write_before_tar(repository: Path, commit: str, target: Path) -> Path:
+    """`git archive COMMIT phase1a tasks flows benchmarks` without benchmarks/results (1.1 MB): the code before
+    issue 34, run beside ours on a GPU host without git (`old_code`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "archive", "--format=tar", "-o", str(target), commit, *BEFORE_PATHS,
+                    ":(exclude)benchmarks/results"], cwd=repository, check=True)
+    return target
+
+
+def carry_size(repository: Path, carried: list[Path]) -> tuple[int, list[str]]:
+    """Bytes a lease carries: the carried folders and files, and the repository's tracked files; and the lines
+    that say so, folder by folder."""
+    def size(path: Path) -> int:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=repository, capture_output=True, check=True).stdout
+    tree = sum((repository / name).stat().st_size for name in tracked.decode().split("\0")
+               if name and (repository / name).is_file())
+    sizes = {path: size(path) for path in carried}
+    total = tree + sum(sizes.values())
+    lines = [f"  {path.relative_to(repository) if path.is_relative_to(repository) else path}: "
+             f"{value / MIB:.1f} MiB" for path, value in sizes.items()]
+    lines += [f"  the tracked tree: {tree / MIB:.1f} MiB",
+              f"carried: {total / MIB:.1f} MiB of the {CARRY_LIMIT / MIB:.0f} MiB a lease carries"
+              + ("" if total <= CARRY_LIMIT else " - OVER THE LIMIT")]
+    return total, lines
 
 
 # ------------------------------------------------------------------------------------------- environment, summary
 
-def describe_environment(installed: list[str]) -> dict:
+def describe_environment(installed: list[str], before_tar: Path = BEFORE_TAR) -> dict:
     """Device, driver, CUDA and package versions, date, command and commit: what every result is read against."""
     import torch
 
     from phase1a.core.hardware import detect
 
     versions = {}  # by distribution: liger_kernel has no __version__
-    for name in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "liger-kernel",
-                 "bitsandbytes", "flash-attn", "triton"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+    for name in ("torch", "transformers", "peft", "accelerate", "pyarrow", "pydantic", "huggingface-hub",
+                 "tokenizers", "liger-kernel", "bitsandbytes", "flash-attn", "triton"):
+        versions[name] = _installed_version(name)
+    lock = {p["name"]: p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
     cuda = torch.cuda.is_available()
     device = detect()[1].name
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -577,9 +921,19 @@ def describe_environment(installed: list[str]) -> dict:
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / GIB, 1) if cuda else None,
         "gpus": torch.cuda.device_count() if cuda else 0,
         "python": platform.python_version(), "machine": platform.node(), "versions": versions,
-        "installed_from_wheels": installed, "commit": commit.stdout.strip() or None,
+        "lock": {name: lock.get(name) for name in LOCKED},
+        "installed_from_wheels": installed, "commit": _commit(commit.stdout.strip()),
+        "before": {"tar": str(before_tar), "present": before_tar.is_file(), "commit": BEFORE},
         "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",
     }
+
+
+def _commit(from_git: str) -> str | None:
+    """The checkout's commit: from git where there is one, else the COMMIT file `make gpu-wheels` writes."""
+    if from_git:
+        return from_git
+    marker = GPU_DIR / "COMMIT"
+    return marker.read_text().strip() if marker.is_file() else None
 
 
 def _driver() -> str | None:
@@ -595,20 +949,116 @@ def _slug(device: str) -> str:
     return "-".join(words)[:40] or "device"
 
 
+
+
 def collect(results: Path) -> dict:
-    """Every part's status and result in one document."""
+    """Every part's status and result in one document, and issue 34's goals computed from the recorded numbers."""
     summary = {"environment": json.loads((results / "environment.json").read_text()),
                "parts": {part.name: _status(results, part.name) for part in PARTS}}
     summary["tests"] = _junit(results / "tests.xml")
     summary["ranks"] = _junit(results / "ranks.xml")
-    for family in FAMILIES:
-        files = [results / f"train-{family}" / f"{config}.json" for config in BENCH_CONFIGS]
-        rows = [json.loads(path.read_text()) for path in files if path.is_file()]
-        summary[f"train-{family}"] = {"results": rows, **speedups(rows)}
-    for name in ("plan-smollm2", "tokenize-scaling", "serve-vllm"):
+    for name in ("attention-op", "plan-smollm2", "tokenize-scaling", "serve-vllm"):
         path = results / f"{name}.json"
         summary[name] = json.loads(path.read_text()) if path.is_file() else None
+    for family in FAMILIES:
+        folder = results / f"train-{family}"
+        rows = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        summary[f"train-{family}"] = sorted((r for r in rows if "label" in r), key=_label_order)
+    summary["goals"] = goals(summary)
     return summary
+
+
+_ORDER = ("new", "new_compiled", "new_graphs", "ours", "old", "hf_flattening", "trl_sft", "before", "after")
+OURS = ("new", "new_compiled", "new_graphs", "ours")
+PEER_CONFIGS = ("hf_flattening", "trl_sft", "before", "after")
+
+
+def _label_order(result: dict) -> tuple:
+    return (result["step"], _ORDER.index(result["config"]) if result["config"] in _ORDER else 99, result["label"])
+
+
+def _finite(result: dict) -> bool:
+    return not result.get("losses", {}).get("not_finite")
+
+
+def _rate(result: dict | None) -> float | None:
+    return None if result is None else result["derived"]["useful_tokens_per_s"]
+
+
+def _best(results: list[dict], configs: tuple[str, ...], step: str) -> dict | None:
+    """The fastest finite-loss measurement of `configs` at `step` (a NaN run is reported, never the best)."""
+    candidates = [r for r in results if r["config"] in configs and r["step"] == step and _finite(r)]
+    return max(candidates, key=_rate, default=None)
+
+
+def goals(summary: dict) -> list[dict]:
+    """Issue 34's goals, each from the recorded results: the measured value, its source, and whether it is met
+    (None: not measured here, or not applicable on this device)."""
+    small, large = summary["train-smollm2"], summary["train-llama3-8b"]
+    cuda = summary["environment"]["cuda_available"]
+    rows = []
+
+    def row(goal: str, target: str, value, met, source: str) -> None:
+        rows.append({"goal": goal, "target": target, "measured": value, "met": met, "source": source})
+
+    def at_least(value, threshold):
+        return None if value is None or not cuda else value >= threshold
+
+    demo, rich = _best(small, OURS, "demo"), _best(small, OURS, "rich")
+    old_demo = next((r for r in small if r["config"] == "old" and r["step"] == "demo"), None)
+    row("SmolLM2-135M LoRA r16, demo batch (16 examples a step): useful tokens/s", ">= 30,000", _rate(demo),
+        at_least(_rate(demo), 30_000), _source(demo))
+    ratio = _ratio(demo, old_demo)
+    row("... against the code before issue 34, same run", "ratio (30,000 was 32x the 938 of 2026-11-26)", ratio,
+        None, f"{_source(demo)} / {_source(old_demo)}")
+    mean_tokens = rich["step_tokens"].get("mean") if rich else None
+    row("SmolLM2-135M, token-rich static step: useful tokens/s", ">= 150,000", _rate(rich),
+        at_least(_rate(rich), 150_000) if not cuda or mean_tokens is None or mean_tokens >= 16_384 else False,
+        _source(rich) + (f"; {mean_tokens:,.0f} tokens a step on average" if mean_tokens else ""))
+    peer = _best(small, PEER_CONFIGS, "demo")
+    ratio = _ratio(demo, peer)
+    row("SmolLM2-135M, demo batch, against the best peer (same run)", ">= 3x", ratio, at_least(ratio, 3.0),
+        f"{_source(demo)} / {_source(peer)}")
+    big = _best(large, OURS, "rows8k")
+    mfu = big["derived"].get("mfu") if big else None
+    row("Llama-3-8B shape, LoRA r16, bf16: MFU (4N + attention)", ">= 40 %", mfu, at_least(mfu, 0.40), _source(big))
+    busy = big["derived"].get("busy_fraction") if big else None
+    row("Llama-3-8B shape: GPU busy (kernel time / wall)", ">= 90 %", busy, at_least(busy, 0.90), _source(big))
+    big_peer = _best(large, PEER_CONFIGS, "rows8k")
+    ratio = _ratio(big, big_peer)
+    row("Llama-3-8B shape: against the best peer (same run)", ">= 1.3x", ratio, at_least(ratio, 1.3),
+        f"{_source(big)} / {_source(big_peer)}")
+    ours = [r for r in small + large if r["config"] in OURS and r["derived"].get("syncs_per_step") is not None]
+    worst = max(ours, key=lambda r: r["derived"]["syncs_per_step"], default=None)
+    syncs = worst["derived"]["syncs_per_step"] if worst else None
+    row("Host syncs a step of ours on CUDA (micro-batches and update)", "0", syncs,
+        None if syncs is None or not cuda else syncs == 0,
+        f"the most of {len(ours)} measurements: {_source(worst)}" if worst else "not measured")
+    plan = summary.get("plan-smollm2")
+    accuracy = None
+    if plan and plan["estimated"].get("tokens_per_second") and plan["actual"].get("tokens_per_second"):
+        accuracy = plan["estimated"]["tokens_per_second"] / plan["actual"]["tokens_per_second"]
+    row("Calibrated speed within 10 % of the run's (plan-smollm2)", "0.9 to 1.1", accuracy,
+        None if accuracy is None or not cuda else 0.9 <= accuracy <= 1.1, "plan-smollm2: estimated / actual tokens/s")
+    row("The plan's H100/H200 rows contain these results", "within their range", None, None,
+        "not measured by this check: the plan's options table against these results (docs/benchmarks.md)")
+    return rows
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    return None if a is None or b is None else round(_rate(a) / _rate(b), 3)
+
+
+def _source(result: dict | None) -> str:
+    return "not measured" if result is None else f"{result['model']}/{result['label']}"
+
+
+def _format(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+    return str(value)
 
 
 def _junit(path: Path) -> list[dict]:
@@ -630,65 +1080,116 @@ def _junit(path: Path) -> list[dict]:
 
 def render_summary(summary: dict) -> str:
     env = summary["environment"]
-    lines = [f"# GPU check: {env['device']}, {env['date'][:10]}", "",
-             f"- command: `{env['command']}` (commit {env['commit']})",
-             f"- device: {env['device']}" + (f", {env['gpu_memory_gib']} GiB, driver {env['driver']}, CUDA "
-                                             f"{env['cuda']}, cuDNN {env['cudnn']}" if env["cuda_available"] else "")
-             + f"; Python {env['python']}; installed from carried wheels: "
-             + (", ".join(env["installed_from_wheels"]) or "nothing"),
-             "- packages: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
-             "- not installed: " + (", ".join(k for k, v in env["versions"].items() if not v) or "none"), "",
-             "## Parts", "", "| part | status | seconds | note |", "|---|---|---|---|"]
+    lines = [f"# GPU check: {env['device']}, {env['date'][:10]}", ""]
+    lines += _goals_section(summary["goals"], env["cuda_available"])
+    lines += ["", "## Environment", "",
+              f"- command: `{env['command']}` (commit {env['commit']})",
+              f"- device: {env['device']}" + (f", {env['gpu_memory_gib']} GiB, driver {env['driver']}, CUDA "
+                                              f"{env['cuda']}, cuDNN {env['cudnn']}" if env["cuda_available"] else "")
+              + f"; Python {env['python']}; installed from carried wheels: "
+              + (", ".join(env["installed_from_wheels"]) or "nothing"),
+              "- packages: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+              + "; the lock's: " + ", ".join(f"{k} {v}" for k, v in env.get("lock", {}).items()),
+              "- not installed: " + (", ".join(k for k, v in env["versions"].items() if not v) or "none"),
+              f"- the code before issue 34: {env['before']['commit']} from `{env['before']['tar']}`"
+              + ("" if env["before"]["present"] else " (absent: its parts skip)"),
+              "", "## Parts", "", "| part | status | seconds | note |", "|---|---|---|---|"]
     for name, status in summary["parts"].items():
         note = status.get("reason") or (f"exit {status['returncode']}" if "returncode" in status else "")
         lines.append(f"| {name} | {status.get('status', 'not run yet')} | {status.get('seconds', '')} | {note} |")
+    lines += _attention_section(summary.get("attention-op"))
+    for family in FAMILIES:
+        lines += _train_section(family, summary[f"train-{family}"])
     if summary["tests"]:
         lines += ["", "## Tests (`pytest -m gpu`)", "", "| test | outcome | seconds | detail |", "|---|---|---|---|"]
         lines += [f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['detail']} |" for t in summary["tests"]]
-    for family in FAMILIES:
-        lines += _train_section(summary[f"train-{family}"])
-    lines += _goals_section(summary["train-llama3-8b"])
     lines += _plan_section(summary["plan-smollm2"])
     lines += _tokenize_section(summary.get("tokenize-scaling"))
     lines += _serve_section(summary.get("serve-vllm"))
     return "\n".join(lines) + "\n"
 
 
-def _train_section(train: dict) -> list[str]:
-    if not train["results"]:
-        return []
-    model = train["results"][0]["model"]
-    title = f"{FAMILIES.get(model, model + ' model (the dry run)')}, randomly initialised"
-    lines = ["", f"## Train throughput, {title}; LoRA r=16 on every projection", "",
-             "| config | rows | micro x accum | checkpointing | useful tokens/s | MFU | TFLOP/s | peak GiB | padding |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in train["results"]:
-        rows = f"packed, {r['max_seq_length']}" if r.get("packed") else f"padded to {r['max_seq_length']}"
-        mfu = f"{r['mfu'] * 100:.3g}%" if r.get("mfu") is not None else "n/a"
-        lines.append(f"| {r['config']} | {rows} | {r['micro_batch_size']} x {r['accumulation']} | "
-                     f"{'on' if r['gradient_checkpointing'] else 'off'} | {r['useful_tokens_per_s']:,.0f} | {mfu} | "
-                     f"{r['model_tflops_per_s']:.3g} | {r['peak_memory_gib']:.2f} | {r['padding_waste']:.0%} |")
-    speedups = [f"{train[k]}x {k.removeprefix('speedup_vs_')}" for k in train if k.startswith("speedup_vs_")]
-    if speedups:
-        lines += ["", "Ours against: " + ", ".join(speedups) + "."]
+def _goals_section(rows: list[dict], cuda: bool) -> list[str]:
+    lines = ["## Goals (issue 34), from the results below", "",
+             "| goal | target | measured | met | from |", "|---|---|---|---|---|"]
+    for r in rows:
+        value = r["measured"]
+        shown = (f"{value:.1%}" if isinstance(value, float) and "%" in r["target"] and value <= 1.5
+                 else f"{value:.3g}x" if isinstance(value, float) and "x" in r["target"] else _format(value))
+        met = {True: "yes", False: "**no**", None: "n/a"}[r["met"]]
+        lines.append(f"| {r['goal']} | {r['target']} | {shown} | {met} | {r['source']} |")
+    if not cuda:
+        lines += ["", "A CPU (the dry run): no goal applies; the table shows the code path only."]
     return lines
 
 
-def _goals_section(train: dict) -> list[str]:
-    ours = next((r for r in train["results"] if r["config"] == "ours"), None)
-    if ours is None:
+def _attention_section(attention: dict | None) -> list[str]:
+    if not attention or not attention.get("shapes"):
         return []
-    measured = {"mfu": ours.get("mfu"), **{k: train.get(k) for k in GOALS if k.startswith("speedup")}}
-    lines = ["", "## Goals, Llama-3-8B shape", "", "| goal | target | measured | met |", "|---|---|---|---|"]
-    for key, target in GOALS.items():
-        value = measured.get(key)
-        met = "n/a" if value is None else ("yes" if value >= target else "no")
-        lines.append(f"| {key} | {target:g} | {value if value is not None else 'n/a'} | {met} |")
-    if ours.get("profile") and any(measured.get(k) is not None and measured[k] < t for k, t in GOALS.items()):
-        lines += ["", "A goal is missed; where our steps spend their time (torch.profiler, 3 steps):", "", "```",
-                  ours["profile"].rstrip(), "```"]
+    lines = ["", f"## Attention alone, forward and backward ({attention['device']}, torch {attention['torch']})", "",
+             "| heads (q, kv, dim) | tokens | examples | dtype | old loop ms | new ms | op alone ms | old / new | "
+             "parity (max relative difference) | kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in attention["shapes"]:
+        worst = max(check["relative"] for check in s["parity"].values())
+        lines.append(f"| {s['shape']} ({s['heads']}, {s['kv_heads']}, {s['head_dim']}) | {s['tokens']:,} | "
+                     f"{s['examples']} | {s['dtype']} | {s['old_ms']:.3g} | {s['new_ms']:.3g} | {s['op_ms']:.3g} | "
+                     f"{s['speedup']:.3g}x | {worst:.2g} ({'ok' if s['parity_ok'] else '**over ' + str(s['tolerance'])}"
+                     f"{'' if s['parity_ok'] else '**'}) | {s.get('new_kernel', '')} |")
     return lines
 
+
+def _train_section(family: str, results: list[dict]) -> list[str]:
+    if not results:
+        return []
+    model = results[0]["model"]
+    title = FAMILIES[family] if model != "test" else "the test model (the dry run)"
+    lines = ["", f"## Train step, {title}, randomly initialised, LoRA r16 on every projection", "",
+             "Every number from the result files in `train-" + family + "/` (raw numbers and `derived`); timed "
+             "steps after warm-up on every row length; busy = kernel time / wall in the profiled (unseen) steps.", "",
+             "| measurement | code | step: examples, mean tokens | rows | useful tok/s | padded tok/s | padding | "
+             "MFU | peak GiB | GPU busy | syncs/step | s/step | loss (not finite) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        d = r["derived"]
+        rows = (f"static {r['row_shape']['tokens']:,} ({len(r['row_lengths'])} lengths)" if r.get("static_rows")
+                else f"padded to {r['max_seq_length']:,}" if r["config"] in ("before", "after")
+                else "exact" + (f", <= {r['row_tokens']:,}" if r.get("row_tokens") else ""))
+        if r["config"] in ("new_compiled", "new_graphs") or r.get("compile"):
+            rows += ", compiled" + (", CUDA graphs" if r.get("cuda_graphs") else "")
+        peak = d.get("peak_memory_gib")
+        losses = r.get("losses", {})
+        loss = (f"{losses['last']:.3f}" if "last" in losses else f"{losses.get('mean_over_run', float('nan')):.3f}"
+                ) + (f" (**{losses['not_finite']}**)" if losses.get("not_finite") else "")
+        lines.append(
+            f"| {r['label']} | {r['code']} | {r['batch']}, {r['step_tokens'].get('mean', 0):,.0f} | {rows} | "
+            f"{d['useful_tokens_per_s']:,.0f} | {d['padded_tokens_per_s']:,.0f} | {d['padding_share']:.1%} | "
+            f"{_percent(d.get('mfu'))} | {'n/a' if peak is None else f'{peak:.2f}'} | "
+            f"{_percent(d.get('busy_fraction'))} | {_format(d.get('syncs_per_step'))} | "
+            f"{d['seconds_per_step']:.3g} | {loss} |")
+    lines += _ratios(results)
+    best = max((r for r in results if r["config"] in OURS and r.get("busy")), key=_rate, default=None)
+    if best is not None and best["busy"].get("top"):
+        kind = "CUDA kernels" if best["busy"]["activity"] == "cuda" else "CPU operators"
+        lines += ["", f"Top {kind} of `{best['label']}` over {best['busy']['steps']} profiled steps it had not seen "
+                      f"(self time; the whole table: `train-{family}/{best['profile_table']}`):", "",
+                  "| kernel | calls | self ms |", "|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['self_us'] / 1e3:.3g} |" for k in best["busy"]["top"][:10]]
+    return lines
+
+
+def _ratios(results: list[dict]) -> list[str]:
+    lines = []
+    for step in dict.fromkeys(r["step"] for r in results):
+        mine = _best(results, OURS, step)
+        others = [r for r in results if r["step"] == step and r["config"] not in OURS]
+        if mine and others:
+            lines.append(f"- {step}: {mine['label']} against " + ", ".join(
+                f"{r['label']} {_rate(mine) / _rate(r):.3g}x" for r in others))
+    return ["", *lines] if lines else []
+
+
+def _percent(value) -> str:
+    return "n/a" if value is None else f"{value:.3g}" if value < 0.001 else f"{value:.1%}"
 
 def _plan_section(plan: dict | None) -> list[str]:
     if plan is None:
