@@ -79,14 +79,18 @@ def test_device_numbers_are_read_once_per_read_not_once_per_step(tmp_path, monke
     monkeypatch.setattr(progress, "_read", lambda values: reads.append(len(values)) or plain(values))
     reporter = ProgressReporter(tmp_path, total_steps=5, start_step=0)
     reporter.read_every = 3600.0
-    for step in range(1, 5):
+    first = reporter.step(1, StepStats(loss=torch.tensor(1.0), lr=1e-3, grad_norm=torch.tensor(0.5), tokens=10),
+                          elapsed=1.0)
+    assert [r["step"] for r in first] == [1] and reads == [2]  # the first step shows at once
+    reads.clear()
+    for step in range(2, 5):
         written = reporter.step(step, StepStats(loss=torch.tensor(1.0 / step), lr=1e-3,
                                                 grad_norm=torch.tensor(0.5), tokens=10), elapsed=float(step))
         assert written == []
-    assert reads == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+    assert reads == [] and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     last = reporter.step(5, StepStats(loss=torch.tensor(0.2), lr=1e-3, grad_norm=torch.tensor(0.5), tokens=10),
                          elapsed=5.0)  # the last step reads
-    assert reads == [10] and [r["step"] for r in last] == [1, 2, 3, 4, 5]
-    assert [r["loss"] for r in last] == pytest.approx([1.0, 0.5, 1 / 3, 0.25, 0.2])
+    assert reads == [8] and [r["step"] for r in last] == [2, 3, 4, 5]
+    assert [r["loss"] for r in last] == pytest.approx([0.5, 1 / 3, 0.25, 0.2])
     reporter.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5

@@ -23,7 +23,7 @@ from phase1a.core.labels import IGNORE_INDEX
 from phase1a.data.tokenized import SplitView, read_mapped
 from phase1a.model.attention import NAME as VARLEN, packed_forward
 from phase1a.model.chunked_loss import TokenLoss
-from phase1a.train.distributed import World
+from phase1a.train.distributed import World, unwrap
 
 
 @dataclass
@@ -211,7 +211,7 @@ def summed_loss(model: torch.nn.Module, row: PackedRow) -> tuple[torch.Tensor, t
     means) let accumulation normalise over the whole step. The loss is computed in chunks from the hidden states
     (phase1a/model/chunked_loss.py), so the model must come from `phase1a.model.loading.load_model`."""
     inputs = row.model_inputs()
-    if getattr(model.config, "_attn_implementation", None) == VARLEN:
+    if getattr(unwrap(model).config, "_attn_implementation", None) == VARLEN:
         # A mask that says "no padding" spares transformers its scan of position_ids for packed sequences (a host
         # read); inside packed_forward the varlen mask function turns it into no mask at all.
         inputs["attention_mask"] = torch.ones_like(row.input_ids, dtype=torch.bool)

@@ -10,8 +10,8 @@ installed), and a Prefect progress artifact `train-progress` (inside a Prefect r
 Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's steps, MFU, peak accelerator
 memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
 plan. A step's loss and gradient norm arrive as tensors on the device; they are read in one transfer for all the
-steps since the last read, once `READ_EVERY_SECONDS` has passed (and before an evaluation, a checkpoint, the
-end), so that training never waits for the device a step at a time. Each step still gets its own record; GPU
+steps since the last read, once `READ_EVERY_SECONDS` has passed (and at the first step, before an evaluation,
+a checkpoint, the end), so that training never waits for the device a step at a time. Each step still gets its own record; GPU
 utilisation is read at each read. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention,
 never the 2N that checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the
 projected train time with the plan's estimate: within 10 % is on track.
@@ -92,7 +92,8 @@ class ProgressReporter:
         had already spent before its checkpoint. Returns the records written now (none until a read is due)."""
         self.pending.append(_Pending(step, stats, elapsed, prior_seconds))
         self.watch.advance()
-        if step == self.total_steps or time.monotonic() - self.read_at >= self.read_every:
+        first = step == self.start_step + 1  # the first step shows at once: training has started
+        if first or step == self.total_steps or time.monotonic() - self.read_at >= self.read_every:
             return self.flush()
         return []
 
