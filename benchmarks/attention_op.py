@@ -16,10 +16,11 @@ calls it:
        (T, H, D) tensors, without the layout changes around it
 
 Timing: CUDA events around `--iterations` forward+backward calls after `--warmup` of them (perf_counter on a CPU);
-ms per call is their elapsed time over the count. Parity: the new outputs and the query, key and value gradients
-against the old loop's (the per-example reference), as the max abs difference and that over the reference's max
-abs value. `--dry-run`: a CPU, float32, 512 tokens of 16 to 128-token examples (the op's CPU kernel, the same code
-path up to the CUDA one).
+ms per call is their elapsed time over the count. Parity: the new output and the query, key and value gradients
+against the old loop's (the per-example reference), as the max abs difference and that over the reference's max abs
+value; and both against the old loop in float32: the new op passes where its error from float32 is within the
+tolerance or twice the old loop's own. `--dry-run`: a CPU, float32, 512 tokens of 16 to 128-token examples (the
+op's CPU kernel, the same code path up to the CUDA one).
 """
 from __future__ import annotations
 
@@ -145,11 +146,11 @@ def measure(shape: str, tokens: int, dtype_name: str, device: str, warmup: int, 
     heads, kv_heads, dim = HEAD_SHAPES[shape]
     dtype = getattr(torch, dtype_name)
     lengths = example_lengths(tokens, bounds)
-    bounds = [0]
+    edges = [0]
     for length in lengths:
-        bounds.append(bounds[-1] + length)
-    spans = list(zip(bounds, bounds[1:]))
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+        edges.append(edges[-1] + length)
+    spans = list(zip(edges, edges[1:]))
+    cu_seqlens = torch.tensor(edges, dtype=torch.int32, device=device)
     scale = dim ** -0.5
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -160,21 +161,29 @@ def measure(shape: str, tokens: int, dtype_name: str, device: str, warmup: int, 
     grad = torch.randn(1, tokens, heads, dim, generator=generator, device=device, dtype=dtype)
     inputs = [query, key, value]
 
-    def run(call):
-        for tensor in inputs:
+    def run(call, leaves, upstream):
+        for tensor in leaves:
             tensor.grad = None
         out = call()
-        out.backward(grad)
-        return out.detach(), [t.grad.detach().clone() for t in inputs]
+        out.backward(upstream)
+        return [out.detach(), *(t.grad.detach().clone() for t in leaves)]
 
     old = lambda: old_loop(query, key, value, spans, scale)  # noqa: E731
     new = lambda: new_function(query, key, value, cu_seqlens, max(lengths), scale)  # noqa: E731
-    old_out, old_grads = run(old)
-    new_out, new_grads = run(new)
-    checks = {"output": parity(old_out, new_out),
-              **{f"grad_{name}": parity(a, b) for name, a, b in zip(("query", "key", "value"), old_grads, new_grads)}}
+    old_values, new_values = run(old, inputs, grad), run(new, inputs, grad)
+    # The per-example loop in float32 as well: in bf16 both sides round, in different orders, so the new op's
+    # error is judged against the old loop's own error from the float32 result.
+    exact = [t.detach().float().requires_grad_() for t in inputs]
+    reference = run(lambda: old_loop(*exact, spans, scale), exact, grad.float())
     tolerance = TOLERANCE.get(dtype_name, 2e-2)
-    del old_out, new_out, old_grads, new_grads
+    checks = {}
+    for name, old_value, new_value, exact_value in zip(("output", "grad_query", "grad_key", "grad_value"),
+                                                        old_values, new_values, reference):
+        check = {**parity(old_value, new_value), "new_vs_float32": parity(exact_value, new_value)["relative"],
+                 "old_vs_float32": parity(exact_value, old_value)["relative"]}
+        check["ok"] = check["new_vs_float32"] <= max(tolerance, 2 * check["old_vs_float32"])
+        checks[name] = check
+    del old_values, new_values, reference
 
     flat = [t.detach().transpose(1, 2).reshape(tokens, t.size(1), dim).contiguous().requires_grad_()
             for t in (query, key, value)]
@@ -187,7 +196,7 @@ def measure(shape: str, tokens: int, dtype_name: str, device: str, warmup: int, 
             **{f"{name}_ms": timing["ms_per_call"] for name, timing in timings.items()},
             "speedup": round(timings["old"]["ms_per_call"] / timings["new"]["ms_per_call"], 3),
             "timings": timings, "parity": checks, "tolerance": tolerance,
-            "parity_ok": all(check["relative"] <= tolerance for check in checks.values())}
+            "parity_ok": all(check["ok"] for check in checks.values())}
 
 
 def main() -> int:
