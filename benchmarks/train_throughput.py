@@ -196,7 +196,9 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
                             cuda_graphs=knobs["cuda_graphs"], compile_cache=Path(spec["work"]) / "compile-cache")
     optimizer = make_optimizer(model, method)
     static = static_rows(training_device(), knobs["compile"]) or spec.get("static_rows", False)
-    order = np.arange(batch * windows.total)
+    # An epoch of every example in file order, as training would take them: the row shape (its lengths, decided by
+    # the epoch's fullest step) is the run's; the windows take its first steps.
+    order = np.arange(spec["examples"])
     batches = StepBatches(train_path, knobs["max_seq_length"], order, batch, knobs["row_tokens"], static=static)
     shape = batches.shape
     model.train()
@@ -536,7 +538,8 @@ class Bench:
                              f"(--examples)")
         return {"label": label, "config": config, "model": args.model, "model_dir": str(self.model_dir),
                 **step, "cudnn": cudnn, "windows": asdict(windows), "max_seq_length": self.data.max_seq_length,
-                "mean_length": self.mean_length, "work": str(args.work), "threads": args.threads,
+                "mean_length": self.mean_length, "examples": self.examples, "work": str(args.work),
+                "threads": args.threads,
                 "results_dir": str(args.results_dir) if args.results_dir else None,
                 "static_rows": args.static_rows, "calibration_budget": args.calibration_budget,
                 "data_json": self.data.model_dump_json() if config == "ours" else None,
@@ -559,15 +562,15 @@ class Bench:
 
 
 def _peer_micro(step: dict, mean_length: float) -> int:
-    """hf_flattening's micro-batch: 8 at the demo batch; otherwise the whole step in one row, or as many examples
-    as fill a row of `row_tokens` on average (a divisor of the step)."""
+    """hf_flattening's micro-batch: 8 at the demo batch; otherwise the whole step in one row, or the divisor of the
+    step nearest the examples that fill a row of `row_tokens` on average (its rows hold about as many tokens)."""
     batch, row = step["batch"], step["row_tokens"]
     if batch == DEMO_BATCH:
         return HF_MICRO
     if not row:
         return batch
-    fits = max(1, int(row // mean_length))
-    return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= fits)
+    fits = row / mean_length
+    return min((d for d in range(1, batch + 1) if batch % d == 0), key=lambda d: (abs(d - fits), d))
 
 
 def _padded_knobs(config: str, right_sized: int, before_length: int) -> tuple | None:
