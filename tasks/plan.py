@@ -69,7 +69,7 @@ from phase1a.plan.calibration import (
 )
 from phase1a.plan.communication import StepTraffic, step_communication
 from phase1a.plan.footing import Footing
-from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, modelled
+from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, load_overheads, modelled
 from phase1a.plan.interruptions import (
     ASSUMED_DISK_BYTES_PER_SECOND,
     ASSUMED_STORE_BYTES_PER_SECOND,
@@ -221,12 +221,26 @@ class _Planner:
             return self._on_every_rank(self._calibrated(start, max_seq_length, sweeps), max_seq_length)
         flops = flops_per_token(self.facts, self.shape.full, start.gradient_checkpointing,
                                 _mean(self.lengths, max_seq_length))
+        if config.hardware.target in CATALOGUE and self.target.peak_flops:  # a GPU not here: the GPU model's
+            return self._on_every_rank(self._modelled(start, max_seq_length, flops), max_seq_length)
         self.notes.append(f"throughput assumed at {self.policy.assumed_mfu:.0%} MFU of {self.target.name}'s peak, "
                           f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
         return self._on_every_rank(_Throughput(
             chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
             warmup_seconds=0.0, startup_seconds=self._assumed_startup(), checkpoint=self._checkpoint_cost(None, None),
             source="assumed", footing=footing.assumed(self.policy.assumed_mfu)), max_seq_length)
+
+    def _modelled(self, start: Candidate, max_seq_length: int, flops: float) -> _Throughput:
+        """A catalogue GPU that is not present: its speed for this job's steps from the GPU model (kernel launches
+        and per-step overhead fitted to committed GPU measurements, compute at `plan.assumed_mfu`), with its range."""
+        target = self.config.hardware.target
+        speed = modelled(self._gpu_step(start, max_seq_length, flops), target, self.policy.assumed_mfu)
+        words = f"{speed.words(load_overheads())}, {speed.low:,.0f}-{speed.high:,.0f} tokens/s"
+        self.notes.append(f"throughput modelled for {self.target.name}, not measured: {words} "
+                          f"(phase1a/plan/gpu_model.py); start-up and checkpoint writes assumed at 1 GiB/s")
+        return _Throughput(chosen=start, seconds_per_token=1.0 / speed.value, warmup_seconds=0.0,
+                           startup_seconds=self._assumed_startup(), checkpoint=self._checkpoint_cost(None, None),
+                           source="modelled", footing=footing.modelled(speed.value, speed.low, speed.high, words))
 
     def _on_every_rank(self, one: _Throughput, max_seq_length: int) -> _Throughput:
         """One GPU's speed (measured or assumed) as the run's on every GPU of every node: each takes its share of
@@ -614,7 +628,8 @@ class _Planner:
             spot=SpotJob(checkpoint_seconds=checkpoints.cost.seconds, restart_seconds=checkpoints.restart_seconds,
                          startup_seconds=startup, interval_seconds=configured, store=checkpoints.store),
             gpu=step, assumed_mfu=policy.assumed_mfu,
-            reference_source=("modelled" if not own else "assumed" if throughput.source == "assumed" else "measured"),
+            reference_source=("modelled" if not own or throughput.source == "modelled"
+                              else "assumed" if throughput.source == "assumed" else "measured"),
             reference_basis=footing.words if own else "",
             reference_range=(1 / footing.high, 1 / footing.low) if own else (1.0, 1.0))
         return option_rows(job, OptionsPolicy(

@@ -29,7 +29,7 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
     remote = planned(config_tree, data)
     assert not remote.calibrated and remote.precision == "bfloat16" and any("not present" in n for n in remote.notes)
     assert remote.estimated_cost_usd == pytest.approx(2.50 * remote.estimated_total_seconds / 3600)
-    assert remote.fits_in_window is True and remote.throughput_source == "assumed"
+    assert remote.fits_in_window is True and remote.throughput_source == "modelled"
     assert [row.label for row in remote.options][:2] == ["1x H100", "1x H200"] and remote.options[0].fits
     assert remote.options[0].hours * 3600 == pytest.approx(remote.estimated_total_seconds, rel=1e-6)
 
@@ -86,7 +86,7 @@ def test_two_nodes_of_eight_gpus_are_one_gpus_speed_times_sixteen_at_the_compute
     sixteen = planned(config_tree, data)
     [note] = [note for note in sixteen.notes if note.startswith("16 GPUs (2 x 8, ddp)")]
     scaling = float(note.rsplit("scaling ", 1)[1].split("%")[0]) / 100
-    assert sixteen.throughput_source == "assumed" and 0 < scaling <= 1
+    assert sixteen.throughput_source == "modelled" and 0 < scaling <= 1
     assert sixteen.tokens_per_second == pytest.approx(one.tokens_per_second * 16 * scaling, rel=0.01)
     assert sixteen.estimated_cost_usd == pytest.approx(16 * 2.50 * sixteen.estimated_total_seconds / 3600)
     text = format_plan(sixteen)

@@ -48,6 +48,12 @@ def history(runs: int) -> Footing:
                    low=1 - _HISTORY_SPREAD, high=1 + _HISTORY_SPREAD, firm=True)
 
 
+def modelled(value: float, low: float, high: float, words: str) -> Footing:
+    """From the GPU model (phase1a/plan/gpu_model.py): its tokens/s `value` within [`low`, `high`]."""
+    return Footing(source="modelled", words=f"modelled, not measured: {words}", low=value / high, high=value / low,
+                   firm=False)
+
+
 def assumed(mfu: float) -> Footing:
     return Footing(source="assumed", words=f"assumed at {mfu:.0%} MFU, not measured: {_ASSUMED[0]:g}x to "
                                            f"{_ASSUMED[1]:g}x", low=_ASSUMED[0], high=_ASSUMED[1], firm=False)
