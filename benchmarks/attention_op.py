@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from step_meter import write_json
 
+from phase1a.core.units import MIB
+
 HEAD_SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, key/value heads, head dim
 LENGTHS = (50, 1000)  # an example's tokens, drawn log-uniformly
 DRY_RUN_TOKENS, DRY_RUN_LENGTHS = 512, (16, 128)  # a CPU: seconds, several examples a row
@@ -121,7 +123,7 @@ def time_calls(call, inputs: list, grad, warmup: int, iterations: int) -> dict:
         end.record()
         torch.cuda.synchronize()
         return {"ms_per_call": round(start.elapsed_time(end) / iterations, 4), "iterations": iterations,
-                "peak_extra_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
+                "peak_extra_mib": round((torch.cuda.max_memory_allocated() - base) / MIB, 1),
                 "clock": "cuda events"}
     began = time.perf_counter()
     for _ in range(iterations):

@@ -71,7 +71,9 @@ def main() -> int:
     if record["peak_memory_bytes"] is None:
         import resource
 
-        record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        from phase1a.core.units import KIB
+
+        record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
     write_json(args.out, with_derived({
         "label": spec["label"], "config": "old", "model": spec["model"], "code": spec["code"], "step": spec["step"],
         "batch": batch, "cudnn_sdpa": None, "torch": torch.__version__, "max_seq_length": spec["max_seq_length"],

@@ -19,13 +19,13 @@ the host), and busy = the union of the intervals of every kernel, memcpy and mem
 streams counted once) / the window's wall clock (synchronised at both ends). The span from the first kernel's start
 to the last kernel's end is recorded beside it. A fraction below 1 is time the GPU waited for the host.
 
-Nothing here imports the project: the process measuring the code before issue 34 imports that tree's `phase1a`.
+Of the project only `phase1a.core` (byte units, atomic writes) is imported, which the code before issue 34 has too:
+the process measuring that code imports its tree's `phase1a`.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import warnings
 from contextlib import contextmanager
@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-GIB = 1 << 30
+from phase1a.core.atomic import write_atomically
+from phase1a.core.units import GIB
+
 HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal")
 SYNC_WARNING = "synchronizing CUDA operation"
 TOP_KERNELS = 15
@@ -381,9 +383,7 @@ def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a re-run trusts a result file that is there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, indent=2, default=jsonable) + "\n")
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(value, indent=2, default=jsonable) + "\n")
 
 
 def jsonable(value):

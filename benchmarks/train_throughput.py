@@ -64,6 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_meter import ON_DEVICE, Meter, Windows, builds_on_device, cudnn_sdpa, jsonable, on_device_loader, with_derived
 from tokenize_throughput import _in_process, _peak_rss_mib, generate  # same data, same process runner
 
+from phase1a.core.units import MIB
+
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the tokenizer's)
     "test": (64, 128, 2, 4, 2, None),  # the test suite's tiny Llama: the GPU check's dry run
     "tiny": (256, 688, 4, 4, 2, None),
@@ -189,7 +191,7 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
         "row_tokens": spec["row_tokens"] or batch * spec["max_seq_length"]}
     if knobs["cuda_graphs"] and not cuda:
         raise SystemExit("new_graphs: CUDA graphs need CUDA")
-    method = MethodConfig(batch_size=batch, lora={"r": 16, "alpha": 32})
+    method = MethodConfig(batch_size=batch, lora={"r": 16, "alpha": 32}, liger=spec.get("liger", "auto"))
     began = time.perf_counter()
     with project_loader(model_dir):
         model = build_model(Path(model_dir), method, knobs["gradient_checkpointing"], compile=knobs["compile"],
@@ -463,7 +465,7 @@ def _result(spec: dict, meter: Meter, facts: dict, knobs: dict, trainer_losses: 
     if trainer_losses is not None:
         record["losses"] = trainer_losses
     if record["peak_memory_bytes"] is None:  # a CPU: the process's peak RSS
-        record["peak_rss_bytes"] = int(_peak_rss_mib() * 2**20)
+        record["peak_rss_bytes"] = int(_peak_rss_mib() * MIB)
     per_token = flops_per_token(model_facts(Path(spec["model_dir"])), False, False, spec["mean_length"])
     return with_derived({
         "label": spec["label"], "config": spec["config"], "model": spec["model"], "code": "this tree",
@@ -531,6 +533,8 @@ class Bench:
 
     def spec(self, config: str, step: dict, cudnn: bool | None, args: argparse.Namespace) -> dict:
         label = f"{config}-{step['step']}" + (f"-cudnn_{_cudnn_label(cudnn)}" if cudnn is not None else "")
+        if config in NEW_CONFIGS and args.liger == "off":
+            label += "-liger_off"
         windows = Windows(*args.windows)
         if step["batch"] * windows.total > self.examples:
             raise SystemExit(f"{label}: {windows.total} steps of {step['batch']} examples need "
@@ -541,7 +545,7 @@ class Bench:
                 "mean_length": self.mean_length, "examples": self.examples, "work": str(args.work),
                 "threads": args.threads,
                 "results_dir": str(args.results_dir) if args.results_dir else None,
-                "static_rows": args.static_rows, "calibration_budget": args.calibration_budget,
+                "static_rows": args.static_rows, "calibration_budget": args.calibration_budget, "liger": args.liger,
                 "data_json": self.data.model_dump_json() if config == "ours" else None,
                 "peer_micro": _peer_micro(step, self.mean_length),
                 "padded": _padded_knobs(config, self.right_sized, args.padded_length)}
@@ -559,6 +563,18 @@ class Bench:
         if config == "trl_sft":  # TRL tokenizes the records itself: the first ones of the file, as many
             return call(measure_trl_sft, model, str(self.data_path), spec)
         return call(measure_new, model, train, spec)
+
+
+def _without_liger(spec: dict, cuda: bool) -> list[dict]:
+    """A compiled measurement that failed with Liger's kernels in the layers (the product's default where Liger is
+    installed, untested under fullgraph compilation on a GPU), measured again without them: the failure is
+    reported, and the compiled numbers are still had."""
+    import importlib.util
+
+    if (spec["config"] not in ("new_compiled", "new_graphs") or spec.get("liger") == "off" or not cuda
+            or importlib.util.find_spec("liger_kernel") is None):
+        return []
+    return [{**spec, "liger": "off", "label": spec["label"] + "-liger_off"}]
 
 
 def _peer_micro(step: dict, mean_length: float) -> int:
@@ -645,6 +661,8 @@ def main() -> None:
     parser.add_argument("--windows", nargs=4, type=int, metavar=("WARMUP", "TIMED", "SYNCS", "PROFILED"),
                         default=[WINDOWS.warmup, WINDOWS.timed, WINDOWS.syncs, WINDOWS.profiled],
                         help="steps in each window (benchmarks/step_meter.py)")
+    parser.add_argument("--liger", choices=("auto", "off"), default="auto",
+                        help="ours: Liger's kernels as the product picks them (auto), or off")
     parser.add_argument("--static-rows", action="store_true",
                         help="static rows on a CPU too (a GPU always has them): the dry run's path")
     parser.add_argument("--threads", type=int, help="torch threads in each measurement")
@@ -666,16 +684,18 @@ def main() -> None:
              for cudnn in (cudnn_modes if config in SDPA_CONFIGS else [None])
              if config not in FIELD_NOTES or bench.step(step)["batch"] == DEMO_BATCH]
     results, failed = [], {}
-    for spec in specs:
+    while specs:
+        spec = specs.pop(0)
         done = args.results_dir / f"{spec['label']}.json" if args.results_dir else None
         if done is not None and done.is_file():
             result = json.loads(done.read_text())
         else:
             try:
-                result = bench.run(spec, separate=cuda and len(specs) > 1)
+                result = bench.run(spec, separate=cuda)
             except Exception as error:  # the next measurement still runs; this one is retried next time
                 failed[spec["label"]] = f"{type(error).__name__}: {error}"[:1000]
                 print(f"{spec['label']} failed: {failed[spec['label']]}", flush=True)
+                specs[:0] = _without_liger(spec, cuda)
                 continue
             if done is not None:
                 write_json(done, result)

@@ -263,3 +263,25 @@ def test_a_model_built_on_the_device_trains_as_one_loaded_from_disk(tmp_path):
     import phase1a.model.build as build
 
     assert build.load_model.__module__ == "phase1a.model.loading"  # put back after the build
+
+
+def test_a_compiled_measurement_that_fails_with_liger_is_taken_again_without_it(monkeypatch):
+    import importlib.util
+
+    import train_throughput
+
+    spec = {"config": "new_compiled", "label": "new_compiled-demo", "liger": "auto"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else None)
+    assert train_throughput._without_liger(spec, cuda=True) == [
+        {"config": "new_compiled", "label": "new_compiled-demo-liger_off", "liger": "off"}]
+    assert train_throughput._without_liger({**spec, "config": "new"}, cuda=True) == []  # eager: nothing to retry
+    assert train_throughput._without_liger({**spec, "liger": "off"}, cuda=True) == []
+    assert train_throughput._without_liger(spec, cuda=False) == []
+
+
+def test_the_flattening_peer_fills_rows_as_ours_do():
+    from train_throughput import _peer_micro
+
+    assert _peer_micro({"batch": 16, "row_tokens": 0}, 125.0) == 8  # the demo's batch: 8 x 2, as before
+    assert _peer_micro({"batch": 176, "row_tokens": 0}, 125.0) == 176  # a token-rich step: one row
+    assert _peer_micro({"batch": 272, "row_tokens": 8192}, 124.5) == 68  # about 8k tokens a row
