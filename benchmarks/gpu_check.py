@@ -802,11 +802,13 @@ def install_locked(attempts: int = 12) -> list[str]:
     wheels = sorted(WHEELS.glob("*.whl"))
     chosen = [w for w in wheels_to_install(wheels, _installed_version)
               if _wheel_module(w) in {_normalised(n) for n in LOCKED}]
-    done = LOCKED_SITE / "INSTALLED"
+    done, refused = LOCKED_SITE / "INSTALLED", GPU_DIR / "site-lock.refused"
     if done.is_file():
         return json.loads(done.read_text())
     if not chosen:
         return []
+    if refused.is_file():  # tried by an earlier invocation on this host: not again (each try costs seconds)
+        return json.loads(refused.read_text())
     if importlib.util.find_spec("pip") is None:
         print(f"no pip in {sys.executable}: the lock's {', '.join(w.name for w in chosen)} not installed")
         return []
@@ -833,6 +835,7 @@ def install_locked(attempts: int = 12) -> list[str]:
     shutil.rmtree(LOCKED_SITE, ignore_errors=True)
     reason = f"the lock's transformers/peft do not import here ({error}); the host's run instead"
     print(reason)
+    refused.write_text(json.dumps([f"not installed: {reason}"]))
     return [f"not installed: {reason}"]
 
 
