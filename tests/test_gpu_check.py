@@ -197,12 +197,14 @@ def test_derived_numbers_come_from_the_raw_ones_in_the_same_result():
     timed steps recorded beside them, and every rate is computed from recorded numbers."""
     raw = {"seconds": 136.0, "steps": 64, "useful_tokens": 128_000, "padded_tokens": 160_000,
            "flops_per_token": 1e9, "peak_flops": 1e15, "peak_memory_bytes": 3 * 2**30, "input_embedding_parameters": 0,
-           "syncs": {"count": 3, "steps": 2}, "busy": {"kernel_union_s": 0.9, "kernel_span_s": 0.95, "wall_s": 1.0}}
+           "syncs": {"count": 3, "steps": 2},
+           "busy": {"kernel_union_s": 0.9, "kernel_span_s": 0.95, "wall_s": 1.0, "steps": 2}}
     derived = step_meter.derive(raw)
     assert derived["seconds_per_step"] == 2.125 and derived["useful_tokens_per_s"] == pytest.approx(941.2, rel=1e-3)
     assert derived["padding_share"] == 0.2 and derived["padded_tokens_per_s"] == pytest.approx(1176, rel=1e-3)
     assert derived["mfu"] == pytest.approx(941.2e9 / 1e15, rel=1e-3) and derived["peak_memory_gib"] == 3
     assert derived["syncs_per_step"] == 1.5 and derived["busy_fraction"] == 0.9
+    assert derived["busy_fraction_of_timed_step"] == pytest.approx(0.45 / 2.125, rel=1e-3)  # profiled over timed
 
 
 def _result(label: str, rate: float, step: str = "demo", model: str = "smollm2", **extra) -> dict:
