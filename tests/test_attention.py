@@ -139,7 +139,7 @@ def test_one_attention_call_per_layer_and_ops_that_do_not_grow_with_examples(lor
     counts = []
     for examples in (1, 5, 17):
         rows = _rows(examples, length=102 // examples)
-        row = pack(rows, np.arange(examples), RowShape.of(128, 102, examples, static=True, step_tokens=102))
+        row = pack(rows, np.arange(examples), RowShape.of(128, 102, examples, static=True, step_tokens=np.array([102])))
         forward, backward = _counted_step(lora_model, row, large=row.length)
         assert forward.ops.count(OP) == layers and backward.ops.count(BACKWARD) == layers
         counts.append((len(forward.ops), len(backward.ops), backward.large_fills))
@@ -153,7 +153,7 @@ def test_a_micro_batch_reads_nothing_back_from_the_device(lora_model):
     from torch.func import functional_call
 
     rows = _rows(7, length=9)
-    row = pack(rows, np.arange(7), RowShape.of(128, 9, 7, static=True, step_tokens=63))
+    row = pack(rows, np.arange(7), RowShape.of(128, 9, 7, static=True, step_tokens=np.array([63])))
     forward, backward = _counted_step(lora_model, row)
     assert [op for op in forward.ops + backward.ops if op in SYNCING] == []
 

@@ -34,7 +34,7 @@ def test_packed_loss_equals_per_sequence_loss(tiny_model_dir, rows, attention):
 
     model = load_model(tiny_model_dir, torch.float32, attention=attention).eval()
     indices = np.arange(len(rows))
-    static = RowShape.of(128, 30, len(rows), static=True, step_tokens=73)
+    static = RowShape.of(128, 30, len(rows), static=True, step_tokens=np.array([73, 128]))
     packed_rows = [pack(rows, indices), pack(rows, indices, static)]  # exact, and padded to a static shape
     with torch.no_grad():
         packed = [summed_loss(model, row) for row in packed_rows]
@@ -56,11 +56,11 @@ def test_pack_masks_boundaries_and_restarts_positions(rows):
 
 
 def test_a_static_row_pads_with_unlabelled_segments_to_one_of_its_lengths(rows):
-    """73 tokens in a shape of 128 (granule 64, segments of at most 30): padded to 128 with 55 unlabelled tokens
-    in segments of 30 and 25 whose positions restart, then one zero-length slot."""
-    shape = RowShape.of(128, 30, 5, static=True, step_tokens=73)
-    assert (shape.tokens, shape.granule, shape.capacity, shape.max_seqlen) == (128, 64, 8, 30)
-    assert shape.lengths() == [64, 128]
+    """73 tokens in a shape whose steps hold 40 to 128 tokens (buckets at their quartiles, multiples of 64: 64 and
+    128; segments of at most 30): padded to 128 with 55 unlabelled tokens in segments of 30 and 25 whose positions
+    restart, then one zero-length slot."""
+    shape = RowShape.of(128, 30, 5, static=True, step_tokens=np.array([40, 50, 60, 128]))
+    assert (shape.tokens, shape.buckets, shape.capacity, shape.max_seqlen) == (128, (64, 128), 8, 30)
     row = pack(rows, np.arange(5), shape)
     assert row.length == 128 and row.tokens == 73 and row.max_seqlen == 30
     assert row.cu_seqlens.tolist() == [0, 5, 22, 31, 61, 73, 103, 128, 128]
@@ -68,6 +68,21 @@ def test_a_static_row_pads_with_unlabelled_segments_to_one_of_its_lengths(rows):
     assert row.supervised == rows.supervised_tokens(np.arange(5))
     with pytest.raises(ValueError, match="exceed the row shape"):
         pack(rows, np.arange(5), RowShape.of(64, 30, 5, static=True))
+
+
+def test_static_buckets_follow_the_steps_rows():
+    """At most BUCKETS lengths, multiples of 64, the last the fullest step (within the budget): at the quartiles of
+    the steps' last rows, so padding follows the run. Steps longer than the budget fill rows of the budget first."""
+    steps = np.array([900, 1000, 1100, 1200, 1300, 1400, 1500, 2900])
+    shape = RowShape.of(4096, 512, 16, static=True, step_tokens=steps)
+    assert shape.tokens == 2944 and shape.buckets == (1088, 1280, 1472, 2944) and shape.max_seqlen == 512
+    assert shape.capacity == 16 + -(-(2944 - 1472 - 1) // 256)  # the widest gap's padding in segments of 256
+    assert [shape.length_for(n) for n in (1, 1088, 1089, 2944)] == [1088, 1088, 1280, 2944]
+    split = RowShape.of(1024, 512, 16, static=True, step_tokens=np.array([1500, 1600, 2100, 3000]))
+    assert split.tokens == 1024 and split.buckets[-1] == 1024 and len(split.buckets) <= BUCKETS
+    assert all(b % 64 == 0 for b in split.buckets)
+    exact = RowShape.of(1024, 512, 16, static=False)
+    assert exact.buckets == () and exact.length_for(77) == 77 and exact.capacity == 16
 
 
 def test_every_micro_batch_of_an_epoch_has_one_of_a_few_shapes(tmp_path):

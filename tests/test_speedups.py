@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,7 +83,7 @@ def test_compiled_layers_leave_loss_and_gradients_unchanged_without_breaks_or_re
     torch._dynamo.reset()
     counters.clear()
     compile_layers(compiled)
-    shape = RowShape.of(512, 64, 8, static=True, step_tokens=512)
+    shape = RowShape.of(512, 64, 8, static=True, step_tokens=np.array([100, 200, 300, 512]))
     batches = [packed_batch(train_path, count=count, start=6 * k, shape=shape)
                for k, count in enumerate([6, 2, 6, 3, 5])]
     lengths = {batch.length for batch in batches}

@@ -12,6 +12,7 @@ running eagerly rows are exact: a padded token costs as much as a real one there
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,8 @@ class TokenRows:
 
 
 # Row lengths where shapes must repeat (an accelerator, a compiled model): multiples of 64 tokens (tensor-core
-# tiles), at most `BUCKETS` of them below the row's budget, so a compiled layer or a captured graph is built a
-# handful of times a run, never once a step.
+# tiles), at most `BUCKETS` of them, so a compiled layer or a captured graph is built a handful of times a run,
+# never once a step.
 ALIGN = 64
 BUCKETS = 4
 # A static row's padding is split into segments of at most this many tokens: its attention costs P x 256 where a
@@ -82,40 +83,53 @@ PAD_TOKEN = 0  # any valid id: padding carries no label, and attends only to pad
 
 @dataclass(frozen=True)
 class RowShape:
-    """The shapes a run's packed rows take. A row holds at most `tokens`; its length is what it holds rounded up to
-    a multiple of `granule` (1: no padding at all); `cu_seqlens` has `capacity` + 1 entries; `max_seqlen` bounds
-    every segment (the kernel's grid), the same for every row of the run."""
+    """The shapes a run's packed rows take. A row holds at most `tokens`; a static row is padded up to the shortest
+    of `buckets` that holds it (none: exact rows, no padding); `cu_seqlens` has `capacity` + 1 entries;
+    `max_seqlen` bounds every segment (the kernel's grid), the same for every row of the run."""
 
     tokens: int
-    granule: int
+    buckets: tuple[int, ...]
     capacity: int
     max_seqlen: int
 
     @classmethod
-    def of(cls, budget: int, max_length: int, examples: int, static: bool, step_tokens: int | None = None
-           ) -> "RowShape":
+    def of(cls, budget: int, max_length: int, examples: int, static: bool,
+           step_tokens: np.ndarray | None = None) -> "RowShape":
         """`budget`: the tokens a row may hold (the memory model's micro-batch); `examples`: a rank's examples a
-        step, the most a row can hold; `step_tokens`: the most tokens a rank's step holds, which caps a static row
-        (rows never span steps). Static: at most `BUCKETS` lengths, multiples of `ALIGN`; else exact rows."""
-        max_seqlen = min(max_length, budget)
+        step, the most a row can hold; `step_tokens`: each step's tokens on the rank (rows never span steps: the
+        fullest step caps a static row, and the buckets follow how full the steps' rows are). Static: at most
+        `BUCKETS` lengths, multiples of `ALIGN`; else exact rows."""
+        max_seqlen = int(min(max_length, budget))
         if not static:
-            return cls(tokens=budget, granule=1, capacity=examples, max_seqlen=max_seqlen)
-        tokens = _round_up(max(min(budget, step_tokens or budget), max_seqlen), ALIGN)
-        granule = _round_up(-(-tokens // BUCKETS), ALIGN)
-        pads = -(-(granule - 1) // min(PAD_SEGMENT, max_seqlen))
-        return cls(tokens=_round_up(tokens, granule), granule=granule, capacity=examples + pads,
-                   max_seqlen=max_seqlen)
+            return cls(tokens=int(budget), buckets=(), capacity=examples, max_seqlen=max_seqlen)
+        steps = np.asarray(step_tokens if step_tokens is not None and len(step_tokens) else [budget])
+        tokens = _round_up(max(min(budget, int(steps.max())), max_seqlen), ALIGN)
+        buckets = _buckets(steps, tokens)
+        widest = max(high - low for low, high in zip((0, *buckets), buckets))  # the most padding a row can get
+        pads = -(-(widest - 1) // min(PAD_SEGMENT, max_seqlen))
+        return cls(tokens=tokens, buckets=buckets, capacity=examples + pads, max_seqlen=max_seqlen)
 
     @property
     def static(self) -> bool:
-        return self.granule > 1
+        return bool(self.buckets)
 
     def length_for(self, used: int) -> int:
-        return _round_up(used, self.granule)
+        """The row length that holds `used` tokens: the shortest bucket, or `used` itself for exact rows."""
+        if not self.buckets:
+            return used
+        return self.buckets[bisect.bisect_left(self.buckets, used)]
 
     def lengths(self) -> list[int]:
-        """Every row length a static shape allows."""
-        return list(range(self.granule, self.tokens + 1, self.granule)) if self.static else []
+        """Every row length a static shape allows (none for exact rows)."""
+        return list(self.buckets)
+
+
+def _buckets(step_tokens: np.ndarray, tokens: int) -> tuple[int, ...]:
+    """At most `BUCKETS` row lengths up to `tokens`, at the quantiles of how many tokens the steps' last rows hold
+    (a step's other rows are full: they take `tokens`), so that padding follows the run's own steps."""
+    last = step_tokens - (np.ceil(step_tokens / tokens) - 1) * tokens
+    quantiles = np.quantile(last, [k / BUCKETS for k in range(1, BUCKETS)])
+    return tuple(sorted({*(min(tokens, _round_up(int(q), ALIGN)) for q in quantiles), tokens}))
 
 
 def static_rows(device: torch.device, compile: bool) -> bool:
@@ -175,7 +189,7 @@ def pack(rows: TokenRows, indices: np.ndarray, shape: RowShape | None = None, le
         example_labels[0] = IGNORE_INDEX
         labels.append(example_labels)
         positions.append(np.arange(end - start))
-        lengths.append(end - start)
+        lengths.append(int(end - start))
     used = sum(lengths)
     longest = max(lengths)
     capacity = len(lengths)
@@ -184,7 +198,7 @@ def pack(rows: TokenRows, indices: np.ndarray, shape: RowShape | None = None, le
             raise ValueError(f"{len(lengths)} examples of {used} tokens (longest {longest}) exceed the row shape "
                              f"{shape}")
         padding = (length or shape.length_for(used)) - used
-        if padding < 0 or (length is not None and length % shape.granule):
+        if padding < 0 or (length is not None and shape.static and length not in shape.buckets):
             raise ValueError(f"{used} tokens cannot be padded to {length} in the row shape {shape}")
         step = min(PAD_SEGMENT, shape.max_seqlen)
         pads = [step] * (padding // step) + ([padding % step] if padding % step else [])
@@ -201,7 +215,7 @@ def pack(rows: TokenRows, indices: np.ndarray, shape: RowShape | None = None, le
         input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
         labels=torch.from_numpy(label_row)[None],
         position_ids=torch.from_numpy(np.concatenate(positions).astype(np.int64))[None],
-        cu_seqlens=torch.from_numpy(bounds), max_seqlen=int(longest), tokens=used,
+        cu_seqlens=torch.from_numpy(bounds), max_seqlen=int(longest), tokens=int(used),
         supervised=int((label_row[1:] != IGNORE_INDEX).sum()))
 
 
@@ -314,7 +328,7 @@ class StepBatches(torch.utils.data.Dataset):
         if self._shape is None:
             lengths = self.rows.lengths()
             self._shape = RowShape.of(self.token_budget, int(lengths.max()), -(-self.batch_size // self.world),
-                                      self.static, self.step_tokens().max(initial=1))
+                                      self.static, self.step_tokens())
         return self._shape
 
     def step_tokens(self) -> np.ndarray:
@@ -358,7 +372,7 @@ class StepBatches(torch.utils.data.Dataset):
         rows = budget_rows(self.rows, mine, shape.tokens)
         return StepBatch(micro_batches=[pack(self.rows, row, shape) for row in rows],
                          supervised=self.rows.supervised_tokens(indices),
-                         step_tokens=sum(self.rows.end(int(i)) - int(self.rows.offsets[i]) for i in indices),
+                         step_tokens=int(sum(self.rows.end(int(i)) - int(self.rows.offsets[i]) for i in indices)),
                          weight=weight)
 
 
