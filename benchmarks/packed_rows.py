@@ -49,7 +49,7 @@ def main() -> None:
     from phase1a.core.hardware import detect
     from phase1a.model.build import build_model, make_optimizer
     from phase1a.model.loading import load_tokenizer, resolve_model
-    from phase1a.train.packing import StepBatches, token_budget
+    from phase1a.train.packing import RowBudget, StepBatches, token_budget
     from phase1a.train.steps import optimizer_step
     from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -72,7 +72,7 @@ def main() -> None:
 
     packed = {}  # budget -> the timed steps, packed once and run by both attentions in every round
     for micro in BUDGETS:
-        batches = StepBatches(data.train_path, length, order, args.batch, token_budget(micro, length))
+        batches = StepBatches(data.train_path, length, order, args.batch, RowBudget(token_budget(micro, length)))
         packed[micro] = [batches[step] for step in range(1, args.steps + 1)]
         if micro == BUDGETS[0]:
             for model, optimizer in models.values():

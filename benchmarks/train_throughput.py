@@ -177,8 +177,8 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
 
     from phase1a.config.schema import MethodConfig
     from phase1a.core.hardware import training_device
-    from phase1a.model.build import build_model, make_optimizer
-    from phase1a.train.packing import StepBatch, StepBatches, pack, static_rows, step_loader
+    from phase1a.model.build import Compilation, build_model, make_optimizer
+    from phase1a.train.packing import RowBudget, StepBatch, StepBatches, pack, static_rows, step_loader
     from phase1a.train.steps import optimizer_step
 
     _threads(spec)
@@ -194,14 +194,15 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
     method = MethodConfig(batch_size=batch, lora={"r": 16, "alpha": 32}, liger=spec.get("liger", "auto"))
     began = time.perf_counter()
     with project_loader(model_dir):
-        model = build_model(Path(model_dir), method, knobs["gradient_checkpointing"], compile=knobs["compile"],
-                            cuda_graphs=knobs["cuda_graphs"], compile_cache=Path(spec["work"]) / "compile-cache")
+        compilation = Compilation(knobs["cuda_graphs"], Path(spec["work"]) / "compile-cache")
+        model = build_model(Path(model_dir), method, knobs["gradient_checkpointing"],
+                            compile=compilation if knobs["compile"] else None)
     optimizer = make_optimizer(model, method)
     static = static_rows(training_device(), knobs["compile"]) or spec.get("static_rows", False)
     # An epoch of every example in file order, as training would take them: the row shape (its lengths, decided by
     # the epoch's fullest step) is the run's; the windows take its first steps.
     order = np.arange(spec["examples"])
-    batches = StepBatches(train_path, knobs["max_seq_length"], order, batch, knobs["row_tokens"], static=static)
+    batches = StepBatches(train_path, knobs["max_seq_length"], order, batch, RowBudget(knobs["row_tokens"], static))
     shape = batches.shape
     model.train()
     built = time.perf_counter()

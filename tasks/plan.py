@@ -100,7 +100,7 @@ from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_windo
 from phase1a.results import Estimate, Plan
 from phase1a.train.distributed import World
 from phase1a.train.history import Remembered, RunRecord, history_path, pull_records, remembered
-from phase1a.train.packing import StepBatches, TokenRows, example_stream, static_rows, token_budget
+from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, static_rows, token_budget
 from tasks.caching import StageCache, task
 
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
@@ -567,10 +567,10 @@ class _Planner:
         """The rows training will run (phase1a/train/packing.py): their shape on the target, padding's share."""
         target = torch.device("cpu" if self.config.hardware.target == "cpu" else "cuda")
         order, _ = example_stream(len(self.lengths), fit.epochs, self.method.seed)
-        batches = StepBatches(self.data.train_path, fit.max_seq_length, order, self.method.batch_size,
-                              token_budget(chosen.micro_batch_size, fit.max_seq_length),
-                              World(size=self.config.hardware.world_size),
-                              static=static_rows(target, chosen.compile))
+        budget = RowBudget(token_budget(chosen.micro_batch_size, fit.max_seq_length),
+                           static_rows(target, chosen.compile))
+        batches = StepBatches(self.data.train_path, fit.max_seq_length, order, self.method.batch_size, budget,
+                              World(size=self.config.hardware.world_size))
         shape = batches.shape
         return {"row_tokens": shape.tokens, "row_lengths": shape.lengths() or None,
                 "padding_share": round(batches.padding_share(), 4)}

@@ -45,7 +45,7 @@ from phase1a.core.meter import MeterSettings, current_settings
 from phase1a.core.units import AUTO, Clock, parse_duration_seconds, parse_interval
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.during_training import EvalSettings, Evaluator
-from phase1a.model.build import build_model, make_optimizer, make_scheduler
+from phase1a.model.build import Compilation, build_model, make_optimizer, make_scheduler
 from phase1a.model.cost_model import significant
 from phase1a.model.loading import ResolvedModel
 from phase1a.promote.replay import write_trained_on
@@ -67,6 +67,7 @@ from phase1a.train.checkpoints import (
 from phase1a.train.history import history_path, share_record
 from phase1a.train.launch import Launch, LaunchError, launch_for, run_agents
 from phase1a.train.packing import (
+    RowBudget,
     StepBatch,
     StepBatches,
     TokenRows,
@@ -276,10 +277,10 @@ class TrainRecipe:
         settings, method = self.settings, self.method
         # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
         init_adapter = Path(settings.init_adapter) if settings.init_adapter else None
-        compile = settings.compile and not self.sharded
+        compile = Compilation(settings.cuda_graphs, Path(settings.compile_cache) if settings.compile_cache else None)
         model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
-                            settings.trust_remote_code, compile, init_adapter, settings.cuda_graphs and compile,
-                            Path(settings.compile_cache) if settings.compile_cache else None)
+                            settings.trust_remote_code, compile if settings.compile and not self.sharded else None,
+                            init_adapter)
         if on_model is not None:
             on_model(model)
         self.model = distributed.wrap(model, self.world, settings.strategy)
@@ -323,8 +324,9 @@ class TrainRecipe:
 
     def _batches(self, micro_batch_size: int) -> StepBatches:
         settings, world = self.settings, self.world
-        return StepBatches(settings.train_path, settings.max_seq_length, self.order, self.method.batch_size,
-                           token_budget(micro_batch_size, self.max_length), world, self.static_rows)
+        budget = RowBudget(token_budget(micro_batch_size, self.max_length), self.static_rows)
+        return StepBatches(settings.train_path, settings.max_seq_length, self.order, self.method.batch_size, budget,
+                           world)
 
     def _loader(self, from_step: int):
         return iter(step_loader(self._batches(self.micro), range(from_step, self.total_steps),

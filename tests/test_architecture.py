@@ -196,7 +196,8 @@ def test_the_config_choices_are_read_from_their_registries():
 # What runs on a bare GPU host (benchmarks/gpu_check.py's parts): the train loop, tokenizing, the plan, the benchmarks.
 GPU_HOST_MODULES = ("tasks.train", "tasks.tokenize", "tasks.plan", "phase1a.train.steps", "phase1a.plan.calibration",
                     "benchmarks.train_throughput", "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput",
-                    "benchmarks.packed_rows", "benchmarks.gpu_check")
+                    "benchmarks.packed_rows", "benchmarks.gpu_check", "benchmarks.attention_op",
+                    "benchmarks.step_meter")
 
 
 def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):

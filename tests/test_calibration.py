@@ -89,12 +89,12 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     from phase1a.config.schema import MethodConfig
     from phase1a.model.build import build_model, make_optimizer
     from phase1a.plan.calibration import _Steps, _trial
-    from phase1a.train.packing import StepBatches, TokenRows, example_stream, token_budget
+    from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, token_budget
 
     method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
     model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
     order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
-    batches = StepBatches(train_path, 256, order, 8, token_budget(4, 256))
+    batches = StepBatches(train_path, 256, order, 8, RowBudget(token_budget(4, 256)))
     candidate = Candidate(micro_batch_size=4, gradient_checkpointing=False)
     steps = _Steps(3, deadline=time.perf_counter(), step_tokens=8 * 60)
     trial = _trial(model, make_optimizer(model, method), batches, candidate, steps)

@@ -14,8 +14,16 @@ import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
-from phase1a.model.build import build_model, make_optimizer
-from phase1a.train.packing import StepBatches, TokenRows, example_stream, pack, summed_loss, token_budget
+from phase1a.model.build import Compilation, build_model, make_optimizer
+from phase1a.train.packing import (
+    RowBudget,
+    StepBatches,
+    TokenRows,
+    example_stream,
+    pack,
+    summed_loss,
+    token_budget,
+)
 from phase1a.train.steps import optimizer_step
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
@@ -51,7 +59,7 @@ def _step(model, optimizer, batch) -> float:
 def _static_steps(train_path: str, count: int) -> list:
     """The first `count` steps of 8 examples in static rows, as training on a GPU packs them."""
     order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
-    batches = StepBatches(train_path, 256, order, 8, token_budget(4, 256), static=True)
+    batches = StepBatches(train_path, 256, order, 8, RowBudget(token_budget(4, 256), static=True))
     return [batches[k] for k in range(count)]
 
 
@@ -99,7 +107,7 @@ def test_compiled_layers_and_cuda_graphs_leave_the_loss_unchanged(tiny_model_dir
     curves = []
     for compile in (False, True):
         torch.manual_seed(0)
-        model = build_model(tiny_model_dir, METHOD, False, compile=compile, cuda_graphs=cuda_graphs and compile)
+        model = build_model(tiny_model_dir, METHOD, False, compile=Compilation(cuda_graphs) if compile else None)
         model.train()
         optimizer = make_optimizer(model, METHOD)
         curves.append([optimizer_step(model, optimizer, step).loss.item() for step in steps])

@@ -6,6 +6,7 @@ from phase1a.model.loading import load_model
 from phase1a.train.packing import (
     BUCKETS,
     IGNORE_INDEX,
+    RowBudget,
     RowShape,
     StepBatches,
     TokenRows,
@@ -99,7 +100,7 @@ def test_every_micro_batch_of_an_epoch_has_one_of_a_few_shapes(tmp_path):
     path = tmp_path / "train.arrow"
     feather.write_feather(pa.table({"input_ids": ids, "labels": labels}), path, compression="uncompressed")
     order, _ = example_stream(300, 1.0, seed=0)
-    batches = StepBatches(path, None, order, 16, token_budget=4 * 60, static=True)
+    batches = StepBatches(path, None, order, 16, RowBudget(4 * 60, static=True))
     shapes, seen = set(), 0
     for step in range(len(batches)):
         batch = batches[step]

@@ -19,6 +19,7 @@ from phase1a.config.schema import MethodConfig
 from phase1a.model.build import build_model, compile_layers, make_optimizer, set_gradient_checkpointing
 from phase1a.train.packing import (
     PackedRow,
+    RowBudget,
     RowShape,
     StepBatches,
     TokenRows,
@@ -179,7 +180,7 @@ def test_fused_adamw_takes_the_same_step_as_the_for_each_one(tiny_model_dir, tra
 def test_dataloader_workers_deliver_the_same_steps(train_path):
     """Workers only move packing to other processes: the step contents are identical, so is the training."""
     order, _ = example_stream(len(TokenRows.load(train_path)), 2.0, seed=0)
-    batches = StepBatches(train_path, 48, order, 8, token_budget=100)
+    batches = StepBatches(train_path, 48, order, 8, RowBudget(100))
     inline = list(step_loader(batches, range(2, len(batches)), workers=0, pin_memory=False))
     workers = list(step_loader(batches, range(2, len(batches)), workers=2, pin_memory=False))
     assert len(inline) == len(workers) == len(batches) - 2
@@ -199,13 +200,13 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
     which fails in a forked child: forked workers then die with exit code 1 as the loader shuts them."""
     script = textwrap.dedent(f"""
         import os, threading
-        from phase1a.train.packing import StepBatches, TokenRows, example_stream, step_loader
+        from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, step_loader
         parent = os.getpid()
         def drain():  # what Prefect's service does at exit in a forked child
             assert os.getpid() == parent, "a service of the parent process"
         threading._register_atexit(drain)
         order, _ = example_stream(len(TokenRows.load({train_path!r})), 1.0, seed=0)
-        batches = StepBatches({train_path!r}, 48, order, 8, token_budget=100)
+        batches = StepBatches({train_path!r}, 48, order, 8, RowBudget(100))
         assert len(list(step_loader(batches, range(len(batches)), workers=2, pin_memory=False))) == len(batches)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -218,7 +219,7 @@ def test_a_step_from_the_loader_equals_the_loss_of_its_examples(tiny_model_dir, 
     model = build_model(tiny_model_dir, METHOD, gradient_checkpointing=False)
     order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
     for static in (False, True):
-        step = StepBatches(train_path, None, order, 8, token_budget=120, static=static)[0]
+        step = StepBatches(train_path, None, order, 8, RowBudget(120, static))[0]
         loss = train_step(model, step)
         with torch.no_grad():
             whole = pack(TokenRows.load(train_path), order[:8])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +28,19 @@ from phase1a.model.loading import load_model, peft_wrapping
 _USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
+@dataclass(frozen=True)
+class Compilation:
+    """How a model's layers are compiled (`compile_layers`): also captured as CUDA graphs, and where compiled code
+    is kept between stages and runs (None: torch's default)."""
+
+    cuda_graphs: bool = False
+    cache: Path | None = None
+
+
 def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: bool, trust_remote_code: bool = False,
-                compile: bool = False, init_adapter: Path | None = None, cuda_graphs: bool = False,
-                compile_cache: Path | None = None):
-    """`init_adapter`: a LoRA adapter whose weights the trainable adapter starts from (a warm start) instead of
-    peft's fresh initialisation. `compile`: each decoder layer compiled whole (`compile_layers`), `cuda_graphs`
-    also captured as CUDA graphs; `compile_cache`: where compiled code is kept between stages and runs."""
+                compile: Compilation | None = None, init_adapter: Path | None = None):
+    """`compile`: each decoder layer compiled whole (`compile_layers`), None: eager. `init_adapter`: a LoRA adapter
+    whose weights the trainable adapter starts from (a warm start) instead of peft's fresh initialisation."""
     device = training_device()
     dtype = training_dtype(device)
     quantization = _nf4_config(dtype, device) if method.base_precision == "4bit" else None
@@ -72,29 +80,31 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    set_compiled(model, compile, cuda_graphs, compile_cache)
+    set_compiled(model, compile)
     return model
 
 
-def compile_layers(model, cuda_graphs: bool = False, cache: Path | None = None) -> None:
+def compile_layers(model, compilation: Compilation = Compilation()) -> None:
     """Each decoder layer compiled in place (state-dict keys stay the eager model's), as one graph
     (`fullgraph=True`: a graph break is an error, not a silent fall back to Python) on static shapes (the packer's
     few row lengths: a graph a length, never a recompilation a step). Layers share their code, so one compilation
-    serves them all. `cuda_graphs`: each compiled layer also replayed as a CUDA graph (`reduce-overhead`)."""
+    serves them all. With `cuda_graphs` each compiled layer is also replayed as a CUDA graph (`reduce-overhead`)."""
+    cache = compilation.cache
     if cache is not None and _USER_COMPILE_CACHE is None:
         cache.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     for layer in decoder_layers(model):
-        layer.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        layer.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if compilation.cuda_graphs else None)
 
 
-def set_compiled(model, compile: bool, cuda_graphs: bool = False, cache: Path | None = None) -> None:
-    """Compiled layers as asked (`compile_layers`), or eager ones: what calibration's candidates switch between."""
-    state = (compile, cuda_graphs)
-    if getattr(model, "_phase1a_compiled", (False, False)) == state:
+def set_compiled(model, compilation: Compilation | None) -> None:
+    """Compiled layers as asked (`compile_layers`), or eager ones (None): what calibration's candidates switch
+    between."""
+    state = None if compilation is None else compilation.cuda_graphs
+    if getattr(model, "_phase1a_compiled", None) == state:
         return
-    if compile:
-        compile_layers(model, cuda_graphs, cache)
+    if compilation is not None:
+        compile_layers(model, compilation)
     else:
         for layer in decoder_layers(model):
             layer._compiled_call_impl = None

@@ -46,6 +46,7 @@ from phase1a.store.base import Store
 from phase1a.store.bundles import delete_bundle, upload_bundle
 from phase1a.train.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
 from phase1a.train.packing import (
+    RowBudget,
     StepBatch,
     StepBatches,
     TokenRows,
@@ -219,15 +220,15 @@ class _Session:
         return min(self.end - self._final_seconds(1.0 / first.tokens_per_second), time.perf_counter() + share)
 
     def run(self, candidate: Candidate, deadline: float) -> Trial:
-        from phase1a.model.build import set_compiled, set_gradient_checkpointing
+        from phase1a.model.build import Compilation, set_compiled, set_gradient_checkpointing
 
         set_gradient_checkpointing(self.model, candidate.gradient_checkpointing)
-        set_compiled(self.model, candidate.compile, candidate.cuda_graphs,
-                     self.config.cache_dir / layout.COMPILE_CACHE)
+        set_compiled(self.model, Compilation(candidate.cuda_graphs, self.config.cache_dir / layout.COMPILE_CACHE)
+                     if candidate.compile else None)
         method, job = self.config.method, self.job
-        batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size,
-                              token_budget(candidate.micro_batch_size, job.max_seq_length),
-                              static=static_rows(training_device(), candidate.compile))
+        budget = RowBudget(token_budget(candidate.micro_batch_size, job.max_seq_length),
+                           static_rows(training_device(), candidate.compile))
+        batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size, budget)
         self._announce(candidate, deadline)
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.hardware.calibration_steps, deadline, self.step_tokens, self.step_cap))

@@ -276,6 +276,15 @@ def budget_rows(rows: TokenRows, indices: np.ndarray, token_budget: int) -> list
 
 
 @dataclass(frozen=True)
+class RowBudget:
+    """What a run's rows may hold: `tokens` at most (the memory model's micro-batch, `token_budget`), and whether
+    their shapes must repeat (`static_rows`: a few lengths, `RowShape`)."""
+
+    tokens: int
+    static: bool = False
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """One optimizer step as a rank runs it: its rows, the whole step's supervised tokens (every rank's: the loss
     is normalised over them), and the rank's loss weight (0 for a rank with nothing left to compute)."""
@@ -304,15 +313,15 @@ class StepBatches(torch.utils.data.Dataset):
     A pure function of k, so resuming at step k re-iterates nothing, and dataloader workers can pack steps
     ahead of the accelerator. Workers reopen the memory-mapped Arrow file instead of receiving a pickled copy.
     With several ranks each takes every world-th example of the step; a rank left without one (a short last
-    step) computes one example with weight 0, so it still joins the gradient all-reduce. With `static` rows every
+    step) computes one example with weight 0, so it still joins the gradient all-reduce. With a static budget every
     row has one of the few lengths of `shape` (`RowShape.of`)."""
 
     def __init__(self, train_path: str | Path, max_length: int | None, order: np.ndarray, batch_size: int,
-                 token_budget: int, world: World = World(), static: bool = False):
+                 budget: RowBudget, world: World = World()):
         """`order`: every example the run takes, in order (`example_stream`), `batch_size` a step."""
         self.train_path, self.max_length, self.order = str(train_path), max_length, order
-        self.batch_size, self.total_examples, self.token_budget = batch_size, len(order), token_budget
-        self.rank, self.world, self.static = world.rank, world.size, static
+        self.batch_size, self.total_examples, self.budget = batch_size, len(order), budget
+        self.rank, self.world = world.rank, world.size
         self._rows: TokenRows | None = None
         self._shape: RowShape | None = None
 
@@ -327,8 +336,8 @@ class StepBatches(torch.utils.data.Dataset):
         """Decided once from the whole run's steps, so that every row of the run shares it."""
         if self._shape is None:
             lengths = self.rows.lengths()
-            self._shape = RowShape.of(self.token_budget, int(lengths.max()), -(-self.batch_size // self.world),
-                                      self.static, self.step_tokens())
+            self._shape = RowShape.of(self.budget.tokens, int(lengths.max()), -(-self.batch_size // self.world),
+                                      self.budget.static, self.step_tokens())
         return self._shape
 
     def step_tokens(self) -> np.ndarray:

@@ -11,10 +11,10 @@ Per step: loss, learning rate, grad norm, tokens, tokens/s over this process's s
 memory, GPU utilisation (NVML, when present), elapsed, remaining, and whether the run is on track against the
 plan. A step's loss and gradient norm arrive as tensors on the device; they are read in one transfer for all the
 steps since the last read, once `READ_EVERY_SECONDS` has passed (and at the first step, before an evaluation,
-a checkpoint, the end), so that training never waits for the device a step at a time. Each step still gets its own record; GPU
-utilisation is read at each read. MFU counts model FLOPs only: 4N a token for LoRA (6N full) plus attention,
-never the 2N that checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track` compares the
-projected train time with the plan's estimate: within 10 % is on track.
+a checkpoint, the end), so that training never waits for the device a step at a time. Each step still gets its
+own record; GPU utilisation is read at each read. MFU counts model FLOPs only: 4N a token for LoRA (6N full)
+plus attention, never the 2N that checkpointing recomputes, over the device's peak dense bf16 FLOP/s. `on_track`
+compares the projected train time with the plan's estimate: within 10 % is on track.
 """
 from __future__ import annotations
 
