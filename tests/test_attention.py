@@ -188,3 +188,21 @@ def test_generation_and_padded_batches_take_sdpa_with_its_mask(tiny_model_dir):
         generated = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
                      for m in (varlen, sdpa)]
     assert torch.equal(*generated)
+
+
+def test_outputs_take_the_strides_of_transformers_layout():
+    """The flattened query is a view of transformers' (batch, heads, length, dim) layout; the op's output and
+    gradients keep their inputs' strides, as its fake implementation says (what torch.compile checks)."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 10, 8).transpose(1, 2).reshape(10, heads, 8).requires_grad_()
+                         for heads in (4, 2, 2))
+    assert not query.is_contiguous()
+    cu_seqlens = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, _ = OP(query, key, value, cu_seqlens, 6, 0.3, 0)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_out, _ = attention._varlen_attention_fake(query, key, value, cu_seqlens, 6, 0.3, 0)
+    assert out.stride() == fake_out.stride() == query.stride()
+    grads = torch.autograd.grad(out.sum(), (query, key, value))
+    assert [g.stride() for g in grads] == [t.stride() for t in (query, key, value)]

@@ -74,9 +74,11 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return _reference_forward(query, key, value, layout)
 
 
+# Outputs and gradients take their input's strides (`empty_like`), as FlashAttention's own allocations do: the
+# flattened query is a view of transformers' layout, and the compiler checks the fake's strides against the kernel's.
 @varlen_attention.register_fake
 def _varlen_attention_fake(query, key, value, cu_seqlens, max_seqlen, scale, window):
-    return query.new_empty(query.shape), query.new_empty((query.size(1), query.size(0)), dtype=torch.float32)
+    return torch.empty_like(query), query.new_empty((query.size(1), query.size(0)), dtype=torch.float32)
 
 
 @torch.library.custom_op(OP + "_backward", mutates_args=())
@@ -91,7 +93,7 @@ def varlen_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 @varlen_attention_backward.register_fake
 def _varlen_attention_backward_fake(grad_out, query, key, value, out, lse, cu_seqlens, max_seqlen, scale, window):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
@@ -141,7 +143,7 @@ def _window_mask(length: int, window: int, like: torch.Tensor) -> torch.Tensor |
 def _reference_forward(query, key, value, layout: Layout):
     total, heads, _ = query.shape
     groups = heads // key.size(1)
-    out = query.new_empty(query.shape)
+    out = torch.empty_like(query)
     lse = query.new_empty((heads, total), dtype=torch.float32)
     kernel = _cpu_forward if query.device.type == "cpu" else _math_forward
     for a, b in _segments(layout.cu_seqlens, total):
