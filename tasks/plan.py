@@ -592,7 +592,7 @@ class _Planner:
     def _options(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit, estimate: Estimate,
                  sized: tuple[float, MemoryEstimate]) -> list[OptionRow]:
         """The options table needs a catalogue GPU as its reference: the target's own throughput when it is one
-        (measured, or assumed where it is not present), else an H100's training steps from the GPU model (kernel
+        (measured, or the GPU model's where it is not present), else an H100's training steps from the GPU model (kernel
         launches and per-step overhead fitted to committed GPU measurements, compute at `plan.assumed_mfu`:
         phase1a/plan/gpu_model.py); the other kinds from the GPU model too. Each row says which, with a range.
         Evaluation off the target stays priced at the assumed MFU (the GPU model times training steps only). Its

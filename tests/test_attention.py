@@ -206,3 +206,13 @@ def test_outputs_take_the_strides_of_transformers_layout():
     assert out.stride() == fake_out.stride() == query.stride()
     grads = torch.autograd.grad(out.sum(), (query, key, value))
     assert [g.stride() for g in grads] == [t.stride() for t in (query, key, value)]
+
+
+@pytest.mark.parametrize("extra, message", [({"dropout": 0.1}, "attention dropout 0.1"),
+                                            ({"softcap": 50.0}, "soft-capping")])
+def test_what_packed_rows_cannot_do_is_refused_by_name(extra, message):
+    query = torch.randn(1, 4, 6, 8)
+    with pytest.raises(ValueError, match=message):
+        attention.varlen_attention_forward(torch.nn.Linear(1, 1), query, query[:, :2], query[:, :2], None,
+                                           cu_seq_lens_q=torch.tensor([0, 6], dtype=torch.int32), max_length_q=6,
+                                           **extra)

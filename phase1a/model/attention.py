@@ -116,7 +116,9 @@ varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _segments(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
-    """The non-empty (start, end) of each segment; a host read, which on the CPU is a read of its own memory."""
+    """The non-empty (start, end) of each segment, for the kernels that loop over them. A host read: on the CPU
+    a read of its own memory; on a GPU only where FlashAttention cannot run (float32, pre-Ampere), whose
+    per-segment loop needs the boundaries on the host. The FlashAttention path never reads them."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the row's {total} tokens; got {bounds}")

@@ -337,15 +337,15 @@ class StepBatches(torch.utils.data.Dataset):
         if self._shape is None:
             lengths = self.rows.lengths()
             self._shape = RowShape.of(self.budget.tokens, int(lengths.max()), -(-self.batch_size // self.world),
-                                      self.budget.static, self.step_tokens())
+                                      self.budget.static, self._step_tokens(lengths))
         return self._shape
 
-    def step_tokens(self) -> np.ndarray:
-        """Each step's tokens on this rank."""
-        lengths = self.rows.lengths()[self.order]
-        steps = np.arange(len(self.order)) // self.batch_size
-        mine = (np.arange(len(self.order)) % self.batch_size) % self.world == self.rank
-        return np.bincount(steps[mine], weights=lengths[mine], minlength=len(self)).astype(np.int64)
+    def _step_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """Each step's tokens on this rank, from every example's length."""
+        position = np.arange(len(self.order))
+        mine = (position % self.batch_size) % self.world == self.rank
+        return np.bincount(position[mine] // self.batch_size, weights=lengths[self.order][mine],
+                           minlength=len(self)).astype(np.int64)
 
     def padding_share(self, samples: int = 256) -> float:
         """Padding's share of the rows' tokens, over up to `samples` steps spread over the run."""
@@ -372,14 +372,11 @@ class StepBatches(torch.utils.data.Dataset):
 
     def rows_of(self, step: int) -> list[np.ndarray]:
         """Step `step`'s examples on this rank, grouped into rows."""
-        _, mine, _ = self._mine(step)
-        return budget_rows(self.rows, mine, self.shape.tokens)
+        return budget_rows(self.rows, self._mine(step)[1], self.shape.tokens)
 
     def __getitem__(self, step: int) -> StepBatch:
-        indices, mine, weight = self._mine(step)
-        shape = self.shape
-        rows = budget_rows(self.rows, mine, shape.tokens)
-        return StepBatch(micro_batches=[pack(self.rows, row, shape) for row in rows],
+        indices, _, weight = self._mine(step)
+        return StepBatch(micro_batches=[pack(self.rows, row, self.shape) for row in self.rows_of(step)],
                          supervised=self.rows.supervised_tokens(indices),
                          step_tokens=int(sum(self.rows.end(int(i)) - int(self.rows.offsets[i]) for i in indices)),
                          weight=weight)

@@ -85,7 +85,6 @@ class ProgressReporter:
         self.pending: list[_Pending] = []
         self.read_at = time.monotonic()
         self.mfus: list[float] = []  # every step's, for the run's mean
-        self.last_loss: float | None = None
 
     def step(self, step: int, stats: StepStats, elapsed: float, prior_seconds: float = 0.0) -> list[dict]:
         """`step` counts from 1; `elapsed` is this process's training time, `prior_seconds` what a resumed run
@@ -117,7 +116,6 @@ class ProgressReporter:
         step, stats, elapsed, prior_seconds = pending.step, pending.stats, pending.elapsed, pending.prior_seconds
         tokens, yardstick = stats.tokens, self.yardstick
         self.tokens += tokens
-        self.last_loss = loss
         done = step - self.start_step
         tokens_per_second = self.tokens / max(elapsed, 1e-9)
         remaining = (self.total_steps - step) * elapsed / max(done, 1)
@@ -186,7 +184,8 @@ class ProgressReporter:
 
 
 def _read(values: list) -> list[float]:
-    """Numbers, some of them tensors on a device: those read in one transfer (one wait for the device)."""
+    """Numbers, some of them tensors on a device: those read in one transfer (one wait for the device). Called
+    by `flush` at the reporter's cadence, after a step, never inside one."""
     tensors = [value for value in values if isinstance(value, torch.Tensor)]
     read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist() if tensors else [])
     return [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
