@@ -146,14 +146,20 @@ def store(job):
 
 
 def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, tmp_path, uninterrupted):
-    first = Host.fresh(tmp_path / "a", job)
-    process = first.start_cli()
-    wait_until(store.pointer, "a checkpoint in the store", process, first.root / "run.log")
-    # The host renews its lease with the step it has trained (every third of the lease's ttl): once it has
-    # reported training past its upload, it is lost, as a machine is lost.
-    reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
-                          "a renewal past the upload", process, first.root / "run.log")
-    kill_host(process)  # the host is lost: no final checkpoint, no release of the lease
+    # Checkpoint uploads after the first are held on the way (a slow link), so that the host trains on past the
+    # store's latest checkpoint: steps of a few milliseconds would otherwise reach each checkpoint before a renewal
+    # of the lease could report any step beyond it.
+    with FaultProxy(job["store"]["endpoint_url"]) as proxy:
+        proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
+                              seconds=600)]
+        first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
+        process = first.start_cli()
+        wait_until(store.pointer, "a checkpoint in the store", process, first.root / "run.log")
+        # The host renews its lease with the step it has trained (every third of the lease's ttl): once it has
+        # reported training past its upload, it is lost, as a machine is lost.
+        reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
+                              "a renewal past the upload", process, first.root / "run.log")
+        kill_host(process)  # the host is lost: no final checkpoint, no release of the lease
     uploaded = store.pointer()["step"]
     assert uploaded < TRAIN_STEPS and "final/manifest.json" not in "\n".join(store.keys())
 

@@ -2,8 +2,9 @@
 
 Each client connection carries one request (the proxy asks both sides for `Connection: close`), forwarded to
 the server as it came. A request that matches a fault is answered `HTTP/1.1 503 Slow Down` instead, has its
-response cut off after some bytes by closing the connection, or (an upload) has its connection closed after some
-bytes of its body, before anything reaches the server; the first `times` times it matches, after letting the first
+response cut off after some bytes by closing the connection, (an upload) has its connection closed after some
+bytes of its body, before anything reaches the server, or is held for some seconds before it is forwarded (a slow
+link; dropped unforwarded if the proxy stops meanwhile); the first `times` times it matches, after letting the first
 `skip` through. Every request
 is recorded (method, target, Range header, the fault it met, the response bytes forwarded), so a test can say
 what the client asked for after a failure.
@@ -23,13 +24,14 @@ _SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDow
 
 @dataclass
 class Fault:
-    kind: Literal["drop", "slow_down", "cut_upload"]
+    kind: Literal["drop", "slow_down", "cut_upload", "delay"]
     method: str  # "GET", "PUT", ...
     target: str  # a regex searched in the request target (path and query), e.g. r"^/bucket/data\.jsonl$"
     times: int  # the first `times` matching requests meet it
     after_bytes: int = 0  # drop: bytes of the response (head included) forwarded before the connection is cut;
     # 0: the request reaches the server, its answer is lost; cut_upload: bytes of the request body read first
     skip: int = 0  # matching requests let through before the fault applies
+    seconds: float = 0.0  # delay: how long the request is held before it is forwarded
     met: int = 0
     passed: int = 0
 
@@ -111,6 +113,10 @@ class FaultProxy:
                 _drain_body(client, {"content-length": str(part)}, rest)
                 client.shutdown(socket.SHUT_RDWR)  # the connection dies mid-body: the server never sees it
                 return
+            if fault is not None and fault.kind == "delay":
+                if self._stopping.wait(fault.seconds):
+                    return  # the proxy stopped first: the request never reaches the server
+                fault = None
             if headers.get("expect", "").lower() == "100-continue":
                 # Answered here, so that the server's stream holds the final response alone: `after_bytes`
                 # counts its bytes, and 0 cuts it off whole after the request has reached the server.
