@@ -9,41 +9,50 @@ $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
 	mkdir -p $(CURDIR)/.tools/bin && ln -sf $(CURDIR)/.tools/pkgs/bin/uv $(CURDIR)/.tools/bin/uv
 
+# torch's build (docs/gpu.md): TORCH=cpu installs the CPU wheel in /opt/wheels (machines of this kind: CI,
+# development), TORCH=cuda PyPI's torch (the CUDA build on Linux). Default: cpu where that wheel lies and no NVIDIA GPU
+# answers, else cuda. Every uv command here names it: without `--extra cpu`, `uv run` would sync to CUDA torch.
+CPU_TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-*.whl)
+GPU_PRESENT := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
+TORCH ?= $(if $(and $(CPU_TORCH_WHEEL),$(if $(GPU_PRESENT),,no)),cpu,cuda)
+$(if $(filter-out cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): torch's build is cpu or cuda))
+UV_FLAGS := --frozen --extra $(TORCH)
+
 setup: $(UV)
-	$(UV) sync --frozen
+	$(UV) sync $(UV_FLAGS)
 
 demo-data: setup
-	$(UV) run --frozen python data/make_demo_dataset.py
+	$(UV) run $(UV_FLAGS) python data/make_demo_dataset.py
 
 demo: demo-data
-	$(UV) run --frozen phase1a run --config configs/demo.yaml
+	$(UV) run $(UV_FLAGS) phase1a run --config configs/demo.yaml
 
 test: setup
-	$(UV) run --frozen pytest -q -m "not postgres"
+	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres"
 
 # Prefect on a throwaway PostgreSQL server (tests/test_operations_postgres.py): two hosts, a lost host, a resume.
 test-postgres: setup
-	$(UV) run --frozen pytest -q -m postgres
+	$(UV) run $(UV_FLAGS) pytest -q -m postgres
 
 # The inner loop: every test not marked slow, prefect_server, s3 or gpu (pyproject.toml), in under two minutes.
 test-fast: setup
-	$(UV) run --frozen pytest -q -m "not slow and not prefect_server and not s3 and not gpu"
+	$(UV) run $(UV_FLAGS) pytest -q -m "not slow and not prefect_server and not s3 and not gpu"
 
 lint: setup
-	$(UV) run --frozen ruff check .
+	$(UV) run $(UV_FLAGS) ruff check .
 
 # docs/configuration.md, generated from the config schema (phase1a/config/reference.py); tests/test_docs.py checks it.
 docs: setup
-	$(UV) run --frozen python -m phase1a.config.reference --write
+	$(UV) run $(UV_FLAGS) python -m phase1a.config.reference --write
 
 # GPU proof (docs/gpu.md). Here, with git and network: what a bare GPU host lacks (wheels, tokenizer, old tree) into .gpu/.
 # There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.
 GPU_PYTHON ?= python3
 gpu-wheels: setup
-	$(UV) run --frozen --with pip python benchmarks/gpu_check.py --prepare $(GPU_WHEELS_ARGS)
+	$(UV) run $(UV_FLAGS) --with pip python benchmarks/gpu_check.py --prepare $(GPU_WHEELS_ARGS)
 
 gpu-check: $(if $(DRY_RUN),setup)
-	$(if $(DRY_RUN),$(UV) run --frozen python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+	$(if $(DRY_RUN),$(UV) run $(UV_FLAGS) python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 # Operations (docs/operations.md): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the
