@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
+from phase1a.core.hardware import CUDA
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.core.markdown import markdown_table
 from phase1a.core.units import format_seconds
@@ -177,7 +178,8 @@ def _training(facts: CardFacts) -> str:
             ("tokens/s", f"{plan.tokens_per_second:.0f}", f"{trained.tokens_per_second:.0f}"),
             ("train seconds", format_seconds(plan.estimate.train_seconds), format_seconds(trained.wall_seconds)),
             ("micro batch", str(plan.micro_batch_size), str(trained.micro_batch_size or plan.micro_batch_size))]
-    lines = [f"Method `{facts.method}` on {plan.target} ({plan.precision}), profile `{plan.profile}`, "
+    hardware = plan.detected if plan.target == CUDA else plan.target  # this machine's GPU: its device name
+    lines = [f"Method `{facts.method}` on {hardware} ({plan.precision}), profile `{plan.profile}`, "
              f"epochs {plan.epochs:g}, sequence length {plan.max_seq_length}.", "",
              *markdown_table(("", "plan", "actual"), rows)]
     if trained.final_loss is not None:

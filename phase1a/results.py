@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
+from phase1a.core.hardware import history_kind
 from phase1a.evaluate.gate import Baseline, GateCheck
 from phase1a.evaluate.metrics import Metrics
 from phase1a.model.cost_model import MemoryEstimate, ModelFacts
@@ -194,8 +195,9 @@ def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutco
 def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Plan, result: TrainResult) -> RunRecord:
     """A finished training run, measured against its plan, appended to the history the next plan reads."""
     record = RunRecord(
-        model_fingerprint=model.fingerprint, model_name=config.model.name_or_path, hardware=config.hardware.target,
-        device_name=plan.detected, precision=plan.precision, method_kind=config.method.kind,
+        model_fingerprint=model.fingerprint, model_name=config.model.name_or_path,
+        hardware=history_kind(config.hardware.target, plan.detected), device_name=plan.detected,
+        precision=plan.precision, method_kind=config.method.kind,
         world_size=config.hardware.world_size,
         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
         compile=plan.compile, cuda_graphs=plan.cuda_graphs, dataloader_workers=plan.dataloader_workers,

@@ -37,7 +37,20 @@ from phase1a.config.stores import open_store
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json
-from phase1a.core.hardware import CATALOGUE, Accelerator, detect, target_accelerator, training_device, training_dtype
+from phase1a.core.hardware import (
+    CATALOGUE,
+    CPU,
+    CUDA,
+    DATA_SHEET,
+    Accelerator,
+    detect,
+    history_kind,
+    hourly_price,
+    is_present,
+    target_accelerator,
+    training_device,
+    training_dtype,
+)
 from phase1a.core.labels import IGNORE_INDEX
 from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
@@ -87,14 +100,19 @@ from phase1a.plan.interruptions import (
     overhead_share,
 )
 from phase1a.plan.options import (
+    DEFAULT_OPTIONS,
+    DEFAULT_SCALING,
     OptionRow,
     OptionsJob,
+    OptionSpec,
     OptionsPolicy,
     OtherWork,
     SpotJob,
     format_options,
     more_nodes,
     option_rows,
+    scaling_factor,
+    with_option,
 )
 from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from phase1a.results import Estimate, Plan
@@ -163,10 +181,19 @@ class _Planner:
         self.facts = model_facts(Path(model.path))
         self.target = target_accelerator(config.hardware.target)
         detected_key, self.detected = detect()
-        self.present = detected_key == config.hardware.target
+        self.present = is_present(config.hardware.target, detected_key)
+        self.hardware_kind = history_kind(config.hardware.target, self.detected.name)  # what the history keys on
         if not self.present:
             self.notes.append(f"target {config.hardware.target} ({self.target.name}) is not present; this machine "
                               f"has {self.detected.name}")
+        if self.target.peak_flops and self.target.peak_source != DATA_SHEET:
+            self.notes.append(f"{self.target.name} is not in the hardware catalogue: its peak "
+                              f"{self.target.peak_flops / 1e12:,.0f} TFLOP/s is {self.target.peak_source} (the "
+                              "achieved rate, below a data sheet's figure)")
+        if config.hardware.target == CUDA and _price(config.hardware, self.target) is None:
+            self.notes.append(f"no price is known for {self.target.name}: the plan shows no cost; set "
+                              f"hardware.{'spot_' if config.hardware.spot else ''}price_per_gpu_hour (USD per "
+                              "GPU-hour)")
         self.dtype = training_dtype(training_device()) if self.present else torch.bfloat16
         self.attention = attention_implementation(self.method, training_device(), self.dtype)
         self.shape = TrainingShape(
@@ -211,11 +238,11 @@ class _Planner:
         start = self._start_candidate(max_seq_length)
         sweeps = self.policy.profile not in ("custom", "memory_efficient")  # those fix the knobs themselves
         config = self.config
-        past = remembered(history_path(config.cache_dir), self.model.fingerprint, config.hardware.target,
+        past = remembered(history_path(config.cache_dir), self.model.fingerprint, self.hardware_kind,
                           self.method.kind, config.hardware.world_size)
         if past and self._fits(candidate := _candidate_of(past.record), max_seq_length) and (
                 sweeps or candidate == start):
-            self.notes.append(_history_note(past, config.hardware.target))
+            self.notes.append(_history_note(past, self.hardware_kind))
             return self._from_history(past, candidate)  # a run on as many GPUs: its whole speed
         if self.present and config.hardware.calibration_steps > 0:
             return self._on_every_rank(self._calibrated(start, max_seq_length, sweeps), max_seq_length)
@@ -223,8 +250,9 @@ class _Planner:
                                 _mean(self.lengths, max_seq_length))
         if config.hardware.target in CATALOGUE and self.target.peak_flops:  # a GPU not here: the GPU model's
             return self._on_every_rank(self._modelled(start, max_seq_length, flops), max_seq_length)
-        self.notes.append(f"throughput assumed at {self.policy.assumed_mfu:.0%} MFU of {self.target.name}'s peak, "
-                          f"not measured; start-up and checkpoint writes assumed at 1 GiB/s")
+        peak = "" if self.target.peak_source == DATA_SHEET else " (measured)"
+        self.notes.append(f"throughput assumed at {self.policy.assumed_mfu:.0%} MFU of {self.target.name}'s peak"
+                          f"{peak}, not measured; start-up and checkpoint writes assumed at 1 GiB/s")
         return self._on_every_rank(_Throughput(
             chosen=start, seconds_per_token=flops / (_peak_flops(self.target) * self.policy.assumed_mfu),
             warmup_seconds=0.0, startup_seconds=self._assumed_startup(), checkpoint=self._checkpoint_cost(None, None),
@@ -250,10 +278,16 @@ class _Planner:
         ranks = hardware.world_size
         if ranks == 1:
             return one
-        if hardware.target not in CATALOGUE:
+        if hardware.target == CPU:
             self.notes.append(f"{ranks} processes on {self.target.name}: they share its cores and no interconnect is "
                               "catalogued for it; the estimate keeps one process's speed")
             return one
+        if hardware.target not in CATALOGUE:  # this machine's GPU: no link bandwidth to price a step's transfers by
+            efficiency = scaling_factor(ranks)
+            self.notes.append(f"{ranks} GPUs ({hardware.num_nodes} x {hardware.num_gpus}) of {self.target.name}: no "
+                              f"interconnect is catalogued for it, so the default {DEFAULT_SCALING:.0%} a doubling: "
+                              f"scaling {efficiency:.1%} of {ranks}x")
+            return one.model_copy(update={"seconds_per_token": one.seconds_per_token / (ranks * efficiency)})
         traffic = self._traffic(one.seconds_per_token, one.chosen.micro_batch_size, max_seq_length, ranks)
         moved = step_communication(traffic, hardware.strategy, hardware.target, hardware.num_gpus,
                                    hardware.num_nodes, hardware.network)
@@ -632,8 +666,9 @@ class _Planner:
                               else "assumed" if throughput.source == "assumed" else "measured"),
             reference_basis=footing.words if own else "",
             reference_range=(1 / footing.high, 1 / footing.low) if own else (1.0, 1.0))
+        options = with_option(_own_option(hardware), DEFAULT_OPTIONS) if own else DEFAULT_OPTIONS
         return option_rows(job, OptionsPolicy(
-            scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
+            options=options, scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
             memory_headroom=hardware.memory_headroom, **_overrides(hardware)))
 
     def _gpu_step(self, chosen: Candidate, max_seq_length: int, flops: float) -> GpuStep:
@@ -662,10 +697,17 @@ def _interruption_rate(config: Phase1aConfig, target: Accelerator) -> tuple[floa
 
 
 def _price(hardware: HardwareConfig, target: Accelerator) -> float | None:
-    """Per GPU-hour: spot or on demand, the config's override over the catalogue's."""
-    if hardware.spot:
-        return hardware.spot_price_per_gpu_hour or target.spot_price_per_hour
-    return hardware.price_per_gpu_hour or target.price_per_hour
+    """Per GPU-hour: the config's own price over the target's typical one; None: no cost shown."""
+    return hourly_price(target, hardware.spot, hardware.price_per_gpu_hour, hardware.spot_price_per_gpu_hour)
+
+
+def _own_option(hardware: HardwareConfig) -> OptionSpec:
+    """The config's own hardware as a row of the options table (a catalogue target): its GPUs, nodes, strategy."""
+    kind, gpus, nodes = hardware.target, hardware.world_size, hardware.num_nodes
+    shape = f"{gpus}x" if nodes == 1 else f"{nodes}x{hardware.num_gpus}"
+    strategy = "single" if gpus == 1 else hardware.strategy
+    return OptionSpec(label=f"{shape} {kind.upper()}" + ("" if gpus == 1 else f" {strategy.upper()}"), gpus=gpus,
+                      kind=kind, strategy=strategy, nodes=nodes, network=hardware.network)
 
 
 def _overrides(hardware: HardwareConfig) -> dict:
@@ -856,5 +898,6 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
 def plan_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> Plan:
     store = open_store(config.store)
     if store is not None:  # a fresh host plans from the throughput the hosts before it measured
-        pull_records(store, history_path(config.cache_dir), model.fingerprint, config.hardware.target)
+        pull_records(store, history_path(config.cache_dir), model.fingerprint,
+                     history_kind(config.hardware.target, detect()[1].name))
     return make_plan(config, model, data)

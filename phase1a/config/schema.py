@@ -206,8 +206,11 @@ class KubernetesNodes(_Section):
 
 class HardwareConfig(_Section):
     target: Literal[HARDWARE_KINDS] = Field(  # type: ignore[valid-type]
-        "cpu", description="What the plan sizes, prices and calibrates for: this machine's CPU or a catalogue GPU "
-                           "(phase1a/core/hardware.py). Calibration runs only when the target is the device present.")
+        "cpu", description="What the plan sizes, prices and calibrates for: this machine's CPU (`cpu`), this "
+                           "machine's GPU whatever it is (`cuda`: named by its device name, its peak measured by a "
+                           "short run of matrix products where the catalogue does not know it, priced by "
+                           "`price_per_gpu_hour` alone), or a catalogue GPU (phase1a/core/hardware.py). Calibration "
+                           "runs only when the target is the device present.")
     num_gpus: int = Field(1, ge=1, description=(
         "GPUs on one host. Above 1 the train stage runs one rank a GPU under torchrun, the global batch split "
         "across them (see `strategy`); the cost counts every GPU."))
@@ -236,14 +239,18 @@ class HardwareConfig(_Section):
                            "weights, gradients and optimizer state are sharded across all the GPUs (bigger "
                            "models); hsdp: sharded across a node's GPUs and replicated across nodes, so the "
                            "per-layer gathers stay inside a node (a model that fits a node's GPUs together).")
-    price_per_gpu_hour: float | None = Field(None, ge=0.0, description="Overrides the catalogue's on-demand price.")
+    price_per_gpu_hour: float | None = Field(None, gt=0.0, description=(
+        "USD per GPU-hour on demand. For a catalogue target it overrides the catalogue's typical price (its rows of "
+        "the options table too); for `cuda` on a GPU the catalogue does not know it is the only price: without it "
+        "the plan shows no cost."))
     spot: bool = Field(False, description=(
         "The run uses spot / preemptible / interruptible instances: the plan prices it at the spot price, expects "
         "interruptions at `interruptions_per_hour`, adds their expected lost work and restarts to the estimate and "
         "to the window fit, and with `checkpoint.interval: auto` checkpoints at the Young/Daly interval. Without a "
         "`store` a fresh host starts over from step 0: the plan warns."))
-    spot_price_per_gpu_hour: float | None = Field(None, ge=0.0, description=(
-        "With `spot`: overrides the catalogue's typical spot price per GPU-hour."))
+    spot_price_per_gpu_hour: float | None = Field(None, gt=0.0, description=(
+        "With `spot`: USD per GPU-hour, over the catalogue's typical spot price (for an uncatalogued `cuda` GPU the "
+        "only spot price)."))
     interruptions_per_hour: float | None = Field(None, ge=0.0, description=(
         "Expected interruptions per hour of a host. None: the catalogue's typical spot rate with `spot` "
         "(phase1a/core/hardware.py: the AWS Spot Instance Advisor's bands), 0 on demand (no interruption cost, and "

@@ -92,6 +92,15 @@ DEFAULT_OPTIONS: list[OptionSpec] = [
 ]
 
 
+def with_option(spec: OptionSpec, options: list[OptionSpec]) -> list[OptionSpec]:
+    """`options` with `spec` first, unless one of them already runs as many GPUs of its kind on as many nodes (over
+    the same network): a plan's own hardware always has its row, whichever catalogue kind it is."""
+    same = [option for option in options if (option.kind, option.gpus, option.nodes) == (spec.kind, spec.gpus,
+                                                                                           spec.nodes)
+            and (spec.nodes == 1 or option.network == spec.network)]
+    return list(options) if same else [spec, *options]
+
+
 DEFAULT_SCALING = 0.9  # per doubling, for a job without its step's traffic
 
 

@@ -49,7 +49,7 @@ class RunRecord(BaseModel):
     timestamp: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     model_fingerprint: str
     model_name: str
-    hardware: str  # catalogue key, "cpu", or "cuda" for a GPU the catalogue does not know
+    hardware: str  # catalogue key, "cpu", or for target cuda "cuda-<device name>" (core.hardware.history_kind)
     device_name: str
     precision: str
     method_kind: str = "lora"  # records written before this field were all LoRA runs
