@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "show":
             command.add_argument("run", help="a run directory, its report.json, or (with --config) its name or "
                                              "flow run name")
-        command.add_argument("--config", required=name != "show", type=Path, help="YAML config file")
+        # A string, not a Path: a URL (s3://bucket/key.yaml, hf://...) would lose a slash of its `//` in a Path.
+        command.add_argument("--config", required=name != "show", help="YAML config file: a path, "
+                             "s3://bucket/key.yaml or hf://[datasets/]org/name/path.yaml")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override a config field, e.g. --set method.epochs=2 (repeatable)")
         if name == "runs":

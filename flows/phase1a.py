@@ -79,7 +79,8 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
     Args:
         config: The whole config. Give this or config_file.
         config_file: A YAML config file, e.g. configs/h100.yaml, relative to the project root; its own relative
-            paths are relative to the file. Give this or config.
+            paths are relative to the file. Or its URL, s3://bucket/key.yaml or hf://[datasets/]org/name/path.yaml,
+            whose relative paths are relative to the working directory. Give this or config.
         overrides: `key.sub=value` strings applied on top, as the CLI's --set, e.g. method.epochs=2.
         plan_only: Stop after the plan: no training.
     """

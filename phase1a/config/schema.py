@@ -672,15 +672,20 @@ def load_config(path: Path, overrides: list[str] | None = None) -> Phase1aConfig
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    return _config_from_text(path.read_text(), str(path), overrides, base=path.resolve().parent)
+
+
+def _config_from_text(text: str, origin: str, overrides: list[str] | None, base: Path) -> Phase1aConfig:
+    """A config file's text (from `origin`: its path or URL) parsed, overridden, validated and resolved."""
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        raise ConfigError(f"{origin}: not valid YAML: {error}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections")
     tree = apply_overrides(tree, overrides or [])
-    config = validate_config(tree, origin=str(path) + (" with overrides" if overrides else ""))
-    return resolve_paths(config, base=path.resolve().parent)
+    config = validate_config(tree, origin=origin + (" with overrides" if overrides else ""))
+    return resolve_paths(config, base=base)
 
 
 def config_from(config: Phase1aConfig | dict[str, Any] | None = None, config_file: str | Path | None = None,
@@ -690,7 +695,9 @@ def config_from(config: Phase1aConfig | dict[str, Any] | None = None, config_fil
 
     A relative `config_file` is relative to `base` (the flow run's working directory, the project root under a
     deployment); the file's own relative paths are relative to the file, as in `load_config`. A whole
-    config's relative paths are relative to `base`.
+    config's relative paths are relative to `base`. A `config_file` URL, `s3://bucket/key.yaml` or
+    `hf://[datasets/]org/name/path.yaml` (phase1a/config/remote.py), has no directory here: its relative paths
+    are relative to `base`, as a whole config's are.
     """
     base = Path.cwd() if base is None else Path(base)
     if (config is None) == (config_file is None):
@@ -701,6 +708,14 @@ def config_from(config: Phase1aConfig | dict[str, Any] | None = None, config_fil
                           f"{given}; to replace a deployment's config_file with a whole config, also pass "
                           f"config_file=null")
     if config_file is not None:
+        from phase1a.config.remote import ConfigUrlError, is_config_url, read_config_url
+
+        if is_config_url(str(config_file)):
+            try:
+                text = read_config_url(str(config_file))
+            except ConfigUrlError as error:
+                raise ConfigError(str(error)) from None
+            return _config_from_text(text, str(config_file), overrides, base=base)
         path = Path(config_file).expanduser()
         return load_config(path if path.is_absolute() else base / path, overrides)
     # Only what was set: a default the validators derive (a warm start's baseline) is derived again after overrides.

@@ -56,6 +56,28 @@ def snapshot(repo_id: str, *, repo_type: str = "model", revision: str | None = N
     return Snapshot(repo_id=repo_id, repo_type=repo_type, revision=revision, commit=path.name, path=path)
 
 
+def download_file(repo_id: str, filename: str, *, repo_type: str = "model", revision: str | None = None,
+                  field: str = "model.name_or_path") -> Path:
+    """One file of `repo_id` at `revision`, downloaded into (or found in) the HF cache: its local path."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    what = f"Hugging Face {repo_type} {repo_id!r}"
+    try:
+        return Path(hf_hub_download(repo_id, filename, repo_type=repo_type, revision=revision))
+    except RemoteEntryNotFoundError:  # the Hub has the repository, not the file
+        raise HubError(f"{field}: no file {filename!r} in {what} at revision {revision or 'main'!r}") from None
+    except LocalEntryNotFoundError as error:
+        # Offline with the repository cached but not this file: say which file, not that the revision is missing.
+        if constants.is_offline_mode() and _cached_commit(repo_id, repo_type, revision) is not None:
+            raise HubError(f"{field}: HF_HUB_OFFLINE=1 and {filename!r} of {what} at revision "
+                           f"{revision or 'main'!r} is not in the cache: run once online, or unset HF_HUB_OFFLINE"
+                           ) from None
+        _raise_explained(error, repo_id, repo_type, revision, field)
+    except Exception as error:  # noqa: BLE001 - translated where we know what to say, re-raised otherwise
+        _raise_explained(error, repo_id, repo_type, revision, field)
+
+
 def resolve_commit(repo_id: str, *, repo_type: str = "model", revision: str | None = None,
                    field: str = "model.name_or_path") -> str:
     """The commit `revision` points at, without downloading: asked of the Hub when online, read from the cache's
