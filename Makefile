@@ -65,6 +65,8 @@ PREFECT_HOST ?= 127.0.0.1
 SERVER_URL := http://127.0.0.1:$(PREFECT_PORT)/api
 PREFECT_API_URL ?= $(SERVER_URL)
 PHASE1A_TZ ?= UTC
+# The image the image-based deployments run (phase1a/k8s-h100, phase1a/docker-h100): `make deploy PHASE1A_IMAGE=...`.
+PHASE1A_IMAGE ?= phase1a:latest
 POOL ?= phase1a-cpu
 NAME ?=
 HEARTBEAT ?= 60
@@ -106,9 +108,9 @@ server-stop:
 pools: setup
 	@$(PREFECT_ENV) $(VENV_BIN)/python deployments/ops.py pools
 
-# All three deployments, or some: make deploy NAME="cpu h100". PHASE1A_TZ sets the nightly schedule's zone.
+# Every deployment, or some: make deploy NAME="cpu h100". PHASE1A_TZ sets the nightly schedule's zone.
 deploy: setup
-	$(PREFECT_ENV) PHASE1A_TZ=$(PHASE1A_TZ) $(VENV_BIN)/prefect --no-prompt deploy \
+	$(PREFECT_ENV) PHASE1A_TZ=$(PHASE1A_TZ) PHASE1A_IMAGE=$(PHASE1A_IMAGE) $(VENV_BIN)/prefect --no-prompt deploy \
 	  --prefect-file deployments/prefect.yaml $(if $(strip $(NAME)),$(foreach n,$(NAME),--name $(n)),--all)
 
 # In the foreground (run it under systemd, tmux or `&`). The pools target runs first: a worker started on a

@@ -1,6 +1,6 @@
 """Idempotent set-up of a Prefect server for phase1a: work pools, and automations that keep runs honest.
 
-    python deployments/ops.py pools                 # phase1a-cpu, phase1a-h100, phase1a-h200 (process)
+    python deployments/ops.py pools [--templates]   # phase1a-cpu, -h100, -h200 (process), -k8s, -docker
     python deployments/ops.py automations [--zombie-after 600] [--notify-block custom-webhook/phase1a-alerts]
 
 Run through `make pools` / `make automations` (docs/operations.md); PREFECT_API_URL names the server.
@@ -15,34 +15,68 @@ from datetime import timedelta
 # GPU pools run one flow run at a time: two trainings on one GPU would both be slow and could run out of
 # memory. The CPU pool (the demo) takes as many as its workers start.
 POOLS: dict[str, int | None] = {"phase1a-cpu": None, "phase1a-h100": 1, "phase1a-h200": 1}
+# Pools whose runs start this project's image (deployments/job_templates.py: type, concurrency limit). Each
+# Kubernetes run is a pod of its own, on a GPU the cluster finds, so the pool runs many at once; a Docker worker
+# starts containers on its own host, whose GPUs take one run at a time.
+IMAGE_POOLS: dict[str, tuple[str, int | None]] = {"phase1a-k8s": ("kubernetes", None), "phase1a-docker": ("docker", 1)}
 
 ZOMBIE_AUTOMATION = "phase1a: crash flow runs that stopped sending heartbeats"
 NOTIFY_AUTOMATION = "phase1a: notify when a flow run fails or crashes"
 
 
-def ensure_pools(client) -> list[str]:
+def _job_templates():
+    """deployments/job_templates.py, loaded by its path: this file runs as a script and is loaded by path too."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("phase1a_job_templates", Path(__file__).with_name("job_templates.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ensure_pools(client, replace_templates: bool = False) -> list[str]:
+    """The process pools with the worker's default template, the image pools with ours. An image pool that exists
+    keeps its template (it may hold a Secret's reference added since) unless `replace_templates`."""
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
 
+    templates = _job_templates().TEMPLATES
+    wanted = {**{name: ("process", limit) for name, limit in POOLS.items()}, **IMAGE_POOLS}
     done = []
-    for name, limit in POOLS.items():
+    for name, (kind, limit) in wanted.items():
+        try:
+            template = ProcessWorker.get_default_base_job_template() if kind == "process" else templates[kind]()
+        except ImportError as missing:  # a host without the image workers' packages still gets its process pools
+            done.append(f"{name}: skipped ({missing.name} is not installed: pip install {kind}'s Prefect "
+                        f"integration, prefect-{kind})")
+            continue
         try:
             pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(
-                name=name, type="process", concurrency_limit=limit,
-                base_job_template=ProcessWorker.get_default_base_job_template()))
-            done.append(f"{name}: created (process, concurrency limit {limit})")
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind, concurrency_limit=limit,
+                                                   base_job_template=template))
+            done.append(f"{name}: created ({kind}, concurrency limit {limit})")
             continue
-        if pool.type != "process":
-            raise SystemExit(f"work pool {name} exists with type {pool.type!r}, expected 'process'; delete it first")
+        if pool.type != kind:
+            raise SystemExit(f"work pool {name} exists with type {pool.type!r}, expected {kind!r}; delete it first")
+        changes = {}
         if pool.concurrency_limit != limit:
             # Only fields set explicitly are sent, so an explicit None clears a limit.
-            client.update_work_pool(name, WorkPoolUpdate(concurrency_limit=limit))
+            changes["concurrency_limit"] = limit
             done.append(f"{name}: concurrency limit {pool.concurrency_limit} -> {limit}")
-        else:
-            done.append(f"{name}: exists (process, concurrency limit {limit})")
+        if kind != "process" and pool.base_job_template != template:
+            if replace_templates:
+                changes["base_job_template"] = template
+                done.append(f"{name}: base job template replaced")
+            else:
+                done.append(f"{name}: its base job template differs from deployments/job_templates.py's; kept "
+                            f"(`python deployments/ops.py pools --templates` replaces it)")
+        if changes:
+            client.update_work_pool(name, WorkPoolUpdate(**changes))
+        elif kind == "process" or pool.base_job_template == template:
+            done.append(f"{name}: exists ({kind}, concurrency limit {limit})")
     return done
 
 
@@ -128,7 +162,10 @@ def ensure_automations(client, zombie_after: int, notify_block: str | None) -> l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("pools", help="create the process work pools, GPU pools limited to one run")
+    pools = commands.add_parser("pools", help="create the work pools: process (GPU pools limited to one run), "
+                                              "kubernetes and docker with phase1a's job templates")
+    pools.add_argument("--templates", action="store_true",
+                       help="replace the kubernetes and docker pools' base job templates with ours")
     automations = commands.add_parser("automations", help="zombie-run detection, and failure notifications")
     automations.add_argument("--zombie-after", type=int, default=600, metavar="SECONDS",
                              help="mark a Running flow run Crashed after this long without a heartbeat")
@@ -140,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with get_client(sync_client=True) as client:
         if args.command == "pools":
-            lines = ensure_pools(client)
+            lines = ensure_pools(client, replace_templates=args.templates)
         else:
             lines = ensure_automations(client, args.zombie_after, args.notify_block)
     print("\n".join(lines))

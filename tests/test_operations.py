@@ -177,6 +177,7 @@ def test_credentials_are_never_parameters(config_tree):
 def test_pools_schedule_and_templates_read_back_from_the_api(ops):
     output = "\n".join(ops.outputs)
     assert "phase1a-h100: created (process, concurrency limit 1)" in output
+    assert "phase1a-k8s: created (kubernetes, concurrency limit None)" in output
     assert "crash flow runs that stopped sending heartbeats: created" in output
     with ops.client() as client:
         pools = {name: client.read_work_pool(name) for name in ("phase1a-cpu", "phase1a-h100", "phase1a-h200")}
@@ -212,14 +213,19 @@ def test_pools_schedule_and_templates_read_back_from_the_api(ops):
     assert all((start.hour, start.minute) == (2, 0) for start in starts), starts
     assert all(later - earlier == timedelta(days=1) for earlier, later in zip(starts, starts[1:])), starts
 
-    # The Kubernetes GPU template is accepted as a work pool's base job template, and renders GPU requests.
-    template = ROOT / "deployments" / "k8s-gpu-job-template.json"
-    ops.cli("work-pool", "create", "phase1a-k8s-h100", "--type", "kubernetes", "--base-job-template", str(template))
+    # `make pools` made the image pools from deployments/job_templates.py (the Kubernetes one is the committed
+    # k8s-gpu-job-template.json) and `make deploy` put the image deployments on them, with the Makefile's image.
     from prefect.utilities.templating import apply_values
 
     with ops.client() as client:
-        base = client.read_work_pool("phase1a-k8s-h100").base_job_template
-    values = {key: spec["default"] for key, spec in base["variables"]["properties"].items() if "default" in spec}
+        k8s, docker = client.read_work_pool("phase1a-k8s"), client.read_work_pool("phase1a-docker")
+        anywhere = {name: client.read_deployment_by_name(f"phase1a/{name}")
+                    for name in ("h100-git", "k8s-h100", "docker-h100")}
+    assert (k8s.type, k8s.concurrency_limit, docker.type, docker.concurrency_limit) == ("kubernetes", None, "docker", 1)
+    base = k8s.base_job_template
+    assert base == json.loads((ROOT / "deployments" / "k8s-gpu-job-template.json").read_text())
+    values = {key: spec["default"] for key, spec in base["variables"]["properties"].items()
+              if spec.get("default") is not None}
     rendered = apply_values(base["job_configuration"], {**values, "image": "registry.example/phase1a:cuda",
                                                         "gpu_count": 8})
     pod = rendered["job_manifest"]["spec"]["template"]["spec"]
@@ -227,6 +233,16 @@ def test_pools_schedule_and_templates_read_back_from_the_api(ops):
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert base["variables"]["required"] == ["image"]
+    assert {name: (d.work_pool_name, d.job_variables) for name, d in anywhere.items()} == {
+        "h100-git": ("phase1a-h100", {}),
+        "k8s-h100": ("phase1a-k8s", {"image": "phase1a:latest", "gpu_count": 1, "pod_watch_timeout_seconds": 1800,
+                                     "backoff_limit": 3}),
+        "docker-h100": ("phase1a-docker", {"image": "phase1a:latest", "gpu_count": 1})}
+    assert anywhere["h100-git"].pull_steps == [{"prefect.deployments.steps.git_clone": {
+        "repository": "{{ prefect.variables.phase1a_repository }}",
+        "branch": "{{ prefect.variables.phase1a_branch }}"}}]  # resolved on the worker, at each run
+    assert all(d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": "."}}]
+               for name, d in anywhere.items() if name != "h100-git")  # the image's WORKDIR
 
 
 def _engines(worker_proc) -> list[int]:
