@@ -43,6 +43,19 @@ def test_the_import_graph_is_walked_from_the_source(tmp_path):
     assert not {"phase1a.plan.calibration", "phase1a.evaluate.metrics", "phase1a.evaluate.answers"} & tokenize
 
 
+def test_installed_as_a_wheel_third_party_packages_beside_it_are_not_the_projects(tmp_path):
+    """In site-packages (the image installs the project as a wheel) torch and transformers lie beside phase1a: a
+    stage's key covers the project's modules only, as in the checkout."""
+    site = copy_of_the_code(tmp_path / "site-packages")
+    for name in ("torch", "transformers", "prefect"):
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text("import numpy\n")
+    (site / "numpy.py").write_text("")
+    plan = project_imports("tasks.plan", site)
+    assert plan.keys() == project_imports("tasks.plan", PROJECT_ROOT).keys()
+    assert {name.split(".")[0] for name in plan} <= set(CODE)
+
+
 def test_an_edit_anywhere_in_a_stages_imports_changes_its_key_and_only_its(tmp_path):
     code = copy_of_the_code(tmp_path / "code")
     fingerprint = code_fingerprint.__wrapped__  # not the per-process cache: the files change under it here

@@ -16,6 +16,10 @@ from phase1a.core.units import MIB
 READ_CHUNK = 8 * MIB  # large enough that hashing runs at disk speed, small enough to stay out of RAM's way
 SHOWN_HASH_BYTES = 256 * MIB  # a first hash of a file this large shows progress: seconds at disk speed, minutes
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The project's own top-level packages (pyproject's wheel packages). Installed as a wheel (the image), PROJECT_ROOT is
+# site-packages: without this every third-party module a stage imports would count as the project's, and the first
+# cache key of a stage parsed the source of torch, transformers and Prefect (minutes a stage on two cores).
+PROJECT_PACKAGES = ("phase1a", "tasks", "flows")
 
 
 def sha256_file(path: Path, meter: Meter | None = None) -> str:
@@ -95,6 +99,8 @@ def hash_json(value: Any) -> str:
 
 def _module_file(name: str, root: Path) -> Path | None:
     """The project file of a dotted module name (a module or a package's __init__), or None: not ours."""
+    if name.split(".")[0] not in PROJECT_PACKAGES:
+        return None
     base = root.joinpath(*name.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
