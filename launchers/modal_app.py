@@ -6,8 +6,8 @@
     modal run launchers/modal_app.py --config my-job.yaml --set "method.epochs=2 window.max_duration=4h"
 
 The image: Debian with Python 3.11, the locked dependencies installed by `uv sync --frozen` with the `cuda` extra
-(PyPI's torch, the CUDA build) and `tracking`, without the dev group, then this checkout's `phase1a`, `flows` and
-`tasks` packages, `configs/` and `data/eval/` on top, so a code change rebuilds no dependency layer.
+(PyPI's torch, the CUDA build), `tracking` and `eval`, without the dev group, then this checkout's `phase1a`, `flows`
+and `tasks` packages, `configs/` and `data/eval/` on top, so a code change rebuilds no dependency layer.
 
 Where things go: a config file given by path is sent as text and written to the volume `phase1a-runs` at
 /runs-volume/jobs/<file name>, and runs from there, so its relative paths resolve against /runs-volume/jobs
@@ -20,11 +20,16 @@ checkpoints, shards and history wherever it lands. Modal retries a container tha
 """
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import modal
 
 ROOT = Path(__file__).resolve().parents[1]
+# The lock's extras a run may need: PyPI's CUDA torch, the trackers, lm-eval for validation.benchmarks (where the
+# project has made it an extra).
+EXTRAS = [name for name in ("cuda", "tracking", "eval")
+          if name in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]]
 PROJECT = "/root"  # the image's project directory: Modal puts /root on the function's sys.path
 VOLUME_PATH = "/runs-volume"
 GPU = "H100"
@@ -33,7 +38,7 @@ STORE_SECRET = "phase1a-store"
 
 image = (
     modal.Image.debian_slim(python_version="3.11")
-    .uv_sync(str(ROOT), frozen=True, extras=["cuda", "tracking"], extra_options="--no-dev")
+    .uv_sync(str(ROOT), frozen=True, extras=EXTRAS, extra_options="--no-dev")
     .env({"PYTHONUNBUFFERED": "1"})  # the run's log lines reach `modal run` as they are written
     .add_local_python_source("phase1a", "flows", "tasks")
     .add_local_dir(ROOT / "configs", f"{PROJECT}/configs")

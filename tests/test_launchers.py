@@ -89,8 +89,10 @@ def test_the_modal_app_runs_the_cli_on_an_h100_from_an_image_of_the_lock():
     base, dependencies, env = (commands for kind, commands in layers if kind == "dockerfile")
     assert base[0].startswith("FROM python:3.11")
     sync = [command for command in dependencies if "uv sync" in command]
-    assert sync == ["RUN /.uv/uv sync --project=/.uv --no-install-workspace --compile-bytecode --extra=cuda "
-                    "--extra=tracking --no-dev --frozen"], dependencies
+    extras = "".join(f"--extra={name} " for name in app_module.EXTRAS)
+    assert sync == [f"RUN /.uv/uv sync --project=/.uv --no-install-workspace --compile-bytecode {extras}--no-dev "
+                    "--frozen"], dependencies
+    assert app_module.EXTRAS[:2] == ["cuda", "tracking"]  # PyPI's CUDA torch, not the CPU wheel of /opt/wheels
     assert "COPY /.uv.lock /.uv/uv.lock" in dependencies  # the lock, frozen: the versions the tests ran
     assert env == ["FROM base", "ENV PYTHONUNBUFFERED=1"]
     assert {entry.module_name for entry in layers[3][1]} == {"phase1a", "flows", "tasks"}
