@@ -12,7 +12,8 @@ The recipe, `train()`, in named phases (torchtune's setup / train / save):
                RNG, redo the step. Evaluate on the held-out sample when its interval fires (or at each
                checkpoint), and once more at the end; with early stopping, stop when the patience is spent
                (`phase1a/evaluate/during_training.py`). Checkpoint when the interval fires
-               (`phase1a/core/units.py`), and on SIGTERM/SIGINT before exiting
+               (`phase1a/core/units.py`), and on SIGTERM/SIGINT or a spot notice (`phase1a/train/spot_notice.py`)
+               before exiting
   3. save      the adapter in peft's format (with early stopping: the best weights), with `result.json`, marked
                complete last
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +57,7 @@ from phase1a.train import distributed, run_files
 from phase1a.train.checkpoints import (
     MARKER,
     TrainingState,
+    checkpoint_step,
     list_checkpoints,
     load_checkpoint,
     load_optimizer_state,
@@ -65,7 +66,7 @@ from phase1a.train.checkpoints import (
     trainable_state_dict,
 )
 from phase1a.train.history import history_path, share_record
-from phase1a.train.launch import Launch, LaunchError, launch_for, run_agents
+from phase1a.train.launch import Launch, LaunchError, LaunchStopped, launch_for, run_agents
 from phase1a.train.packing import (
     RowBudget,
     StepBatch,
@@ -76,8 +77,9 @@ from phase1a.train.packing import (
     step_loader,
     token_budget,
 )
-from phase1a.train.preemption import Preempted, StopSignals
+from phase1a.train.preemption import Preempted, StopRequest, StopSignals
 from phase1a.train.progress import ProgressReporter, StepStats, Yardstick, append_event
+from phase1a.train.spot_notice import SpotNotices
 from phase1a.train.steps import StepOutcome, optimizer_step
 from phase1a.train.train_store import CheckpointMirror, RemoteRun, job_prefix
 from tasks.caching import task
@@ -192,14 +194,15 @@ def train_settings(config: Phase1aConfig, plan: Plan, data: TokenizedData, model
     )
 
 
-def train(settings: TrainSettings, on_model=None, stop: threading.Event | None = None) -> TrainResult:
-    """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection. `stop`,
-    when set by another thread, stops training at a checkpoint as a signal does (the store's lease was lost)."""
+def train(settings: TrainSettings, on_model=None, stops: tuple[StopRequest, ...] = ()) -> TrainResult:
+    """`on_model(model)` runs once the model is built: a hook for instrumentation and fault injection. `stops`,
+    when another thread sets one, stop training at a checkpoint as a signal does (the store's lease was lost, a
+    spot notice came)."""
     if (finished := finished_run(Path(settings.output_dir))) is not None:  # 0. reuse
         return finished
     recipe = TrainRecipe(settings)
     recipe.setup(on_model)  # 1. setup
-    recipe.train(stop)  # 2. train
+    recipe.train(stops)  # 2. train
     return recipe.save()  # 3. save
 
 
@@ -334,12 +337,12 @@ class TrainRecipe:
 
     # ---- 2. train ----------------------------------------------------------------------------------------
 
-    def train(self, stop_event: threading.Event | None = None) -> None:
+    def train(self, stops: tuple[StopRequest, ...] = ()) -> None:
         progress, world = self.progress, self.world
         interval = parse_interval(self.settings.checkpoint_interval)
         progress.begin()
         loader = self._loader(progress.step)
-        with StopSignals(stop_event, "the store's lease lost") as stop:
+        with StopSignals(*stops) as stop:
             # A preemption checkpoints before its step's evaluation: one due there is made first on resuming.
             stopped = self._evaluation_due(False) and self._evaluate_and_stop()
             while not stopped and progress.step < self.total_steps:
@@ -532,11 +535,11 @@ def _save_final(model, final_dir: Path, result: TrainResult, train_path: str, we
 
 # ---- several processes ---------------------------------------------------------------------------------------
 
-def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainResult:
-    """One process, or the launch's ranks under torchrun; the result is rank 0's, read from the run. `stop`
-    reaches one process only (train's)."""
+def run(settings: TrainSettings, stops: tuple[StopRequest, ...] = ()) -> TrainResult:
+    """One process, or the launch's ranks under torchrun; the result is rank 0's, read from the run. `stops` reach
+    torchrun's ranks as SIGTERM does: the launch stops its agents, which pass it on (phase1a/train/launch.py)."""
     if not settings.launch.several:
-        return train(settings, stop=stop)
+        return train(settings, stops=stops)
     output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings_path = output_dir / layout.SETTINGS
@@ -547,8 +550,10 @@ def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainRe
         try:  # each launch its own rendezvous: a lost node's stale state never joins the next group
             run_id = f"{launch.run_id}-{backoffs + restarts}"
             run_agents(launch.model_copy(update={"run_id": run_id, "entry": ENTRY}), settings_path,
-                       cwd=Path(__file__).resolve().parents[1])
+                       cwd=Path(__file__).resolve().parents[1], stop=lambda: any(s.requested for s in stops))
             break
+        except LaunchStopped:
+            raise _launch_preempted(output_dir, stops) from None
         except LaunchError as failed:
             notes = _out_of_memory_notes(output_dir)
             if notes and settings.micro_batch_size > 1:
@@ -571,6 +576,15 @@ def run(settings: TrainSettings, stop: threading.Event | None = None) -> TrainRe
     return result
 
 
+def _launch_preempted(output_dir: Path, stops: tuple[StopRequest, ...]) -> Preempted:
+    """The ranks' stop, as the launcher sees it: what asked, and the checkpoint they wrote at their last step."""
+    request = next(stop for stop in stops if stop.requested)
+    checkpoints = list_checkpoints(output_dir / "checkpoints")
+    if not checkpoints:  # stopped before the first step ended
+        return Preempted(request.requested, 0, "(none: stopped before the first step)", request.at)
+    return Preempted(request.requested, checkpoint_step(checkpoints[-1]), str(checkpoints[-1]), request.at)
+
+
 def _out_of_memory_notes(output_dir: Path) -> list[int]:
     """The steps at which ranks ran out of memory in the launch that just failed; the notes are consumed."""
     steps = []
@@ -582,11 +596,13 @@ def _out_of_memory_notes(output_dir: Path) -> list[int]:
 
 # ---- the store -----------------------------------------------------------------------------------------------
 
-def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig) -> TrainResult:
+def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig,
+                   notice: StopRequest | None = None) -> TrainResult:
     """The same run, kept in the store (phase1a/train/train_store.py) so that any host can go on with it: the lease
     first (one host trains it at a time), then what the store has (the finished adapter, or the latest
     checkpoint), then training with each checkpoint uploaded in the background; on a signal, the last checkpoint
-    uploaded within the grace period; the finished adapter last."""
+    uploaded within the grace period (a lost lease and `notice`, a spot notice, stop it as a signal does); the
+    finished adapter last."""
     output_dir, settings = Path(settings.output_dir), settings.model_copy(update={"carry_run_files": True})
     remote = RemoteRun(store, job_prefix(config.name) + output_dir.name)
     wait = config.store.lease_wait
@@ -598,7 +614,8 @@ def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig)
                                taken_over_from=lease.taken_over.model_dump(mode="json") if lease.taken_over else None)
         with CheckpointMirror(remote, output_dir, settings.keep_last, lease) as mirror:
             try:
-                result = run(settings, stop=lease.lost)
+                lost = StopRequest("the store's lease lost", lease.lost)
+                result = run(settings, stops=(lost,) if notice is None else (lost, notice))
             except Preempted as stopped:
                 _upload_within_grace(mirror, stopped, parse_duration_seconds(config.checkpoint.grace_period))
                 if lease.lost.is_set():
@@ -641,8 +658,12 @@ def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
     # launching process holds the lock for all its torchrun ranks.
     # With a store, a lease in it does the same between hosts.
     store = open_store(config.store)
-    with exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"):
-        result = (run(settings) if store is None else run_with_store(settings, store, config))
+    # A spot VM's notice comes from its metadata service, not as a signal: watched here, in the process SIGTERM
+    # reaches, and answered the same way (phase1a/train/spot_notice.py).
+    notice = StopRequest("a spot notice")
+    with (exclusive(Path(settings.output_dir + ".lock"), f"training directory {settings.output_dir}"),
+          SpotNotices.of(config.checkpoint.spot_notice, notice, Path(settings.output_dir))):
+        result = run(settings, (notice,)) if store is None else run_with_store(settings, store, config, notice)
     result = result.model_copy(update={"start": start})
     if result.reused_completed_run:
         return result

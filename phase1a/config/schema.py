@@ -336,6 +336,13 @@ class CheckpointConfig(_Section):
         "After SIGTERM (a spot notice, `kubectl delete`): the step in progress ends, a checkpoint is written and, "
         "with a `store`, uploaded within this time; Kubernetes' terminationGracePeriodSeconds, 30 s by default, "
         "or a cloud's spot notice (AWS 2 min, GCP 30 s) is the limit to give here."))
+    spot_notice: Literal["auto", "aws", "gce", "off"] = Field("auto", description=(
+        "Where a spot VM's notice comes from its metadata service instead of a signal (a bare EC2 or GCE spot "
+        "VM): watched during training, and answered as SIGTERM is (a checkpoint, uploaded within grace_period). "
+        "'auto': both services are probed at the start of training, in the background, and the one that answers "
+        "is watched; where neither answers nothing more happens. 'aws' (IMDSv2 spot/instance-action) or 'gce' "
+        "(instance/preempted): that service, even when the probe fails. 'off': none. Their addresses: "
+        "PHASE1A_AWS_METADATA_URL, PHASE1A_GCE_METADATA_URL (docs/operations.md#spot-notices)."))
 
     @field_validator("interval")
     @classmethod

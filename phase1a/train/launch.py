@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -51,6 +52,11 @@ _STOP_SECONDS = 90  # a stopped launch's agents: time for their ranks' last chec
 
 class LaunchError(RuntimeError):
     """The ranks did not all end well; the message says which agent and how."""
+
+
+class LaunchStopped(RuntimeError):
+    """The launch was asked to stop (a spot notice, the store's lease lost): its agents had SIGTERM, as a signal to
+    this process gives them, and have ended; their ranks wrote a checkpoint at the step they were in."""
 
 
 class Launch(BaseModel):
@@ -105,9 +111,10 @@ def torchrun_command(launch: Launch, settings_path: Path, rendezvous_host: str |
             f"--max_restarts={launch.max_restarts}", *program]
 
 
-def run_agents(launch: Launch, settings_path: Path, cwd: Path) -> None:
+def run_agents(launch: Launch, settings_path: Path, cwd: Path, stop: Callable[[], bool] | None = None) -> None:
     """Every agent of the run, to its end; raises LaunchError when they did not all end with 0 (the first that
-    fails stops the others: the caller starts the whole group again, tasks/train.py)."""
+    fails stops the others: the caller starts the whole group again, tasks/train.py), LaunchStopped when `stop()`
+    became true first."""
     if launch.launcher == "kubernetes" and launch.nodes > 1:
         return on_kubernetes(launch, settings_path, cwd, kubernetes_api())
     if launch.nodes == 1:
@@ -118,7 +125,7 @@ def run_agents(launch: Launch, settings_path: Path, cwd: Path) -> None:
         command = torchrun_command(launch, settings_path, launch.hosts[0])
         env = _local_threads(launch)
         agents = [_Agent(_on_host(host, command, cwd), cwd, host, env) for host in launch.hosts]
-    _wait_all(agents)
+    _wait_all(agents, stop)
 
 
 def _local_threads(launch: Launch) -> dict[str, str] | None:
@@ -201,13 +208,16 @@ class _Agent:
                 self.process.wait()
 
 
-def _wait_all(agents: list[_Agent]) -> None:
-    """Until every agent ended with 0; the first that fails fails the launch and stops the rest."""
+def _wait_all(agents: list[_Agent], stop: Callable[[], bool] | None = None) -> None:
+    """Until every agent ended with 0; the first that fails fails the launch and stops the rest; `stop()` true
+    stops them all (each agent's stop waits for its ranks' checkpoint)."""
     try:
         while True:
             codes = [agent.poll() for agent in agents]
             if all(code == 0 for code in codes):
                 return
+            if stop is not None and stop():
+                raise LaunchStopped("asked to stop: the agents had SIGTERM")
             for number, (agent, code) in enumerate(zip(agents, codes)):
                 if code not in (None, 0):
                     where = f" on {agent.host}" if agent.host else ""

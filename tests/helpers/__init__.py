@@ -2,7 +2,8 @@
 
 Fixtures live in conftest.py; everything a test imports lives here (`from helpers import ...`), and in
 helpers.servers (moto, ports), helpers.hub_cache (a Hugging Face cache laid out by hand),
-helpers.prefect_stack (a real Prefect server and workers) and helpers.postgres (a throwaway PostgreSQL server).
+helpers.prefect_stack (a real Prefect server and workers), helpers.postgres (a throwaway PostgreSQL server)
+and helpers.metadata (a fake AWS and GCE instance metadata service).
 """
 from __future__ import annotations
 
