@@ -71,6 +71,7 @@ POOL ?= phase1a-cpu
 NAME ?=
 HEARTBEAT ?= 60
 ZOMBIE_AFTER ?= 600
+CRASH_RETRIES ?= 3
 NOTIFY_BLOCK ?=
 SERVER_PID := $(PREFECT_HOME)/server.pid
 # True while the pid file names a live `prefect server start` (not a stale pid reused by another process).
@@ -120,4 +121,5 @@ worker: pools
 
 automations: setup
 	@$(PREFECT_ENV) $(VENV_BIN)/python deployments/ops.py automations --zombie-after $(ZOMBIE_AFTER) \
+	  --crash-retries $(CRASH_RETRIES) \
 	  $(if $(strip $(NOTIFY_BLOCK)),--notify-block $(NOTIFY_BLOCK))

@@ -1,7 +1,8 @@
 """Idempotent set-up of a Prefect server for phase1a: work pools, and automations that keep runs honest.
 
     python deployments/ops.py pools [--templates]   # phase1a-cpu, -h100, -h200 (process), -k8s, -docker
-    python deployments/ops.py automations [--zombie-after 600] [--notify-block custom-webhook/phase1a-alerts]
+    python deployments/ops.py automations [--zombie-after 600] [--crash-retries 3]
+                                          [--notify-block custom-webhook/phase1a-alerts]
 
 Run through `make pools` / `make automations` (docs/operations.md); PREFECT_API_URL names the server.
 Both commands converge on the state described here whatever exists already, so re-running them is harmless.
@@ -22,6 +23,8 @@ IMAGE_POOLS: dict[str, tuple[str, int | None]] = {"phase1a-k8s": ("kubernetes", 
 
 ZOMBIE_AUTOMATION = "phase1a: crash flow runs that stopped sending heartbeats"
 NOTIFY_AUTOMATION = "phase1a: notify when a flow run fails or crashes"
+RETRY_AUTOMATION = "phase1a: run crashed flow runs again"
+RETRY_AFTER = timedelta(seconds=30)  # how long a run stays Crashed before it is retried (retry_automation)
 
 
 def _job_templates():
@@ -114,6 +117,59 @@ def zombie_automation(after_seconds: int):
     )
 
 
+def retry_automation(retries: int, after: timedelta = RETRY_AFTER):
+    """A phase1a deployment run that ends Crashed (its process killed or OOM-killed: its worker says so; its machine
+    lost: the zombie automation above says so) and is still Crashed `after` later is scheduled again, as `prefect
+    flow-run retry` does: the same flow run, so the same deployment, parameters and job variables, taken by the
+    pool's next free worker. Its stages come from the caches and training resumes from the last checkpoint (the
+    store's, on another host).
+
+    Attempts: Prefect counts a flow run's starts (`run_count`, the `prefect.run-count` label of its state events),
+    and the trigger takes a crash at start 1 to `retries` only, so a run that keeps crashing is started `retries`
+    more times at most, then stays Crashed. A run that crashed before it started (run count 0: its
+    infrastructure could not be created) is left alone, as it would crash again without ever counting, and so
+    is a Failed run (a bad config, a refused gate, an error in a stage): it would fail again.
+
+    The wait: a process worker reports a crash twice, its runner at once and itself once the runner has loaded
+    the flow for its crash hooks (seconds, a minute on a loaded host). A run scheduled again in between would be
+    marked Crashed by the second report; after the wait it falls on the Crashed run and is refused. Any other
+    news of the run meanwhile (a manual retry, a cancel) stands the automation down.
+
+    Not RunDeployment, which would make a new flow run: Prefect 3.8's action can give that run neither tags nor a
+    name, and a trigger matches the labels a run has, never those it lacks, so no trigger could tell a first
+    run from one the automation started, and nothing would count the attempts."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    return AutomationCore(
+        name=RETRY_AUTOMATION,
+        description=f"A phase1a deployment run still Crashed {after.total_seconds():.0f} s after it crashed is "
+                    f"started again, {retries} time(s) at most; training resumes from its last checkpoint. "
+                    "Failed runs are not retried.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.Crashed"},
+            expect={"prefect.flow-run.*"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"],
+                                         "prefect.run-count": [str(count) for count in range(1, retries + 1)]}),
+            # Only a deployment's runs can be scheduled again; a run of `phase1a run` has no worker to take it.
+            match_related=[
+                ResourceSpecification({"prefect.resource.role": "flow", "prefect.resource.name": "phase1a"}),
+                ResourceSpecification({"prefect.resource.role": "deployment"})],
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=after,
+        ),
+        # force: Crashed is a terminal state, which only a forced transition leaves (as `prefect flow-run retry`).
+        actions=[ChangeFlowRunState(
+            state=StateType.SCHEDULED, force=True,
+            message=f"Crashed: scheduled again by the automation {RETRY_AUTOMATION!r} ({retries} time(s) at most), "
+                    "to resume from the last checkpoint")],
+    )
+
+
 def notify_automation(block_document_id):
     """Any phase1a flow run that ends Failed, Crashed or TimedOut sends one notification through a
     notification block (Slack, Microsoft Teams, e-mail, PagerDuty, a custom webhook, ...)."""
@@ -149,10 +205,20 @@ def _replace(client, automation) -> str:
     return f"{automation.name}: {'replaced' if old else 'created'} ({created})"
 
 
-def ensure_automations(client, zombie_after: int, notify_block: str | None) -> list[str]:
+def _remove(client, name: str) -> str:
+    old = client.read_automations_by_name(name)
+    for existing in old:
+        client.delete_automation(existing.id)
+    return f"{name}: {'removed' if old else 'not installed'}"
+
+
+def ensure_automations(client, zombie_after: int, notify_block: str | None, crash_retries: int = 3) -> list[str]:
     from prefect.blocks.core import Block
 
     done = [_replace(client, zombie_automation(zombie_after))]
+    # After the zombie automation: a lost machine's run is marked Crashed by it, then retried by this one.
+    done.append(_replace(client, retry_automation(crash_retries)) if crash_retries
+                else _remove(client, RETRY_AUTOMATION))
     if notify_block:
         block = Block.load(notify_block)  # "<block type slug>/<name>", e.g. custom-webhook/phase1a-alerts
         done.append(_replace(client, notify_automation(block._block_document_id)))
@@ -166,12 +232,18 @@ def main(argv: list[str] | None = None) -> int:
                                               "kubernetes and docker with phase1a's job templates")
     pools.add_argument("--templates", action="store_true",
                        help="replace the kubernetes and docker pools' base job templates with ours")
-    automations = commands.add_parser("automations", help="zombie-run detection, and failure notifications")
+    automations = commands.add_parser("automations", help="zombie-run detection, crashed runs retried, and "
+                                                          "failure notifications")
     automations.add_argument("--zombie-after", type=int, default=600, metavar="SECONDS",
                              help="mark a Running flow run Crashed after this long without a heartbeat")
+    automations.add_argument("--crash-retries", type=int, default=3, metavar="N",
+                             help="start a crashed deployment run again, N times at most (0: never, and remove "
+                                  "the automation)")
     automations.add_argument("--notify-block", default=None, metavar="TYPE/NAME",
                              help="a notification block, e.g. slack-webhook/phase1a-alerts: notify on failure")
     args = parser.parse_args(argv)
+    if args.command == "automations" and args.crash_retries < 0:
+        parser.error(f"--crash-retries: {args.crash_retries} is below 0; give 0 to turn retries off")
 
     from prefect.client.orchestration import get_client
 
@@ -179,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pools":
             lines = ensure_pools(client, replace_templates=args.templates)
         else:
-            lines = ensure_automations(client, args.zombie_after, args.notify_block)
+            lines = ensure_automations(client, args.zombie_after, args.notify_block, args.crash_retries)
     print("\n".join(lines))
     return 0
 

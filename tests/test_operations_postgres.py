@@ -50,7 +50,8 @@ def stack(tmp_path_factory, postgres):
         stack.make("pools")
         stack.make("deploy", "NAME=cpu h100")
         stack.cli("deployment", "schedule", "pause", "--all")  # no 02:00 run of configs/h100.yaml in the middle
-        stack.make("automations", f"ZOMBIE_AFTER={ZOMBIE_AFTER}")
+        # CRASH_RETRIES=0: the lost host's run stays Crashed, the queued run recovers it (retries: test_crash_retry.py)
+        stack.make("automations", f"ZOMBIE_AFTER={ZOMBIE_AFTER}", "CRASH_RETRIES=0")
         yield stack
     finally:
         stack.stop()
