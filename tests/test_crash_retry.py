@@ -20,9 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import date_records, make_tiny_model_dir, write_jsonl
 from helpers.faults import Fault, FaultProxy
-from helpers.hosts import Host
+from helpers.hosts import STORE_JOB_STEPS, Host, store_job
 from helpers.prefect_stack import (
     ROOT,
     PrefectStack,
@@ -39,7 +38,7 @@ from helpers.servers import isolate_aws, s3_client
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
 RETRIES = 1  # `make automations CRASH_RETRIES=1`: one crash is retried, a crash of the retry is not
-TRAIN_STEPS = 60  # 6 epochs of 10 steps
+TRAIN_STEPS = STORE_JOB_STEPS
 RUN_TIMEOUT = 600  # two cores shared with other work: minutes, not seconds
 RETRY_AUTOMATION = "phase1a: run crashed flow runs again"
 RETRY_AFTER = timedelta(seconds=30)  # deployments/ops.py: how long a run stays Crashed before it is retried
@@ -55,28 +54,8 @@ def aws(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job(aws, endpoint, tmp_path_factory) -> dict:
     """The tiny job of tests/test_resume_anywhere.py: two shards on S3, checkpoints every 10 steps into the store."""
-    root = tmp_path_factory.mktemp("job")
-    bucket = "crash-retry"
-    client = s3_client(endpoint)
-    client.create_bucket(Bucket=bucket)
-    for number in range(2):
-        shard = write_jsonl(root / f"part-{number}.jsonl", date_records(48, seed=number))
-        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl", Body=shard.read_bytes())
-    return {
-        "name": "comeback",
-        "data": {"source": f"s3://{bucket}/data/", "s3_endpoint_url": endpoint, "validation_fraction": 0.2},
-        "model": {"name_or_path": str(make_tiny_model_dir(root / "model"))},
-        "method": {"learning_rate": 3e-3, "batch_size": 8, "epochs": 6, "seed": 3,
-                   "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
-        "hardware": {"target": "cpu", "calibration_steps": 1},
-        "plan": {"profile": "custom", "micro_batch_size": 4, "gradient_checkpointing": False, "compile": False,
-                 "dataloader_workers": 0},
-        "checkpoint": {"interval": "10steps", "keep_last": 2, "grace_period": "30s"},
-        "validation": {"max_examples": 8, "during_training": "never",
-                       "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
-        "progress": {"display": "lines", "interval": "5s"},
-        "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint, "lease_ttl": "4s"},
-    }
+    tree = store_job(tmp_path_factory.mktemp("job"), "comeback", endpoint, "crash-retry")
+    return {**tree, "hardware": {**tree["hardware"], "calibration_steps": 1}}
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,14 @@ import torch
 from botocore.exceptions import ClientError
 from safetensors.torch import load_file
 
-from helpers import date_records, make_tiny_model_dir, write_jsonl
+from helpers import date_records, write_jsonl
 from helpers.faults import Fault, FaultProxy
-from helpers.hosts import ROOT, Host, kill_host, stop_started_hosts, wait_until
+from helpers.hosts import ROOT, STORE_JOB_STEPS, Host, kill_host, stop_started_hosts, store_job, wait_until
 from helpers.servers import isolate_aws, s3_client
 
 pytestmark = pytest.mark.slow
 
-TRAIN_STEPS = 60  # 6 epochs of 10 steps: long enough to stop a host in the middle
+TRAIN_STEPS = STORE_JOB_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +37,7 @@ def aws(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job(aws, endpoint, tmp_path_factory) -> dict:
-    """The job every host runs: two shards of data on S3, the tiny model, knobs fixed (every host trains the same
-    rows)."""
-    root = tmp_path_factory.mktemp("job")
-    bucket = "resume-anywhere"
-    client = s3_client(endpoint)
-    client.create_bucket(Bucket=bucket)
-    for number in range(2):
-        shard = write_jsonl(root / f"part-{number}.jsonl", date_records(48, seed=number))
-        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl", Body=shard.read_bytes())
-    model = make_tiny_model_dir(root / "model")
-    return {
-        "name": "spot",
-        "data": {"source": f"s3://{bucket}/data/", "s3_endpoint_url": endpoint, "validation_fraction": 0.2},
-        "model": {"name_or_path": str(model)},
-        "method": {"learning_rate": 3e-3, "batch_size": 8, "epochs": 6, "seed": 3,
-                   "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
-        "hardware": {"target": "cpu"},
-        "plan": {"profile": "custom", "micro_batch_size": 4, "gradient_checkpointing": False, "compile": False,
-                 "dataloader_workers": 0},
-        "checkpoint": {"interval": "10steps", "keep_last": 2, "grace_period": "30s"},
-        "validation": {"max_examples": 8, "during_training": "never",
-                       "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
-        "progress": {"display": "lines", "interval": "5s"},
-        "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint, "lease_ttl": "4s"},
-    }
+    return store_job(tmp_path_factory.mktemp("job"), "spot", endpoint, "resume-anywhere")
 
 
 @pytest.fixture(scope="module")

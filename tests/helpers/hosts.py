@@ -16,11 +16,39 @@ from pathlib import Path
 
 import yaml
 
-from helpers import without_session_server
+from helpers import date_records, make_tiny_model_dir, without_session_server, write_jsonl
 from helpers.prefect_stack import migrated_database
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTED: list[subprocess.Popen] = []  # every CLI host started, so that a failed test leaves none running
+STORE_JOB_STEPS = 60  # store_job: 6 epochs of 10 steps, long enough to stop a host in the middle
+
+
+def store_job(root: Path, name: str, endpoint: str, bucket: str) -> dict:
+    """The job hosts that come and go run: two shards of data in a new bucket on S3, the tiny model, knobs fixed
+    (every host trains the same rows), a checkpoint every 10 steps mirrored to a store in the bucket."""
+    from helpers.servers import s3_client
+
+    client = s3_client(endpoint)
+    client.create_bucket(Bucket=bucket)
+    for number in range(2):
+        shard = write_jsonl(root / f"part-{number}.jsonl", date_records(48, seed=number))
+        client.put_object(Bucket=bucket, Key=f"data/part-{number}.jsonl", Body=shard.read_bytes())
+    return {
+        "name": name,
+        "data": {"source": f"s3://{bucket}/data/", "s3_endpoint_url": endpoint, "validation_fraction": 0.2},
+        "model": {"name_or_path": str(make_tiny_model_dir(root / "model"))},
+        "method": {"learning_rate": 3e-3, "batch_size": 8, "epochs": 6, "seed": 3,
+                   "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
+        "hardware": {"target": "cpu"},
+        "plan": {"profile": "custom", "micro_batch_size": 4, "gradient_checkpointing": False, "compile": False,
+                 "dataloader_workers": 0},
+        "checkpoint": {"interval": "10steps", "keep_last": 2, "grace_period": "30s"},
+        "validation": {"max_examples": 8, "during_training": "never",
+                       "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
+        "progress": {"display": "lines", "interval": "5s"},
+        "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint, "lease_ttl": "4s"},
+    }
 
 
 @dataclass
