@@ -3,7 +3,7 @@ SHELL := /bin/bash
 UV ?= $(shell command -v uv 2>/dev/null || echo $(CURDIR)/.tools/bin/uv)
 export UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
 
-.PHONY: setup demo test test-postgres test-fast lint docs demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check
+.PHONY: setup demo test test-postgres test-fast lint docs demo-data server server-stop pools deploy worker automations gpu-wheels gpu-check image image-tools test-image
 
 $(CURDIR)/.tools/bin/uv:
 	python3 -m pip install --quiet --disable-pip-version-check --target $(CURDIR)/.tools/pkgs uv
@@ -28,15 +28,15 @@ demo: demo-data
 	$(UV) run $(UV_FLAGS) phase1a run --config configs/demo.yaml
 
 test: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres"
+	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image"
 
 # Prefect on a throwaway PostgreSQL server (tests/test_operations_postgres.py): two hosts, a lost host, a resume.
 test-postgres: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m postgres
 
-# The inner loop: every test not marked slow, prefect_server, s3 or gpu (pyproject.toml), in under two minutes.
+# The inner loop: every test not marked slow, prefect_server, s3, gpu or image (pyproject.toml), in under two minutes.
 test-fast: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not slow and not prefect_server and not s3 and not gpu"
+	$(UV) run $(UV_FLAGS) pytest -q -m "not slow and not prefect_server and not s3 and not gpu and not image"
 
 lint: setup
 	$(UV) run $(UV_FLAGS) ruff check .
@@ -53,6 +53,51 @@ gpu-wheels: setup
 
 gpu-check: $(if $(DRY_RUN),setup)
 	$(if $(DRY_RUN),$(UV) run $(UV_FLAGS) python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+
+# The image (Containerfile; docs/operations.md#the-image): docker where its daemon answers, else buildah. It is named
+# PHASE1A_IMAGE, the image `make deploy` gives the image deployments (phase1a:latest by default, set below).
+# IMAGE_TORCH is torch's build in it (cuda: PyPI's, for GPU hosts; cpu: the local wheel, buildah only: the build
+# mounts /opt/wheels); IMAGE_EXTRAS the extras in it (demo: the built-in model of configs/h100.yaml; add eval,
+# tracking, kubernetes as jobs need them); IMAGE_BASE, IMAGE_UV other bases.
+IMAGE_TORCH ?= cuda
+IMAGE_EXTRAS ?= demo
+IMAGE_BASE ?=
+IMAGE_UV ?=
+# buildah here (machines of this kind: no Docker daemon, no user namespaces): every RUN in a chroot (BUILDAH_ISOLATION,
+# which buildah reads); overlay storage where the kernel has it, else vfs, which copies the whole root at every step.
+BUILDAH_STORAGE ?= $(if $(shell grep -qw overlay /proc/filesystems && echo yes),overlay,vfs)
+BUILDAH ?= buildah --storage-driver $(BUILDAH_STORAGE)
+export BUILDAH_ISOLATION ?= chroot
+IMAGE_BUILDER ?= $(if $(shell docker info > /dev/null 2>&1 && echo yes),docker,$(BUILDAH))
+# buildah only: the local wheel, and the CA bundle SSL_CERT_FILE names (PyPI behind a TLS-inspecting proxy).
+IMAGE_MOUNTS = $(if $(filter docker,$(IMAGE_BUILDER)),,--layers \
+  $(if $(filter cpu,$(IMAGE_TORCH)),--volume /opt/wheels:/opt/wheels:ro) \
+  $(if $(SSL_CERT_FILE),--volume $(SSL_CERT_FILE):$(SSL_CERT_FILE):ro --build-arg SSL_CERT_FILE=$(SSL_CERT_FILE)))
+
+image:
+	$(IMAGE_BUILDER) build -f Containerfile -t $(PHASE1A_IMAGE) --build-arg TORCH=$(IMAGE_TORCH) \
+	  --build-arg EXTRAS="$(IMAGE_EXTRAS)" $(if $(IMAGE_BASE),--build-arg BASE=$(IMAGE_BASE)) \
+	  $(if $(IMAGE_UV),--build-arg UV_IMAGE=$(IMAGE_UV)) $(IMAGE_MOUNTS) .
+
+# The image's test here (tests/test_image.py, CI after the other tests): buildah and debootstrap from apt if missing,
+# a Debian base and uv's image made locally (image/local-base.sh: no registry needed), the image with the local CPU
+# torch, then the tiny job in a container. Each step reuses what exists: a second run rebuilds only what changed.
+IMAGE_TEST := localhost/phase1a:test
+IMAGE_TEST_BASE := localhost/phase1a-base:bookworm
+IMAGE_WORK ?= /var/tmp/phase1a-image
+
+image-tools:
+	@command -v buildah > /dev/null && command -v debootstrap > /dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap > /dev/null; }
+
+# uv's image is named by its version (expanded when the recipe runs, after setup has installed uv).
+IMAGE_TEST_UV = localhost/uv:$(word 2,$(shell $(UV) --version))
+
+test-image: setup image-tools
+	BUILDAH="$(BUILDAH)" image/local-base.sh $(IMAGE_TEST_BASE) $(IMAGE_TEST_UV) $(UV) $(IMAGE_WORK)
+	$(MAKE) --no-print-directory image IMAGE_BUILDER="$(BUILDAH)" PHASE1A_IMAGE=$(IMAGE_TEST) IMAGE_TORCH=cpu \
+	  IMAGE_BASE=$(IMAGE_TEST_BASE) IMAGE_UV=$(IMAGE_TEST_UV)
+	PHASE1A_TEST_IMAGE=$(IMAGE_TEST) BUILDAH="$(BUILDAH)" $(UV) run $(UV_FLAGS) pytest -q -m image tests/test_image.py
 
 # Operations (docs/operations.md): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the

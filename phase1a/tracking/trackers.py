@@ -16,7 +16,7 @@ from phase1a.core.redaction import redact
 from phase1a.results import RunOutcome
 from phase1a.tracking.base import RunContext, Tracker, metric_values
 
-INSTALL = "pip install 'phase1a[tracking]' (in this project: uv sync, which installs the dev group)"
+INSTALL = "pip install 'phase1a[tracking]' (in this project: make setup, which installs the dev group)"
 
 
 def wanted(settings: TrackingConfig) -> list[str]:
