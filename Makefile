@@ -27,8 +27,11 @@ demo-data: setup
 demo: demo-data
 	$(UV) run $(UV_FLAGS) phase1a run --config configs/demo.yaml
 
+# The suite's files spread over the cores (pytest-xdist), a file to one worker: a file's tests share its fixtures
+# (servers, reference runs), which a finer split would start once per worker. TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= auto
 test: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image"
+	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image" -n $(TEST_WORKERS) --dist loadfile
 
 # Prefect on a throwaway PostgreSQL server (tests/test_operations_postgres.py): two hosts, a lost host, a resume.
 test-postgres: setup
