@@ -15,7 +15,8 @@ from phase1a.model.loading import load_tokenizer
 from tasks.plan import format_plan, make_plan
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
-pytestmark = pytest.mark.slow
+# alone: a budget measured in seconds of a real model, kept while no other test shares the cores (make test).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 ROOT = Path(__file__).resolve().parent.parent
 _WORDS = ("the model reads a long passage about rivers mountains cities trains weather markets music history and "
           "answers with a careful summary of what it found").split()

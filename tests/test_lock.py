@@ -82,8 +82,9 @@ def test_without_the_dev_group_lm_eval_the_demo_model_and_tracking_are_left_out(
 def make_setup(*args: str) -> subprocess.CompletedProcess:
     # -n: print what setup runs, run nothing. UV: any file that exists (the target's prerequisite), so that a missing
     # .tools/bin/uv adds no install lines.
-    return subprocess.run(["make", "-n", "setup", "UV=/bin/true", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    # --no-print-directory: under `make test` this make is a sub-make, which would print its directory.
+    return subprocess.run(["make", "--no-print-directory", "-n", "setup", "UV=/bin/true", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_makefile_picks_torch_and_takes_a_choice():
