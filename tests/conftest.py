@@ -125,6 +125,16 @@ def aws_env(monkeypatch, tmp_path):
     isolate_aws(monkeypatch, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def aws(tmp_path_factory):
+    """Dummy credentials for a whole module, whose module-scoped fixtures (a job on S3) need them too."""
+    from helpers.servers import isolate_aws
+
+    with pytest.MonkeyPatch.context() as patch:
+        isolate_aws(patch, tmp_path_factory.mktemp("aws"))
+        yield
+
+
 @pytest.fixture
 def bucket(endpoint) -> str:
     from helpers.servers import s3_client

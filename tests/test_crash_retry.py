@@ -33,7 +33,7 @@ from helpers.prefect_stack import (
     stop_group,
     wait_for,
 )
-from helpers.servers import isolate_aws, s3_client
+from helpers.servers import s3_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
@@ -42,13 +42,6 @@ TRAIN_STEPS = STORE_JOB_STEPS
 RUN_TIMEOUT = 600  # two cores shared with other work: minutes, not seconds
 RETRY_AUTOMATION = "phase1a: run crashed flow runs again"
 RETRY_AFTER = timedelta(seconds=30)  # deployments/ops.py: how long a run stays Crashed before it is retried
-
-
-@pytest.fixture(scope="module")
-def aws(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        isolate_aws(patch, tmp_path_factory.mktemp("aws"))
-        yield
 
 
 @pytest.fixture(scope="module")

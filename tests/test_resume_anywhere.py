@@ -21,18 +21,11 @@ from safetensors.torch import load_file
 from helpers import date_records, write_jsonl
 from helpers.faults import Fault, FaultProxy
 from helpers.hosts import ROOT, STORE_JOB_STEPS, Host, kill_host, stop_started_hosts, store_job, wait_until
-from helpers.servers import isolate_aws, s3_client
+from helpers.servers import s3_client
 
 pytestmark = pytest.mark.slow
 
 TRAIN_STEPS = STORE_JOB_STEPS
-
-
-@pytest.fixture(scope="module")
-def aws(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        isolate_aws(patch, tmp_path_factory.mktemp("aws"))
-        yield
 
 
 @pytest.fixture(scope="module")
