@@ -110,11 +110,12 @@ def endpoint(tmp_path_factory):
 def mlflow_server(tmp_path_factory):
     """An `mlflow server` for the session (SQLite, HTTP on 127.0.0.1; its URL), started on first use: its
     database migrates in about 5 s on two cores, once."""
-    from helpers.tracking import start_mlflow, stop_mlflow
+    from helpers.prefect_stack import stop_group
+    from helpers.tracking import start_mlflow
 
     proc, url = start_mlflow(tmp_path_factory.mktemp("mlflow"))
     yield url
-    stop_mlflow(proc)
+    stop_group(proc)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ doing.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from helpers.postgres import postgres_server, unavailable_reason
-from helpers.prefect_stack import PrefectStack, cmdline, descendants, kill9, states, wait_for
+from helpers.prefect_stack import PrefectStack, cmdline, descendants, kill9, signal_group, states, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server, pytest.mark.postgres,
               pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")]
@@ -128,7 +127,7 @@ def _kill_host(worker) -> None:
     """kill -9 of the worker's process group and of its flow-run processes (they run in sessions of their own),
     the way a lost machine ends them: nothing is left to report the run."""
     pids = descendants(worker.pid)
-    os.killpg(worker.pid, signal.SIGKILL)
+    signal_group(worker, signal.SIGKILL)
     kill9(pids)
     worker.wait(10)
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from helpers import date_records, write_jsonl
 from helpers.faults import Fault, FaultProxy
 from helpers.hosts import ROOT, STORE_JOB_STEPS, Host, kill_host, stop_started_hosts, store_job, wait_until
+from helpers.prefect_stack import signal_group
 from helpers.servers import s3_client
 
 pytestmark = pytest.mark.slow
@@ -184,7 +185,7 @@ def test_two_hosts_started_at_once_train_one_run_and_a_fresh_host_plans_from_its
     holder = pause_the_first_holder(store, processes)
     other = hosts[1 - processes.index(holder)]
     wait_until(lambda: "waiting for it" in other.log(), "the other host waiting for the lease", timeout=50)
-    os.killpg(holder.pid, signal.SIGCONT)
+    signal_group(holder, signal.SIGCONT)
     for process, host in zip(processes, hosts):
         assert process.wait(timeout=600) == 0, host.log()[-4000:]
     trains = [host.report()["stages"]["train"]["result"] for host in hosts]
@@ -220,7 +221,7 @@ def pause_the_first_holder(store: StoreView, processes: list[subprocess.Popen]) 
 
     pid = wait_until(holder_pid, "a host holding the lease", timeout=300, every=0.02)
     [holder] = [process for process in processes if os.getpgid(pid) == process.pid]
-    os.killpg(holder.pid, signal.SIGSTOP)
+    signal_group(holder, signal.SIGSTOP)
     return holder
 
 

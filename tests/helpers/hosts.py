@@ -6,7 +6,6 @@ that a test can kill it with its whole process group, as a lost machine is lost.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from helpers import date_records, make_tiny_model_dir, without_session_server, write_jsonl
-from helpers.prefect_stack import migrated_database
+from helpers.prefect_stack import migrated_database, signal_group
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTED: list[subprocess.Popen] = []  # every CLI host started, so that a failed test leaves none running
@@ -108,7 +107,7 @@ class Host:
 
 def kill_host(process: subprocess.Popen) -> None:
     """kill -9 of the host's whole process group: nothing of it runs on, nothing is cleaned up."""
-    os.killpg(process.pid, signal.SIGKILL)
+    signal_group(process, signal.SIGKILL)
     process.wait(timeout=60)
 
 

@@ -48,12 +48,26 @@ def _tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+def signal_group(proc: subprocess.Popen, sig: int) -> bool:
+    """`sig` to the process group `proc` leads, never to another's; whether a group was signalled.
+
+    Once its leader is reaped (any `poll()`), the leader's pid is free again, and pids wrap fast here (pid_max
+    32768, a suite spawns tens of thousands of processes): a new `setsid` process, a Prefect server say, can lead a
+    group with that number. Linux hands out no pid still used as a group id, so a reaped leader's group is ours only
+    while no live process has its pid."""
+    if proc.poll() is not None and Path(f"/proc/{proc.pid}").exists():
+        return False
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the process group (a worker passes it on to its flow runs), SIGKILL after 20 s."""
     for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        if not signal_group(proc, sig):
             break
         try:
             proc.wait(timeout=grace)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -12,12 +11,13 @@ import sys
 import threading
 from pathlib import Path
 
+from helpers.prefect_stack import stop_group
 from helpers.servers import free_port, wait_until_up
 
 
 def start_mlflow(root: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """`mlflow server` with a SQLite backend and proxied artifacts under `root`, one worker, no job runner (its
-    consumers would take cores for nothing); its own process group, so `stop_mlflow` ends its worker too."""
+    consumers would take cores for nothing); its own process group, so `stop_group` ends its worker too."""
     port = free_port()
     log = open(root / "mlflow.log", "wb")
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
@@ -26,21 +26,8 @@ def start_mlflow(root: Path, timeout: float = 120) -> tuple[subprocess.Popen, st
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_until_up(proc, f"{url}/health", root / "mlflow.log", timeout, stop_mlflow)
+    wait_until_up(proc, f"{url}/health", root / "mlflow.log", timeout, stop_group)
     return proc, url
-
-
-def stop_mlflow(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def wandb_records(run_dir: Path) -> list:
