@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from phase1a.config.schema import HardwareConfig, Phase1aConfig
+from phase1a.config.schema import ConfigError, HardwareConfig, Phase1aConfig
 from phase1a.config.stores import open_store
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
@@ -56,7 +56,7 @@ from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.data.lengths import Outliers, right_size
 from phase1a.data.tokenized import TokenizedData
-from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
+from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark, validation_key
 from phase1a.evaluate.during_training import EvalSettings
 from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
 from phase1a.model.build import attention_implementation, release_device_memory
@@ -884,9 +884,15 @@ def _on(flag: bool) -> str:
 
 def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> str:
     """The plan stage's key, from its own inputs: the sections it reads, the model, the data, and the device it
-    would calibrate on."""
-    sections = config.model_dump(mode="json",
-                                 include={"method", "plan", "hardware", "window", "checkpoint", "validation"})
+    would calibrate on. No host path enters, so a host with another checkout or work directory takes the plan a
+    host before it measured (a calibration is minutes on a GPU, and may choose other knobs): the benchmarks by
+    their content, the warm start's adapter and promote_to, which the plan never reads, not at all."""
+    sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "checkpoint"},
+                                 exclude={"method": {"init_from"}})
+    try:
+        sections["validation"] = validation_key(config.validation)
+    except BenchmarkError as error:  # no key: the stage runs and fails on it in its own words
+        raise ConfigError(str(error)) from None
     # Whether there is a store, not where: it decides the checkpoint's upload and what an interruption loses.
     store = {"configured": config.store.url is not None, "lease_ttl": config.store.lease_ttl}
     return hash_json({"config": sections, "store": store, "model": model.fingerprint, "data": data.fingerprint,

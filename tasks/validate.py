@@ -36,7 +36,7 @@ from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json, sha256_file, sha256_tree
 from phase1a.core.hardware import training_device, training_dtype
 from phase1a.data.tokenized import TokenizedData
-from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
+from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark, validation_key
 from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
@@ -265,10 +265,12 @@ def baseline_identity(settings: ValidationConfig, endpoint_url: str | None = Non
     """What the verdict depends on besides the candidate: the baseline file's bytes or the pointer's version."""
     if settings.baseline == "file":
         path = Path(settings.baseline_file)
-        return sha256_file(path) if path.is_file() else f"missing {path}"
+        return sha256_file(path) if path.is_file() else "missing"  # the stage runs and names the path
     if settings.baseline == "promoted":
         pointer = read_pointer(settings.promote_to, endpoint_url)
-        return f"promoted {pointer.version if pointer else None}"
+        # The version and its adapter's bytes, not where the pointer lies: a local promote_to is another path
+        # on another host.
+        return f"promoted {pointer.version} {pointer.adapter_sha256}" if pointer else "promoted None"
     return "base"
 
 
@@ -278,10 +280,10 @@ def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Token
     endpoint = config.data.s3_endpoint_url
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
     # What is exported is the promote stage's (never cached): the verdict is the same.
-    settings = config.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS | {"export"})
-    benchmarks = [load_benchmark(spec).definition for spec in config.validation.benchmarks]  # their YAML and data
+    # No path enters (validation_key): the verdict is found from any checkout or host.
+    settings = validation_key(config.validation, exclude=DURING_TRAINING_FIELDS | {"export"})
     return hash_json({"model": model.fingerprint, "adapter": sha256_tree(Path(trained.adapter_dir), ADAPTER_FILES),
-                      "data": data.fingerprint, "settings": settings, "benchmarks": benchmarks,
+                      "data": data.fingerprint, "settings": settings,
                       "baseline": baseline_identity(config.validation, endpoint)})
 
 

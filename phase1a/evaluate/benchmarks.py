@@ -12,11 +12,12 @@ import glob
 import importlib.util
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phase1a.config.schema import BenchmarkConfig
+from phase1a.config.schema import BenchmarkConfig, ValidationConfig
 from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
 from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork
 
@@ -62,8 +63,22 @@ def load_benchmark(spec: BenchmarkConfig) -> Benchmark:
         raise BenchmarkError(f"validation.benchmarks: no such task YAML: {path}")
     config = _task_yaml(path)
     files = _data_files(config, path)
-    definition = hash_json({"yaml": path.read_text(), "data": {str(f): sha256_file(f) for f in files}})
+    # The data files by their names relative to the YAML: the same task in another checkout is the same benchmark.
+    here = path.parent.resolve()
+    definition = hash_json({"yaml": path.read_text(),
+                            "data": {os.path.relpath(f, here): sha256_file(f) for f in files}})
     return Benchmark(spec, config["task"], config, definition)
+
+
+def validation_key(settings: ValidationConfig, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The validation section as a cache key reads it, the same from any checkout, work directory or host: where
+    a file lies never enters. A benchmark YAML enters as its definition (its bytes and its data files'), a
+    baseline file by its bytes where the verdict reads it (tasks/validate.py), and promote_to not at all: it is
+    where a model goes, not what is measured (a promoted baseline enters as the version its pointer names)."""
+    key = settings.model_dump(mode="json", exclude={"promote_to", "baseline_file", "benchmarks", *exclude})
+    key["benchmarks"] = [{**spec.model_dump(mode="json", exclude={"task"} if spec.is_file else None),
+                          "definition": load_benchmark(spec).definition} for spec in settings.benchmarks]
+    return key
 
 
 def _task_yaml(path: Path) -> dict[str, Any]:
