@@ -17,5 +17,8 @@ def open_store(settings: StoreConfig) -> Store | None:
     if is_s3_url(settings.url):
         from phase1a.store.s3_store import S3Store
 
-        return S3Store(settings.url, settings.endpoint_url)
-    return LocalStore(Path(settings.url))
+        store: Store = S3Store(settings.url, settings.endpoint_url)
+    else:
+        store = LocalStore(Path(settings.url))
+    store.lease = settings.lease  # what its probe checks: the conditional writes only where runs hold a lease
+    return store

@@ -1,6 +1,7 @@
 """The store on S3 (phase1a/store/base.py): uploads checked by the size S3 reports (botocore sends a CRC32 with every
 part and S3 refuses one that does not match it), downloads through phase1a/store/s3.py (parallel, resumed, pinned to
-the version listed), conditional writes with If-None-Match / If-Match."""
+the version listed), conditional writes with If-None-Match / If-Match (a service that ignores them is refused at the
+start: phase1a/store/base.py, check_conditional_writes), ages by the HTTP Date of S3's answers."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,16 @@ from botocore.exceptions import ClientError
 
 from phase1a.core.atomic import atomic_path
 from phase1a.store.base import Fetched, Listed, Store, StoreConflict, http_date
-from phase1a.store.s3 import DEFAULT_TRANSFER, S3Error, S3Object, download_objects, make_client, parse_s3_url, s3_errors
+from phase1a.store.s3 import (
+    DEFAULT_TRANSFER,
+    S3Error,
+    S3Object,
+    download_objects,
+    endpoint_of,
+    make_client,
+    parse_s3_url,
+    s3_errors,
+)
 
 
 def _status(error: ClientError) -> int | None:
@@ -29,7 +39,11 @@ class S3Store(Store):
     def _errors(self, key: str, action: str):
         return s3_errors(self.client, self.where(key), self.bucket, action)
 
-    def probe(self) -> None:
+    @property
+    def service(self) -> str:
+        return f"the S3 service at {endpoint_of(self.client)}"
+
+    def _reachable(self) -> None:
         with self._errors("", "HEAD bucket"):
             try:
                 self.client.head_bucket(Bucket=self.bucket)
@@ -90,13 +104,16 @@ class S3Store(Store):
             try:
                 response = self.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data, **condition)
             except ClientError as error:
-                if not condition or _status(error) not in (409, 412):
+                # NoSuchKey to If-Match: no object to match, a lost condition as on a mount (LocalStore).
+                missing = if_match is not None and error.response.get("Error", {}).get("Code") == "NoSuchKey"
+                if not condition or not (missing or _status(error) in (409, 412)):
                     raise
                 # botocore re-sends a PUT whose answer was lost; the first may have landed: then it is ours.
                 current = self.get(key)
                 if current is not None and current.data == data:
                     return current.etag
-                raise StoreConflict(f"{self.where(key)}: " + ("exists" if if_absent else "changed since it was read"))
+                raise StoreConflict(f"{self.where(key)}: " + ("exists" if if_absent else "changed since it was read"
+                                                              if current is not None else "no longer exists"))
         return response["ETag"].strip('"')
 
     def list(self, prefix: str) -> list[Listed]:

@@ -3,9 +3,10 @@
 Each client connection carries one request (the proxy asks both sides for `Connection: close`), forwarded to
 the server as it came. A request that matches a fault is answered `HTTP/1.1 503 Slow Down` instead, has its
 response cut off after some bytes by closing the connection, (an upload) has its connection closed after some
-bytes of its body, before anything reaches the server, or is held for some seconds before it is forwarded (a slow
-link; dropped unforwarded if the proxy stops meanwhile); the first `times` times it matches, after letting the first
-`skip` through. Every request
+bytes of its body, before anything reaches the server, is held for some seconds before it is forwarded (a slow
+link; dropped unforwarded if the proxy stops meanwhile), or is forwarded without some of its headers (`strip`: an
+S3-compatible service that ignores If-None-Match and If-Match on PUT, as the server then sees them); the first
+`times` times it matches, after letting the first `skip` through. Every request
 is recorded (method, target, Range header, the fault it met, the response bytes forwarded), so a test can say
 what the client asked for after a failure.
 """
@@ -24,7 +25,7 @@ _SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDow
 
 @dataclass
 class Fault:
-    kind: Literal["drop", "slow_down", "cut_upload", "delay"]
+    kind: Literal["drop", "slow_down", "cut_upload", "delay", "strip"]
     method: str  # "GET", "PUT", ...
     target: str  # a regex searched in the request target (path and query), e.g. r"^/bucket/data\.jsonl$"
     times: int  # the first `times` matching requests meet it
@@ -32,6 +33,7 @@ class Fault:
     # 0: the request reaches the server, its answer is lost; cut_upload: bytes of the request body read first
     skip: int = 0  # matching requests let through before the fault applies
     seconds: float = 0.0  # delay: how long the request is held before it is forwarded
+    headers: tuple[str, ...] = ("if-none-match", "if-match")  # strip: the request headers removed (any case)
     met: int = 0
     passed: int = 0
 
@@ -121,6 +123,8 @@ class FaultProxy:
                 # Answered here, so that the server's stream holds the final response alone: `after_bytes`
                 # counts its bytes, and 0 cuts it off whole after the request has reached the server.
                 client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if fault is not None and fault.kind == "strip":
+                head, fault = _without(head, fault.headers), None
             limit = fault.after_bytes if fault is not None else None
             self._forward(client, _rewrite(head) + rest, seen, limit)
 
@@ -167,6 +171,12 @@ def _rewrite(head: bytes) -> bytes:
     lines = [line for line in head.split(b"\r\n")
              if line and not line.lower().startswith((b"connection:", b"expect:"))]
     return b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _without(head: bytes, names: tuple[str, ...]) -> bytes:
+    """The request head without the named headers (moto checks no signature, so the rest of the request stands)."""
+    prefixes = tuple(name.lower().encode() + b":" for name in names)
+    return b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(prefixes))
 
 
 def _drain_body(sock: socket.socket, headers: dict[str, str], rest: bytes) -> None:
