@@ -355,6 +355,9 @@ def _evaluations(path: Path | None) -> list[tuple[str, str]]:
 def _steps(report: RunReport, train: TrainResult, plan: Plan | None) -> str:
     steps = f"{train.steps:,}" + (f" of {plan.steps:,} planned" if plan and plan.steps != train.steps else "")
     steps += f", resumed from step {train.resumed_from_step}" if train.resumed_from_step else ""
+    if train.arithmetic_from_checkpoint:  # the steps computed as before the interruption, not as this host planned
+        taken = ", ".join(f"{name} {value}" for name, value in train.arithmetic_from_checkpoint.items())
+        steps += f" with its checkpoint's {taken} (this host's plan chose otherwise)"
     if train.stopped_early:  # `steps` is the plan's count: where the patience ran out says how far it went
         patience = report.config.get("validation", {}).get("early_stopping")
         steps += (f"; stopped early at step {train.stopped_at_step:,} (no better eval loss in {patience} "

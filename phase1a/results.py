@@ -4,7 +4,7 @@ dataset's from phase1a/data/tokenized.py), never from each other's modules."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
@@ -141,6 +141,9 @@ class TrainResult(BaseModel):
     checkpoint_share: float = 0.0  # checkpoint writes as a share of the wall time
     micro_batch_size: int = 0  # at the end: smaller than planned after out-of-memory back-offs
     out_of_memory_backoffs: int = 0
+    # A resume's knobs that its checkpoint decided against the plan (phase1a.train.checkpoints.StepArithmetic):
+    # knob -> the checkpoint's value, which the steps computed with
+    arithmetic_from_checkpoint: dict[str, Any] = {}
     padding_tokens: int = 0  # computed tokens that were not an example's: zero when rows are packed
     mean_mfu: float | None = None
     evaluations: int = 0  # during training (eval.jsonl), the final weights' included; this process's
@@ -199,8 +202,11 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         hardware=history_kind(config.hardware.target, plan.detected), device_name=plan.detected,
         precision=plan.precision, method_kind=config.method.kind,
         world_size=config.hardware.world_size,
-        micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-        compile=plan.compile, cuda_graphs=plan.cuda_graphs, dataloader_workers=plan.dataloader_workers,
+        # The knobs its speed was measured at: a resume's may be its checkpoint's
+        micro_batch_size=result.arithmetic_from_checkpoint.get("micro_batch_size", plan.micro_batch_size),
+        gradient_checkpointing=plan.gradient_checkpointing,
+        compile=result.arithmetic_from_checkpoint.get("compile", plan.compile),
+        cuda_graphs=plan.cuda_graphs, dataloader_workers=plan.dataloader_workers,
         max_seq_length=plan.max_seq_length,
         # Steady speed: checkpoint writes and evaluations are estimated separately, from their own measured costs.
         tokens_per_second=result.train_tokens / max(

@@ -26,7 +26,7 @@ import json
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -113,6 +113,9 @@ class TrainSettings(BaseModel):
     planned_seconds: float | None = None  # the plan's train estimate, for "on track"
     init_adapter: str | None = None  # a warm start: the adapter the trainable one starts from (local)
     carry_run_files: bool = False  # checkpoints carry the curves and best weights: a store resumes them elsewhere
+    # A resume computes with its checkpoint's micro-batch and compilation (StepArithmetic); False after an
+    # out-of-memory relaunch, whose smaller rows are the point.
+    arithmetic_from_checkpoint: bool = True
     evaluation: EvalSettings | None = None  # evaluation during training and early stopping; None: neither
 
 
@@ -266,8 +269,9 @@ class TrainRecipe:
         self.max_length = settings.max_seq_length or int(rows.lengths().max())
         self.order, _ = example_stream(len(rows), self.method.epochs, self.method.seed)
         self.epochs_per_step = self.method.batch_size / len(rows)
-        self.micro = settings.micro_batch_size
-        self.static_rows = static_rows(training_device(), settings.compile)
+        self.arithmetic, self.arithmetic_taken = self._arithmetic()
+        self.micro = self.arithmetic.micro_batch_size
+        self.static_rows = static_rows(training_device(), self.arithmetic.compile)
         self.total_steps = len(self._batches(self.micro))
         self.sharded = settings.strategy in ("fsdp", "hsdp") and self.world.size > 1
         evaluation = settings.evaluation
@@ -281,9 +285,9 @@ class TrainRecipe:
         # torch.compile is not combined with FSDP's per-layer hooks here: the sharded run is eager.
         init_adapter = Path(settings.init_adapter) if settings.init_adapter else None
         compile = Compilation(settings.cuda_graphs, Path(settings.compile_cache) if settings.compile_cache else None)
+        compiled = self.arithmetic.compile and not self.sharded
         model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
-                            settings.trust_remote_code, compile if settings.compile and not self.sharded else None,
-                            init_adapter)
+                            settings.trust_remote_code, compile if compiled else None, init_adapter)
         if on_model is not None:
             on_model(model)
         self.model = distributed.wrap(model, self.world, settings.strategy)
@@ -300,9 +304,23 @@ class TrainRecipe:
                                          display=_display(settings),
                                          enabled=self.world.main)
         if resumed_from is not None:
-            self.reporter.event("resumed", from_step=self.progress.step, checkpoint=resumed_from.name)
+            taken = {name: checkpoint for name, (checkpoint, _) in self.arithmetic_taken.items()}
+            self.reporter.event("resumed", from_step=self.progress.step, checkpoint=resumed_from.name,
+                                **({"arithmetic_from_checkpoint": taken} if taken else {}))
         self.model.train()
         self.startup = time.perf_counter() - self.began
+
+    def _arithmetic(self) -> tuple[StepArithmetic, dict[str, tuple]]:
+        """The knobs this run computes with: the plan's, or on a resume the checkpoint's (said in the log)."""
+        settings = self.settings
+        planned = StepArithmetic(settings.micro_batch_size, settings.compile, training_device().type)
+        existing = list_checkpoints(self.output_dir / "checkpoints") if settings.arithmetic_from_checkpoint else []
+        arithmetic, taken = resumed_arithmetic(planned, existing[-1] if existing else None)
+        if taken and self.world.main:
+            said = ", ".join(f"{name} {checkpoint} (the plan: {plan})" for name, (checkpoint, plan) in taken.items())
+            run_logger().warning(f"resuming from {existing[-1].name} with its {said}: the steps compute as they did "
+                                 "before the interruption")
+        return arithmetic, taken
 
     def _resume(self) -> Path | None:
         """Load the latest complete checkpoint of this run, if any; the progress starts where it left off."""
@@ -446,7 +464,8 @@ class TrainRecipe:
             cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
             state = TrainingState(progress.step, optimizer_state, self.scheduler.state_dict(), torch.get_rng_state(),
                                   cuda_rng, progress.prior_seconds + began - progress.started,
-                                  self._evaluation_state())
+                                  self._evaluation_state(),
+                                  replace(self.arithmetic, micro_batch_size=self.micro))  # after any back-off
             carry = self._carried() if self.settings.carry_run_files else None
             path = save_checkpoint(root, weights, state, self.settings.keep_last, carry)
         distributed.barrier(world)
@@ -488,6 +507,7 @@ class TrainRecipe:
             startup_seconds=round(self.startup, 3),
             checkpoint_share=round(progress.checkpoint_seconds / max(wall, 1e-9), 5), micro_batch_size=self.micro,
             out_of_memory_backoffs=progress.backoffs,
+            arithmetic_from_checkpoint={name: checkpoint for name, (checkpoint, _) in self.arithmetic_taken.items()},
             mean_mfu=significant(sum(mfus) / len(mfus)) if (mfus := self.reporter.mfus) else None,
             **self._evaluation_summary(),  # with early stopping: the best weights are put back into the model
         )
@@ -558,7 +578,8 @@ def run(settings: TrainSettings, stops: tuple[StopRequest, ...] = ()) -> TrainRe
             notes = _out_of_memory_notes(output_dir)
             if notes and settings.micro_batch_size > 1:
                 micro = settings.micro_batch_size // 2
-                settings, backoffs = settings.model_copy(update={"micro_batch_size": micro}), backoffs + 1
+                settings = settings.model_copy(update={"micro_batch_size": micro, "arithmetic_from_checkpoint": False})
+                backoffs += 1
                 # The ranks are gone: the launcher records it.
                 append_event(output_dir, "out_of_memory", step=min(notes), micro_batch_size=micro, relaunched=True)
             elif launch.nodes > 1 and restarts < launch.max_restarts:  # a node lost: the group from its checkpoint

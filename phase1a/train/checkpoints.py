@@ -8,10 +8,11 @@ rank 0 writes.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +23,48 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from phase1a.core.atomic import atomic_path
 
 MARKER = "COMPLETE"
+ARITHMETIC = "arithmetic.json"  # in a checkpoint: the knobs its steps were computed with (StepArithmetic)
 RUN_FILES = "run"  # in a checkpoint that travels to another host: the run's curves and best weights as they were
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class StepArithmetic:
+    """The knobs that change the numbers a step computes, not only its speed: the packed row's size in examples
+    (it decides which examples share a row, the accumulation, the order of the sums and which dropout mask each
+    example draws) and compiled layers (fused kernels round otherwise), on a kind of device. A resume computes
+    with its checkpoint's, so that its weights are those of an uninterrupted run whatever a new host's plan
+    chose. Gradient checkpointing recomputes the same values (tests/test_resume_knobs.py), and the data loader's
+    workers and CUDA graphs replay the same kernels: those stay the plan's."""
+
+    micro_batch_size: int
+    compile: bool
+    device: str  # torch.device.type: cpu, cuda
+
+    def differences(self, other: "StepArithmetic") -> dict[str, tuple]:
+        """Knob -> (this value, the other's), for those that differ."""
+        mine, theirs = asdict(self), asdict(other)
+        return {name: (mine[name], theirs[name]) for name in mine if mine[name] != theirs[name]}
+
+
+def read_arithmetic(checkpoint: Path) -> StepArithmetic | None:
+    """The knobs a checkpoint's steps were computed with; None for a checkpoint written before they were kept."""
+    path = Path(checkpoint) / ARITHMETIC
+    if not path.is_file():
+        return None
+    return StepArithmetic(**json.loads(path.read_text()))
+
+
+def resumed_arithmetic(planned: StepArithmetic, checkpoint: Path | None) -> tuple[StepArithmetic, dict[str, tuple]]:
+    """What a run resuming from `checkpoint` (None: a fresh start) computes with, and what of it the checkpoint
+    decided against the plan (knob -> (the checkpoint's, the plan's)). On another kind of device the arithmetic
+    differs whatever the knobs: the rows still pack as before, compilation is the plan's."""
+    recorded = read_arithmetic(checkpoint) if checkpoint is not None else None
+    if recorded is None:
+        return planned, {}
+    if recorded.device != planned.device:
+        recorded = StepArithmetic(recorded.micro_batch_size, planned.compile, planned.device)
+    return recorded, recorded.differences(planned)
 
 
 @dataclass
@@ -36,6 +77,7 @@ class TrainingState:
     elapsed_seconds: float = 0.0  # training time spent before this checkpoint, for honest ETAs after a resume
     # Evaluation during training (plain values): the best so far, evaluations since, the last one's step
     evaluation: dict | None = None
+    arithmetic: StepArithmetic | None = None  # the knobs the steps up to this one were computed with
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -69,6 +111,8 @@ def save_checkpoint(root: Path, weights: dict[str, torch.Tensor], state: Trainin
             },
             partial / "trainer_state.pt",
         )
+        if state.arithmetic is not None:
+            (partial / ARITHMETIC).write_text(json.dumps(asdict(state.arithmetic)) + "\n")
         (partial / MARKER).write_text("ok\n")
     for stale in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
