@@ -56,12 +56,14 @@ from phase1a.store.lease import LeaseLost
 from phase1a.train import distributed, run_files
 from phase1a.train.checkpoints import (
     MARKER,
+    StepArithmetic,
     TrainingState,
     checkpoint_step,
     list_checkpoints,
     load_checkpoint,
     load_optimizer_state,
     optimizer_state_dict,
+    resumed_arithmetic,
     save_checkpoint,
     trainable_state_dict,
 )
