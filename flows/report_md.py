@@ -334,9 +334,10 @@ def _interruptions(plan: Plan, outcome: InterruptionOutcome | None) -> list[str]
                    else "started from step 0")
         rows.append(("this attempt", resumed))
         if outcome.taken_over_from_step is not None:
-            lost = (f"{_n(outcome.lost_steps)} steps lost (~{format_seconds(outcome.lost_seconds)} at this attempt's "
-                    "speed)")
-            rows.append(("host taken over", f"had reached step {outcome.taken_over_from_step}: {lost}"))
+            lost = (f"at least {_n(outcome.lost_steps)} steps lost (~{format_seconds(outcome.lost_seconds)} at this "
+                    "attempt's speed)")
+            rows.append(("host taken over", f"had reached step {outcome.taken_over_from_step} at its last renewal"
+                                            f"{_silent(outcome.taken_over_silent_seconds)}: {lost}"))
     return ["Interruptions, the plan against this attempt:", "", *_table(("", ""), rows)]
 
 
@@ -400,10 +401,19 @@ def _store(store: StoreTraining | None) -> list[tuple[str, str]]:
         rows.append(("lease", f"waited {format_seconds(store.lease_waited_seconds)} for another host"))
     if store.taken_over_from:
         lost, step = store.lost_steps, store.taken_over_from.get("step")
-        rows.append(("taken over", f"from a host that stopped renewing its lease at step {step}"
-                                   + ("" if lost is None else f"; {lost} steps lost")))
+        rows.append(("taken over", f"from a host whose last renewal of its lease was at step {step}"
+                                   f"{_silent(store.taken_over_silent_seconds)}"
+                                   + ("" if lost is None else f"; at least {lost} steps lost")))
     rows += [("upload failed", failure) for failure in store.upload_failures]
     return rows
+
+
+def _silent(seconds: float | None) -> str:
+    """How long a taken-over lease had gone unrenewed: the steps of that time are not counted as lost, the store
+    does not know them."""
+    if seconds is None:
+        return ""
+    return f", {format_seconds(seconds)} before this host took it over (steps after it unknown to the store)"
 
 
 def _curves(plots: list[Plot]) -> list[str]:

@@ -116,7 +116,10 @@ class StoreTraining(BaseModel):
     pulled: Pulled
     lease_waited_seconds: float = 0.0
     taken_over_from: dict | None = None  # the holder whose lease had expired, and the step it had reached
-    lost_steps: int | None = None  # steps that holder trained past the checkpoint this run resumed from
+    # Steps that holder trained past the checkpoint this run resumed from, at least: its last renewal's step (it
+    # renews every lease_ttl/3 and at each checkpoint it commits); what it trained after that, the store cannot know.
+    lost_steps: int | None = None
+    taken_over_silent_seconds: float | None = None  # how long its lease had gone unrenewed at the takeover
     checkpoint_uploads: int = 0
     checkpoint_upload_seconds: float = 0.0  # all uploads together, in the background
     uploaded_step: int | None = None  # the newest checkpoint in the store when training ended
@@ -192,6 +195,7 @@ def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutco
         expected_lost_seconds=estimate.expected.lost_seconds if estimate else None,
         resumed_after_interruption=resumed, resumed_from_step=trained.resumed_from_step,
         taken_over_from_step=taken, lost_steps=lost,
+        taken_over_silent_seconds=store.taken_over_silent_seconds if store is not None else None,
         lost_seconds=None if lost is None or per_step is None else lost * per_step)
 
 

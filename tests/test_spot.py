@@ -275,7 +275,8 @@ def test_the_report_sets_the_plans_expectation_beside_this_attempt(tmp_path, con
         reused_completed_run=False, wall_seconds=80.0, train_tokens=1000, tokens_per_second=12.5, final_loss=0.1,
         checkpoints_written=3, checkpoint_seconds=1.0,
         store=StoreTraining(location="s", pulled=Pulled(what="checkpoint", step=120),
-                            taken_over_from={"holder": {}, "step": 130}, lost_steps=10))
+                            taken_over_from={"holder": {}, "step": 130}, lost_steps=10,
+                            taken_over_silent_seconds=64.0))
     outcome = interruptions_outcome(plan, trained)
     assert outcome.resumed_after_interruption and outcome.taken_over_from_step == 130 and outcome.lost_steps == 10
     assert outcome.lost_seconds == pytest.approx(10 * 80.0 / 80)  # this attempt ran 80 steps in 80 s
@@ -287,4 +288,7 @@ def test_the_report_sets_the_plans_expectation_beside_this_attempt(tmp_path, con
     text = render_report(report, tmp_path, [])
     assert f"| checkpoint interval | {plan.checkpoint_interval} (young-daly)" in text
     assert "| this attempt | resumed from step 120 in the store, after an interruption |" in text
-    assert "| host taken over | had reached step 130: 10 steps lost (~10.0 s at this attempt's speed) |" in text
+    assert outcome.taken_over_silent_seconds == 64.0
+    # A lower bound: the store knows the gone host's step at its last renewal, not what it trained after it.
+    assert ("| host taken over | had reached step 130 at its last renewal, 64.0 s before this host took it over "
+            "(steps after it unknown to the store): at least 10 steps lost (~10.0 s at this attempt's speed) |") in text

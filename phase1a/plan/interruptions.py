@@ -141,5 +141,8 @@ class InterruptionOutcome(BaseModel):
     resumed_after_interruption: bool  # this host started from a checkpoint in the store
     resumed_from_step: int | None
     taken_over_from_step: int | None  # the gone host's last renewed step
-    lost_steps: int | None  # that host's steps past the checkpoint this run resumed from
+    lost_steps: int | None  # that host's steps past the checkpoint this run resumed from (at least: to its renewal)
     lost_seconds: float | None  # lost_steps at this attempt's own seconds per step
+    # How long the gone host's lease had gone unrenewed when this host took it over: what it trained in that time
+    # (if anything: it may have stopped at once) is not in lost_steps, the store cannot know it.
+    taken_over_silent_seconds: float | None = None
