@@ -632,24 +632,32 @@ def run_with_store(settings: TrainSettings, store: Store, config: Phase1aConfig,
     lease = remote.lease(parse_duration_seconds(config.store.lease_ttl),
                          None if wait is None else parse_duration_seconds(wait), output_dir)
     with lease:
+        remote.claim(lease)  # from here on, a host that lost the lease to this one cannot commit (train_store.py)
+        silent = lease.taken_over_silent_seconds
         report = StoreTraining(location=remote.location, pulled=remote.pull(output_dir),
                                lease_waited_seconds=round(lease.waited_seconds, 3),
-                               taken_over_from=lease.taken_over.model_dump(mode="json") if lease.taken_over else None)
+                               taken_over_from=lease.taken_over.model_dump(mode="json") if lease.taken_over else None,
+                               taken_over_silent_seconds=None if silent is None else round(silent, 1))
         with CheckpointMirror(remote, output_dir, settings.keep_last, lease) as mirror:
             try:
                 lost = StopRequest("the store's lease lost", lease.lost)
                 result = run(settings, stops=(lost,) if notice is None else (lost, notice))
             except Preempted as stopped:
-                _upload_within_grace(mirror, stopped, parse_duration_seconds(config.checkpoint.grace_period))
+                if not lease.lost.is_set():  # a lost lease writes nothing more, not even the stopping checkpoint
+                    _upload_within_grace(mirror, stopped, parse_duration_seconds(config.checkpoint.grace_period))
                 if lease.lost.is_set():
-                    raise LeaseLost(f"{remote.location}: another host took the lease over; this run stopped at "
-                                    f"step {stopped.step} and left the store to it") from stopped
+                    raise LeaseLost(f"{lease.lost_why}; this run stopped at step {stopped.step} and left the store "
+                                    "to the host that took it") from stopped
                 raise
             finally:
                 report.checkpoint_uploads, report.uploaded_step = mirror.uploads, mirror.uploaded_step
                 report.checkpoint_upload_seconds = round(mirror.upload_seconds, 3)
                 report.upload_failures = mirror.failures
-        report.final_uploaded = remote.push_final(output_dir / layout.FINAL)
+        try:  # committed, or refused: the lease lost, the run fails and records nothing (no throughput record)
+            report.final_uploaded = remote.push_final(output_dir / layout.FINAL)
+        except LeaseLost as refused:
+            lease.lose(str(refused))
+            raise
     if lease.taken_over is not None and lease.taken_over.step is not None:
         report.lost_steps = max(0, lease.taken_over.step - (result.resumed_from_step or 0))
     return result.model_copy(update={"store": report})

@@ -10,6 +10,7 @@ travel as bundles.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -54,20 +55,25 @@ def local_files(directory: Path) -> list[str]:
                   if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts))
 
 
-def upload_bundle(store: Store, directory: Path, prefix: str, meta: dict | None = None) -> Bundle:
-    """Every file of `directory` under `prefix` (hashed while uploaded), then the manifest."""
+def upload_bundle(store: Store, directory: Path, prefix: str, meta: dict | None = None,
+                  guard: Callable[[], None] = lambda: None) -> Bundle:
+    """Every file of `directory` under `prefix` (hashed while uploaded), then the manifest. `guard` runs before
+    each file and before the manifest, and raises to stop the upload there (a training run's lease no longer
+    held: phase1a/train/train_store.py)."""
     directory = Path(directory)
     names = local_files(directory)
 
     def one(name: str) -> tuple[str, BundleFile]:
         path = directory / name
         described = BundleFile(size=path.stat().st_size, sha256=sha256_file(path))
+        guard()
         store.put_file(path, prefix + name)
         return name, described
 
     with ThreadPoolExecutor(min(_THREADS, max(1, len(names)))) as pool:
         files = dict(pool.map(one, names))
     bundle = Bundle(files=files, meta=meta or {})
+    guard()
     store.put(prefix + MANIFEST, bundle.model_dump_json(indent=2).encode())
     return bundle
 
