@@ -8,6 +8,7 @@ HTTP, through a fault proxy that holds one host's requests on the way)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -61,12 +62,18 @@ def keys(store: Store, under: str = "") -> list[str]:
 
 
 def checkpoint_dirs(store: Store) -> dict[str, bool]:
-    """Each checkpoint directory in the store, and whether it has its manifest."""
+    """Each checkpoint directory in the store ('<holder>/checkpoints/step-N'), and whether it has its manifest."""
     found: dict[str, bool] = {}
-    for key in keys(store, "checkpoints/"):
-        directory, _, name = key.removeprefix("checkpoints/").partition("/")
-        found[directory] = found.get(directory, False) or name == "manifest.json"
+    for key in keys(store):
+        match = re.fullmatch(r"(.*checkpoints/step-\d+)/(.+)", key)
+        if match:
+            found[match[1]] = found.get(match[1], False) or match[2] == "manifest.json"
     return found
+
+
+def own(lease: Lease, step: int) -> str:
+    """The checkpoint directory of `step` that `lease`'s holder writes."""
+    return f"e{lease.record.epoch}-{lease.record.token[:8]}/checkpoints/step-{step:08d}"
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -102,7 +109,7 @@ def test_a_holder_whose_lease_was_taken_cannot_commit_even_before_the_new_holder
     assert keys(store) == before and pointer(store) == claimed
 
     b.push_checkpoint(a_checkpoint(tmp_path / "b" / "ck20", 20), 20, keep_last=2)
-    assert pointer(store)["checkpoint"] == f"checkpoints/step-00000020-e2-{b_lease.record.token[:8]}/"
+    assert pointer(store)["checkpoint"] == own(b_lease, 20) + "/"
 
 
 def test_a_stale_holders_slow_upload_lands_under_its_own_name_and_is_not_committed(aws_env, endpoint, bucket,
@@ -115,13 +122,13 @@ def test_a_stale_holders_slow_upload_lands_under_its_own_name_and_is_not_committ
         slow = open_store(config.model_copy(update={"endpoint_url": proxy.url}))
         a, a_lease = a_host(slow, tmp_path / "a", ttl=60.0, step=10)
         a.push_checkpoint(a_checkpoint(tmp_path / "a" / "ck10", 10), 10, keep_last=1)
-        proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-00000020-e1-[0-9a-f]+/trainable", times=1,
+        proxy.faults = [Fault("delay", "PUT", r"/e1-[0-9a-f]+/checkpoints/step-00000020/trainable", times=1,
                               seconds=6.0)]
         failed: list[Exception] = []
         upload = threading.Thread(target=lambda: _catch(failed, a.push_checkpoint,
                                                         a_checkpoint(tmp_path / "a" / "ck20", 20), 20, 1))
         upload.start()
-        while not proxy.requests("PUT", "step-00000020-e1-"):  # a's upload is on its way
+        while not proxy.requests("PUT", r"/e1-[0-9a-f]+/checkpoints/step-00000020/"):  # a's upload is on its way
             time.sleep(0.02)
         b, b_lease = a_host(direct, tmp_path / "b", ttl=0.3)
         assert b.pull(tmp_path / "b").step == 10
@@ -130,11 +137,9 @@ def test_a_stale_holders_slow_upload_lands_under_its_own_name_and_is_not_committ
         upload.join(30)
     [refused] = failed
     assert isinstance(refused, LeaseLost) and "checkpoint step 20 not committed" in str(refused)
-    b_tag = f"e2-{b_lease.record.token[:8]}"
-    assert pointer(direct)["checkpoint"] == f"checkpoints/step-00000030-{b_tag}/"
+    assert pointer(direct)["checkpoint"] == own(b_lease, 30) + "/"
     # a's upload landed under a name of its own: nothing of b's was overwritten, and it counts for nothing
-    assert checkpoint_dirs(direct) == {f"step-00000020-e1-{a_lease.record.token[:8]}": True,
-                                       f"step-00000030-{b_tag}": True}
+    assert checkpoint_dirs(direct) == {own(a_lease, 20): True, own(b_lease, 30): True}
     assert b.pull(tmp_path / "c").step == 30
 
 
@@ -153,19 +158,17 @@ def test_a_holder_paused_after_its_commit_prunes_nothing_of_the_holder_that_took
         pruning.start()
         while not proxy.requests("GET", "list-type=2")[1:]:  # committed step 20; its listing is held
             time.sleep(0.02)
-        a_tag = f"e1-{a_lease.record.token[:8]}"
-        assert pointer(direct)["checkpoint"] == f"checkpoints/step-00000020-{a_tag}/"
-        direct.put(f"{PREFIX}checkpoints/step-00000020-{a_tag}/trainer_state.json", b'{"step": 99}')  # flipped
+        assert pointer(direct)["checkpoint"] == own(a_lease, 20) + "/"
+        direct.put(f"{PREFIX}{own(a_lease, 20)}/trainer_state.json", b'{"step": 99}')  # a flipped object
         b, b_lease = a_host(direct, tmp_path / "b", ttl=0.3)
         pulled = b.pull(tmp_path / "b")
         assert pulled.step == 10 and "not what the manifest says" in pulled.corrupt[0]
         b.push_checkpoint(a_checkpoint(tmp_path / "b" / "ck15", 15), 15, keep_last=1)
         pruning.join(30)
-    b_tag = f"e2-{b_lease.record.token[:8]}"
     # a pruned after its commit of 20 (its listing then showed b's step 15 and a's 20, step 10 gone by b's
     # pruning), but not b's step 15, a later holder's, which the pointer names
-    assert pointer(direct)["checkpoint"] == f"checkpoints/step-00000015-{b_tag}/"
-    assert checkpoint_dirs(direct) == {f"step-00000015-{b_tag}": True, f"step-00000020-{a_tag}": True}
+    assert pointer(direct)["checkpoint"] == own(b_lease, 15) + "/"
+    assert checkpoint_dirs(direct) == {own(b_lease, 15): True, own(a_lease, 20): True}
 
 
 def _catch(failed: list[Exception], call, *args) -> None:
@@ -184,12 +187,11 @@ def test_a_pointer_moved_by_the_holder_itself_is_read_again_and_later_commits_an
     for step in (20, 30, 40):
         remote.push_checkpoint(a_checkpoint(tmp_path / f"ck{step}", step), step, keep_last=1)
         assert pointer(store)["step"] == step
-    tag = f"e1-{lease.record.token[:8]}"
-    assert checkpoint_dirs(store) == {f"step-00000040-{tag}": True}  # pruned all along
+    assert checkpoint_dirs(store) == {own(lease, 40): True}  # pruned all along
     assert not lease.lost.is_set()
 
     # A predecessor's late write (a holder from before fencing: no token) while this host still holds the lease.
-    store.put(PREFIX + POINTER, json.dumps({"step": 40, "checkpoint": f"checkpoints/step-00000040-{tag}/"}).encode())
+    store.put(PREFIX + POINTER, json.dumps({"step": 40, "checkpoint": own(lease, 40) + "/"}).encode())
     remote.push_checkpoint(a_checkpoint(tmp_path / "ck50", 50), 50, keep_last=1)
     assert (pointer(store)["step"], pointer(store)["token"]) == (50, lease.record.token)
 
@@ -207,7 +209,7 @@ def test_a_pointer_write_whose_answer_was_lost_is_taken_as_committed(aws_env, en
         assert [seen.fault for seen in proxy.requests("PUT", r"/latest\.json")][-2:] == ["drop", None]
         remote.push_checkpoint(a_checkpoint(tmp_path / "ck30", 30), 30, keep_last=1)
         assert pointer(store)["step"] == 30 and not lease.lost.is_set()
-        assert list(checkpoint_dirs(store)) == [f"step-00000030-e1-{lease.record.token[:8]}"]
+        assert list(checkpoint_dirs(store)) == [own(lease, 30)]
 
 
 def test_lost_work_is_counted_to_the_holders_last_renewal_and_said_to_be_at_least_that(tmp_path):
@@ -253,7 +255,7 @@ def test_a_free_lease_creates_no_pointer_a_takeover_does_and_stores_from_before_
     assert remote.pull(tmp_path / "c").step == 10  # step 20 was never committed
     remote.push_checkpoint(a_checkpoint(tmp_path / "ck30", 30), 30, keep_last=1)
     # the old names are pruned as the new ones are (keep_last 1): step 20, never committed, is of an earlier holder
-    assert list(checkpoint_dirs(old)) == [f"step-00000030-e1-{lease.record.token[:8]}"]
+    assert list(checkpoint_dirs(old)) == [own(lease, 30)]
     upload_bundle(old, a_checkpoint(tmp_path / "oldfinal", 60), f"{PREFIX}final/")
     fresh = RemoteRun(old, PREFIX)
     assert fresh.pull(tmp_path / "d").what == "final" and not remote.push_final(tmp_path / "oldfinal")

@@ -4,13 +4,13 @@
     latest.json                the pointer: the newest committed checkpoint (`step`, `checkpoint`), the finished
                                adapter once there is one (`final`), and the holder that last wrote it (`epoch`,
                                `token`, `holder`)
-    checkpoints/step-N-eE-T/   complete local checkpoints, each a bundle (phase1a/store/bundles.py), uploaded in the
-                               background while training goes on, under a name of their writer's lease (epoch E,
-                               token T) that no other holder writes; the run's curves and its best weights so far
+    eE-T/                      what the holder of lease epoch E (token T...) wrote: names no other holder writes
+      checkpoints/step-N/      complete local checkpoints, each a bundle (phase1a/store/bundles.py), uploaded in the
+                               background while training goes on; the run's curves and its best weights so far
                                travel inside (`run/`), so a resume on another host has the same bookkeeping
-    final-eE-T/                the finished adapter (a bundle): another host reuses it as it would a local one
+      final/                   the finished adapter (a bundle): another host reuses it as it would a local one
 
-Stores written before fencing have `checkpoints/step-N/` and `final/`; both are still read.
+Stores written before fencing have `checkpoints/step-N/` and `final/` at the top; both are still read.
 
 The pointer is where every write of a holder counts, and a holder writes it only over the version it last saw
 (If-Match). Right after it acquires the lease a holder *claims* it (rewrites it with its own epoch and token),
@@ -61,7 +61,7 @@ class Pulled(BaseModel):
 
 
 POINTER = "latest.json"
-_CHECKPOINT = re.compile(r"step-(\d+)(?:-e(\d+)-([0-9a-f]+))?")
+_CHECKPOINT = re.compile(r"(?:e(\d+)-([0-9a-f]+)/)?checkpoints/step-(\d+)/(.+)")
 _TRIES = 5  # commits of one write after refusals that were not a lost lease: each refreshes what the host knows
 
 
@@ -135,11 +135,11 @@ class RemoteRun:
         record = self.held.record
         return {"epoch": record.epoch, "token": record.token, "holder": record.holder}
 
-    def _tagged(self, name: str) -> str:
-        """A name of this holder's own: no other holder writes under it."""
+    def _own(self) -> str:
+        """This holder's directory in the run's: no other holder writes under it ('' without a lease)."""
         if self.held is None:
-            return name
-        return f"{name}-e{self.held.record.epoch}-{self.held.record.token[:8]}"
+            return ""
+        return f"e{self.held.record.epoch}-{self.held.record.token[:8]}/"
 
     def _read_pointer(self) -> tuple[Fetched | None, dict]:
         """The pointer as the store has it now, and its content ({} when there is none or it cannot be read)."""
@@ -268,18 +268,16 @@ class RemoteRun:
                                   if item.step < step and item.directory != named]
 
     def _listed(self) -> list[RemoteCheckpoint]:
-        """Every checkpoint directory under `checkpoints/`, and whether it has its manifest."""
-        found: dict[str, bool] = {}
-        for item in self.store.list(self.prefix + "checkpoints/"):
-            directory, _, name = item.key.removeprefix(self.prefix + "checkpoints/").partition("/")
-            if _CHECKPOINT.fullmatch(directory):
-                found[directory] = found.get(directory, False) or name == "manifest.json"
-        listed = []
-        for directory, complete in found.items():
-            match = _CHECKPOINT.fullmatch(directory)
-            listed.append(RemoteCheckpoint(f"checkpoints/{directory}/", int(match[1]), int(match[2] or 0),
-                                           match[3] or "", complete))
-        return listed
+        """Every checkpoint directory in the run's (each holder's, and the top one of a store from before
+        fencing), and whether it has its manifest."""
+        found: dict[str, tuple[int, int, str, bool]] = {}
+        for item in self.store.list(self.prefix):
+            match = _CHECKPOINT.fullmatch(item.key.removeprefix(self.prefix))
+            if match:
+                directory = item.key.removeprefix(self.prefix)[:-len(match[4])]
+                complete = (directory in found and found[directory][3]) or match[4] == "manifest.json"
+                found[directory] = (int(match[3]), int(match[1] or 0), match[2] or "", complete)
+        return [RemoteCheckpoint(directory, *facts) for directory, facts in found.items()]
 
     # ---- push ----------------------------------------------------------------------------------------------
 
@@ -288,7 +286,7 @@ class RemoteRun:
         only over the version this host last saw); then a renewal of the lease (the step reached, for a host
         that takes over); then the checkpoints beyond `keep_last` go, the oldest first."""
         what = f"checkpoint step {step}"
-        directory = f"checkpoints/{self._tagged(f'step-{step:08d}')}/"
+        directory = f"{self._own()}checkpoints/step-{step:08d}/"
         upload_bundle(self.store, snapshot, self.prefix + directory, meta={"step": step},
                       guard=lambda: self._guard(what))
         self._commit(what, {"step": step, "checkpoint": directory})
@@ -323,7 +321,7 @@ class RemoteRun:
             deadline = time.monotonic() + self.held.ttl
             while not self.held.valid() and not self.held.lost.is_set() and time.monotonic() < deadline:
                 time.sleep(min(1.0, self.held.ttl / 10))
-        directory = f"{self._tagged(layout.FINAL)}/"
+        directory = f"{self._own()}{layout.FINAL}/"
         upload_bundle(self.store, final_dir, self.prefix + directory, guard=lambda: self._guard(what))
         self._commit(what, {"final": directory})
         return True
