@@ -6,6 +6,7 @@ that a test can kill it with its whole process group, as a lost machine is lost.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,8 @@ def store_job(root: Path, name: str, endpoint: str, bucket: str) -> dict:
 class Host:
     root: Path
     tree: dict  # the job's config, with this host's local directories
+    checkout: Path | None = None  # the job's own directory on this host (checked_out): the CLI runs in it
+    environment: dict[str, str] | None = None  # set for the CLI on top of this host's (AWS_ENDPOINT_URL, say)
 
     @classmethod
     def fresh(cls, root: Path, tree: dict) -> "Host":
@@ -63,9 +66,23 @@ class Host:
         data = {**tree["data"], "staging_dir": str(root / "staging")}
         return cls(root, {**tree, **local, "data": data})
 
+    @classmethod
+    def checked_out(cls, root: Path, tree: dict, files: dict[str, Path],
+                    environment: dict[str, str] | None = None) -> "Host":
+        """A host as a user sets one up: the job's directory copied to `root/checkout` (its config beside `files`,
+        each copied under its name there, which the config names by relative paths as a repository's job does),
+        local directories beside it, and the CLI run in it with `environment`. No path of another host's."""
+        checkout = root / "checkout"
+        checkout.mkdir(parents=True)
+        for name, source in files.items():
+            (shutil.copytree if Path(source).is_dir() else shutil.copyfile)(source, checkout / name)
+        local = {"work_dir": "../runs", "cache_dir": "../cache"}
+        return cls(root, {**tree, **local, "data": {**tree["data"], "staging_dir": "../staging"}}, checkout,
+                   environment)
+
     @property
     def config_path(self) -> Path:
-        path = self.root / "job.yaml"
+        path = (self.checkout or self.root) / "job.yaml"
         path.write_text(yaml.safe_dump(self.tree))
         return path
 
@@ -74,14 +91,16 @@ class Host:
         if not (home / ".prefect" / "prefect.db").exists():
             migrated_database(home / ".prefect" / "prefect.db")
         return {**without_session_server(), "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
-                "OMP_NUM_THREADS": "1"}
+                "OMP_NUM_THREADS": "1", **(self.environment or {})}
 
     def start_cli(self, command: str = "run") -> subprocess.Popen:
         """`phase1a run` in a session of its own (its process group is the host's processes)."""
         log = open(self.root / f"{command}.log", "w")
-        process = subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config", str(self.config_path)],
-                                   cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+        config = self.config_path  # in a checkout, named as its user would: relative to the directory it runs in
+        process = subprocess.Popen([sys.executable, "-m", "flows.cli", command, "--config",
+                                    config.name if self.checkout else str(config)],
+                                   cwd=self.checkout or ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
         STARTED.append(process)
         return process
 
