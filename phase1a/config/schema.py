@@ -371,11 +371,11 @@ class StoreConfig(_Section):
         "How long a host waits for another host's live lease on the same training run before it fails, naming "
         "the holder; None: as long as the holder renews it (then it reuses the finished model or takes over)."))
     lease: bool = Field(True, description=(
-        "on: a training run holds a lease in the store, and the store is checked at the start to honour the "
-        "conditional writes the lease relies on (If-None-Match: *, If-Match; a lock on a mount). off: no lease and "
-        "no check, for a service that ignores conditional writes; only safe when one host at a time runs a job, "
-        "as nothing keeps a second host out of a run (both would write its checkpoints); a warning says so at "
-        "every start (docs/operations.md#the-lease)."))
+        "on: the store is checked at each run's start to honour the conditional writes a training run's lease "
+        "relies on (If-None-Match: *, If-Match; a lock on a mount), and a store that does not fails the run. off: "
+        "not checked, for a service that ignores conditional writes; runs still write their lease, which on such "
+        "a service keeps no second host out of a run (both would write its checkpoints): only safe when one host "
+        "at a time runs a job. A warning says so at every start (docs/operations.md#the-lease)."))
 
 
 class GateTolerances(_Section):
