@@ -123,7 +123,7 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
         # Against a promoted baseline the pointer must still be the one the gate saw; else whatever it is now.
         expected = verdict.promoted_seen if settings.baseline == "promoted" else ...
         return promote(Promotion(artifacts, run_dir.name, record, expected), settings.promote_to,
-                       endpoint_url=config.data.s3_endpoint_url)
+                       endpoint_url=config.endpoint_for(settings.promote_to))  # the store's, in its bucket
     finally:
         shutil.rmtree(building.scratch, ignore_errors=True)  # copies: promoted, or not wanted
 

@@ -29,7 +29,8 @@ Source = Literal["source", "validation_source"]  # which field of the config's `
 
 def staged_fingerprint(config: Phase1aConfig, field: Source = "source") -> str:
     data = config.data
-    return source_fingerprint(getattr(data, field), data.s3_endpoint_url, data.revision, field=f"data.{field}",
+    source = getattr(data, field)
+    return source_fingerprint(source, config.endpoint_for(source), data.revision, field=f"data.{field}",
                               hashes=file_hashes(data.staging_dir))
 
 
@@ -43,4 +44,5 @@ def staged_copy(fingerprint: str, config: Phase1aConfig, field: Source = "source
 def stage_task(config: Phase1aConfig, field: Source = "source") -> StagedData:
     data = config.data
     options = StageOptions(revision=data.revision, config=data.config, store=open_store(config.store))
-    return stage_dataset(getattr(data, field), data.staging_dir, data.s3_endpoint_url, options)
+    source = getattr(data, field)
+    return stage_dataset(source, data.staging_dir, config.endpoint_for(source), options)

@@ -80,8 +80,9 @@ class TokenizeOptions(BaseModel):
 
     @classmethod
     def from_config(cls, config: Phase1aConfig) -> "TokenizeOptions":
-        return cls(**config.data.model_dump(include=set(cls.model_fields)), max_seq_length=config.model.max_seq_length,
-                   store=config.store)
+        settings = config.data.model_dump(include=set(cls.model_fields) - {"s3_endpoint_url"})
+        return cls(**settings, max_seq_length=config.model.max_seq_length, store=config.store,
+                   s3_endpoint_url=config.endpoint_for(config.data.source))
 
 
 def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_length: int,

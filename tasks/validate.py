@@ -169,7 +169,7 @@ def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
     """The pointer the gate compares with; None on a warm start's first night (nothing promoted yet), which is
     gated against the base model: the nightly job needs no special first run."""
     settings = config.validation
-    pointer = read_pointer(settings.promote_to, config.data.s3_endpoint_url)
+    pointer = read_pointer(settings.promote_to, config.endpoint_for(settings.promote_to))
     if pointer is None and config.method.init_from == "base":
         raise BaselineError(f"validation.baseline promoted: nothing is promoted at {settings.promote_to} (no "
                             "promoted.json); promote a model first (e.g. a run with baseline: base) or choose "
@@ -178,7 +178,7 @@ def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
 
 
 def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path, adapter_dir: Path) -> ValidationResult:
-    settings, endpoint = config.validation, config.data.s3_endpoint_url
+    settings, endpoint = config.validation, config.endpoint_for(config.validation.promote_to)
     device, trust = training_device(), config.model.trust_remote_code
     # 1. sample; the baseline read before any model loads
     rows = TokenRows.load(validation_path)
@@ -277,7 +277,7 @@ def baseline_identity(settings: ValidationConfig, endpoint_url: str | None = Non
 def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, trained: TrainResult) -> str:
     """The validate stage's key, from its own inputs: the same weights on the same held-out examples against
     the same baseline give the same verdict."""
-    endpoint = config.data.s3_endpoint_url
+    endpoint = config.endpoint_for(config.validation.promote_to)
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
     # What is exported is the promote stage's (never cached): the verdict is the same.
     # No path enters (validation_key): the verdict is found from any checkout or host.

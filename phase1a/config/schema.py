@@ -68,8 +68,10 @@ class DataConfig(_Section):
         "Local disk the stage task copies the dataset to (under `<fingerprint>/`); S3 and `model.stage_local` "
         "model directories go under `models/` here."))
     s3_endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, moto); None: AWS, or AWS_ENDPOINT_URL if set. "
-                          "Credentials come only from the standard AWS chain (env, profile, instance role).")
+        None, description="S3-compatible endpoint (MinIO, moto) of the data, the model and any s3:// location "
+                          "outside the store's bucket (those in it use `store.endpoint_url`); None: AWS, or "
+                          "AWS_ENDPOINT_URL if set. Credentials come only from the standard AWS chain (env, "
+                          "profile, instance role).")
     validation_fraction: float = Field(0.1, gt=0.0, lt=1.0, description=(
         "Share of `source` held out for validation, chosen by content hash (stable across runs and file order); "
         "not used with `validation_count` or `validation_source`."))
@@ -362,8 +364,9 @@ class StoreConfig(_Section):
     url: str | None = Field(None, description=(
         "s3://bucket/prefix/ or a local directory (a network mount); None: no store, local disk only."))
     endpoint_url: str | None = Field(None, description=(
-        "S3-compatible endpoint of the store (MinIO, moto); None: AWS, or AWS_ENDPOINT_URL if set. Credentials "
-        "come only from the standard AWS chain."))
+        "S3-compatible endpoint of the store (MinIO, moto), and of every s3:// location in the store's bucket: a "
+        "`validation.promote_to`, its pointer and versions, a warm start's adapter, data or a model there; None: "
+        "AWS, or AWS_ENDPOINT_URL if set. Credentials come only from the standard AWS chain."))
     lease_ttl: Duration = Field("60s", description=(
         "A training run holds a lease on its directory in the store, renewed every third of this; a lease not "
         "renewed for this long (its host is gone) may be taken over by another host, which resumes the run."))
@@ -612,6 +615,15 @@ class Phase1aConfig(_Section):
     tracking: TrackingConfig = Field(TrackingConfig(), description=(
         "Experiment tracking in MLflow and Weights & Biases; off unless a tracker's section is given."))
 
+    def endpoint_for(self, location: str | None) -> str | None:
+        """The S3 endpoint that serves `location`: a location in the store's bucket (a promote_to, a warm start's
+        adapter or a promoted pointer beside the runs) is the store's, `store.endpoint_url`, set once for a MinIO
+        or R2 store; any other is `data.s3_endpoint_url` (None for either: AWS, or AWS_ENDPOINT_URL if set)."""
+        store = self.store.url
+        if location and store and _s3_bucket(location) is not None and _s3_bucket(location) == _s3_bucket(store):
+            return self.store.endpoint_url
+        return self.data.s3_endpoint_url
+
     @field_validator("store", mode="before")
     @classmethod
     def _store_url(cls, value: Any) -> Any:
@@ -642,6 +654,12 @@ class Phase1aConfig(_Section):
             derived.__pydantic_fields_set__.discard("baseline")  # still a default: derived anew after overrides
             self.validation = derived
         return self
+
+
+def _s3_bucket(location: str) -> str | None:
+    """The bucket of an s3:// URL; None for anything else."""
+    scheme, _, rest = location.partition("://")
+    return rest.split("/", 1)[0] if scheme == "s3" and rest else None
 
 
 def _format_errors(error: ValidationError, origin: str) -> str:

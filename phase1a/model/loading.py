@@ -94,7 +94,8 @@ def _stager(config: Phase1aConfig) -> Callable[[str], Path] | None:
     from phase1a.data.staging import stage_model
 
     data = config.data
-    return partial(stage_model, staging_dir=data.staging_dir / "models", endpoint_url=data.s3_endpoint_url,
+    return partial(stage_model, staging_dir=data.staging_dir / "models",
+                   endpoint_url=config.endpoint_for(config.model.name_or_path),
                    copy_local=config.model.stage_local)
 
 

@@ -60,7 +60,7 @@ def _promoted(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
     from phase1a.promote.promotion import fetch_adapter, read_pointer
 
     where, base = config.validation.promote_to, config.model.name_or_path
-    pointer = read_pointer(where, config.data.s3_endpoint_url)
+    pointer = read_pointer(where, config.endpoint_for(where))  # in the store's bucket: the store's endpoint
     if pointer is None:
         note = f"nothing promoted yet at {where}: started from the base model"
         run_logger().warning("method.init_from promoted: %s", note)
@@ -69,7 +69,7 @@ def _promoted(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
         raise AdapterError(f"method.init_from promoted: version {pointer.version} at {where} was trained on another "
                            f"base model ({pointer.base_model_fingerprint[:12]}) than model.name_or_path {base} "
                            f"({model.fingerprint[:12]})")
-    adapter_dir = fetch_adapter(pointer, config.data.staging_dir, config.data.s3_endpoint_url)
+    adapter_dir = fetch_adapter(pointer, config.data.staging_dir, config.endpoint_for(pointer.artifacts.get("adapter")))
     check_adapter(adapter_dir, config.method.lora)
     return StartPoint(init_from="promoted", kind="promoted", base_model=base, version=pointer.version,
                       path=pointer.artifacts["adapter"], adapter_dir=str(adapter_dir),
@@ -81,7 +81,7 @@ def _local_copy(location: str, config: Phase1aConfig) -> Path:
     if parsed.scheme == "s3":
         from phase1a.data.staging import stage_model
 
-        return stage_model(location, config.data.staging_dir / "adapters", config.data.s3_endpoint_url)
+        return stage_model(location, config.data.staging_dir / "adapters", config.endpoint_for(location))
     path = Path(parsed.path) if parsed.scheme == "file" else Path(location)
     if not path.is_dir():
         raise AdapterError(f"method.init_from: {location} is not a directory (an adapter directory, base or "
