@@ -73,7 +73,8 @@ def test_with_the_lease_off_such_a_service_is_used_with_a_warning(aws_env, endpo
         s3_store(proxy.url, bucket, lease=config.store.lease).probe()
     assert proxy.requests("PUT", "/probe/") == []  # nothing tried: no lease, no conditional writes
     [warning] = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
-    assert "store.lease is off: nothing keeps two hosts out of one training run" in warning
+    assert "store.lease is off, so the store was not checked" in warning
+    assert "nothing keeps two hosts out of one training run" in warning
 
 
 def test_an_nfs_mount_whose_locks_stay_on_each_host_is_named():

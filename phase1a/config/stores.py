@@ -20,5 +20,5 @@ def open_store(settings: StoreConfig) -> Store | None:
         store: Store = S3Store(settings.url, settings.endpoint_url)
     else:
         store = LocalStore(Path(settings.url))
-    store.lease = settings.lease  # what its probe checks: the conditional writes only where runs hold a lease
+    store.lease = settings.lease  # whether its probe checks the conditional writes a lease relies on
     return store

@@ -76,7 +76,7 @@ class Store(ABC):
     """Keys are '/'-separated, relative to the store's root; `where(key)` is the full location for messages."""
 
     url: str
-    # Whether training runs hold a lease in this store (config store.lease); the probe checks what it needs.
+    # Whether the probe checks what a training run's lease needs (config store.lease).
     lease: bool = True
 
     def where(self, key: str) -> str:
@@ -92,8 +92,9 @@ class Store(ABC):
         directory that cannot be written) or, with the lease on, cannot keep two hosts out of one training run."""
         self._reachable()
         if not self.lease:
-            run_logger().warning(f"store {self.url}: store.lease is off: nothing keeps two hosts out of one "
-                                 "training run; if two run the same job at once, both write its checkpoints")
+            run_logger().warning(f"store {self.url}: store.lease is off, so the store was not checked for the "
+                                 "conditional writes a training run's lease relies on; if it ignores them, nothing "
+                                 "keeps two hosts out of one training run (both would write its checkpoints)")
             return
         check_conditional_writes(self)
 
