@@ -91,6 +91,12 @@ class StoreView:
         found = [key for key in self.keys("jobs/spot/train-") if key.endswith("/lease.json")]
         return json.loads(self.read(found[0])) if found else None
 
+    def versions(self) -> dict[str, str]:
+        """Every object of the job's training runs and its version: what a host wrote, and when it wrote again."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                      Prefix=self.prefix + "jobs/spot/train-")
+        return {item["Key"]: item["ETag"] for page in pages for item in page.get("Contents", [])}
+
     def checkpoints(self) -> dict[int, list[str]]:
         """Each checkpoint's step and its files' names."""
         found: dict[int, list[str]] = {}
@@ -124,7 +130,8 @@ def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, t
                               seconds=600)]
         first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
         process = first.start_cli()
-        wait_until(store.pointer, "a checkpoint in the store", process, first.root / "run.log")
+        wait_until(lambda: (store.pointer() or {}).get("step"), "a checkpoint in the store", process,
+                   first.root / "run.log")
         # The host renews its lease with the step it has trained (every third of the lease's ttl): once it has
         # reported training past its upload, it is lost, as a machine is lost.
         reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
@@ -144,10 +151,60 @@ def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, t
     # The lost host's last renewal said how far it had trained: the work lost, as far as the store knows.
     assert taken["holder"]["pid"] == process.pid and taken["step"] >= reported
     assert train["store"]["lost_steps"] == taken["step"] - uploaded > 0
+    assert train["store"]["taken_over_silent_seconds"] >= 4  # the lease's ttl: the steps of that time are unknown
     assert_same_weights(adapter(report), uninterrupted)
     assert second.metrics_steps() == list(range(1, TRAIN_STEPS + 1))  # the curve as one run: redone steps once
     complete = [step for step, names in store.checkpoints().items() if "manifest.json" in names]
     assert 1 <= len(complete) <= 2  # checkpoint.keep_last holds in the store too
+
+
+def test_a_host_paused_through_its_leases_expiry_writes_nothing_once_continued(job, store, tmp_path, uninterrupted):
+    """SIGSTOP to a host with a checkpoint upload in flight, held until its lease has expired and another host has
+    taken the run over and finished it; SIGCONT then. The paused host believes for a moment that it still holds the
+    lease: the requests it had sent before the pause go on, under its own directory, and then it writes nothing
+    more: it commits nothing, completes nothing, deletes nothing, publishes no adapter."""
+    with FaultProxy(job["store"]["endpoint_url"]) as proxy:
+        # The uploads after the first are held 10 s on the way: the host trains past the store's checkpoint, and
+        # its paused upload reaches the store while it is stopped (the answer waits for it).
+        proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
+                              seconds=10)]
+        first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
+        process = first.start_cli()
+        wait_until(lambda: (store.pointer() or {}).get("step"), "a checkpoint in the store", process,
+                   first.root / "run.log")
+        wait_until(lambda: _lease_step(store) > store.pointer()["step"], "a renewal past the upload", process,
+                   first.root / "run.log")
+        signal_group(process, signal.SIGSTOP)
+        committed, paused_holder = store.pointer()["step"], store.lease()["token"]
+        try:
+            second = Host.fresh(tmp_path / "b", job)
+            state, report = second.run_here()
+            assert state.is_completed(), report.get("error")
+            wait_until(lambda: all(seen.response_bytes for seen in proxy.requests("PUT", r"trainable")
+                                   if seen.fault == "delay"), "the held upload in the store", timeout=30, every=0.5)
+            before = store.versions()
+        finally:
+            signal_group(process, signal.SIGCONT)
+        assert process.wait(timeout=120) != 0
+    train = report["stages"]["train"]["result"]
+    assert train["resumed_from_step"] == committed and train["store"]["taken_over_from"]["token"] == paused_holder
+    assert_same_weights(adapter(report), uninterrupted)
+    log = first.log()
+    assert "the lease was taken over by another host" in log or "lease lost to" in log, log[-3000:]
+    after = store.versions()
+    assert set(before) <= set(after)  # continued, it deleted nothing
+    # and changed nothing but the files of its upload that were on their way when it was paused: under its own
+    # directory (lease epoch 1), never complete (no manifest), never named by the pointer
+    changed = [key for key in after if before.get(key) != after[key]]
+    assert all(re.search(r"/e1-[0-9a-f]+/checkpoints/step-\d+/", key) and not key.endswith("/manifest.json")
+               for key in changed), changed
+    # The pointer names the second host's checkpoint and adapter, under its own directory (lease epoch 2).
+    latest = store.pointer()
+    assert latest["epoch"] == 2 and latest["holder"]["pid"] == os.getpid() and latest["step"] > committed
+    assert latest["checkpoint"].startswith("e2-") and latest["final"].startswith("e2-")
+    # What the paused host uploaded after the takeover counts for nothing: never complete, never named.
+    paused = {key for key in before if re.search(r"/e1-[0-9a-f]+/", key)}
+    assert not [key for key in paused if key.endswith("/manifest.json") and f"step-{committed:08d}" not in key]
 
 
 def test_a_cut_upload_never_becomes_the_latest_and_the_resume_takes_the_one_before(job, store, tmp_path, endpoint,
