@@ -259,3 +259,32 @@ def test_a_free_lease_creates_no_pointer_a_takeover_does_and_stores_from_before_
     upload_bundle(old, a_checkpoint(tmp_path / "oldfinal", 60), f"{PREFIX}final/")
     fresh = RemoteRun(old, PREFIX)
     assert fresh.pull(tmp_path / "d").what == "final" and not remote.push_final(tmp_path / "oldfinal")
+
+
+def test_renewals_from_two_threads_never_read_as_a_takeover(tmp_path):
+    """A commit's renewal and the renewal thread at once: each writes over the version the other left, so
+    neither takes the other's write for another host's."""
+    store = LocalStore(tmp_path / "store")
+    _, lease = a_host(store, tmp_path / "a", ttl=60.0, step=3)
+    threads = [threading.Thread(target=lambda: [lease.renew() for _ in range(15)]) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not lease.lost.is_set() and lease.valid()
+    assert lease.in_store().token == lease.record.token
+
+
+def test_a_renewal_whose_answer_was_lost_is_adopted_and_another_holders_is_not(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    _, lease = a_host(store, tmp_path / "a", ttl=60.0, step=3)
+    # This holder's own record landed under a version it never saw (the answer to its PUT was lost).
+    landed = lease.record.model_copy(update={"step": 4})
+    store.put(lease.key, landed.model_dump_json().encode())
+    lease.renew()
+    assert not lease.lost.is_set() and lease.in_store().token == lease.record.token
+    # Another acquisition's record there: a takeover, which the renewal does not overwrite.
+    other = lease.record.model_copy(update={"token": "another-acquisition"})
+    store.put(lease.key, other.model_dump_json().encode())
+    lease.renew()
+    assert lease.lost.is_set() and lease.in_store().token == "another-acquisition"

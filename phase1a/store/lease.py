@@ -66,7 +66,7 @@ class Lease:
         self.lost_why: str | None = None
         self._etag: str | None = None
         self._confirmed = 0.0  # monotonic time the last successful write was sent
-        self._writing = threading.Lock()  # the renewal thread and a commit's renewal write one version at a time
+        self._writing = threading.RLock()  # the renewal thread and a commit's renewal write one version at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -124,6 +124,20 @@ class Lease:
             self._confirmed = sent
             return True
 
+    def _renew(self) -> bool:
+        """A renewal over this holder's own version, read under the write lock (a commit's renewal and the
+        thread's never race each other's version). A refusal is a takeover only when the lease in the store is
+        another acquisition's: a renewal whose answer was lost after it landed left this holder's own record
+        there under a version it never saw, which is adopted."""
+        with self._writing:
+            if self._write(if_match=self._etag):
+                return True
+            current = self.store.get(self.key)
+            record = None if current is None else _parse(current)
+            if record is None or record.token != self.record.token:
+                return False
+            return self._write(if_match=current.etag)
+
     # ---- hold ----------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "Lease":
@@ -140,7 +154,7 @@ class Lease:
             try:
                 # A delete is not conditional: a renewal over this holder's own version first, so that a host
                 # paused since its last renewal does not delete the lease another host took meanwhile.
-                if self._write(if_match=self._etag):
+                if self._renew():
                     self.store.delete([self.key])
             except Exception as error:  # noqa: BLE001 - it expires by itself; the run's own outcome matters more
                 run_logger().warning(f"{self.where}: the lease was not released ({type(error).__name__}); it "
@@ -161,7 +175,7 @@ class Lease:
         if self.lost.is_set():
             return
         try:
-            if not self._write(if_match=self._etag):
+            if not self._renew():
                 self.lose(f"{self.where}: the lease was taken over by another host; this run stops writing to the "
                           "store")
         except Exception:  # noqa: BLE001 - the regular renewals go on; valid() runs out if they fail too
@@ -181,7 +195,7 @@ class Lease:
             if self.lost.is_set():
                 return
             try:
-                if not self._write(if_match=self._etag):
+                if not self._renew():
                     self.lose(f"{self.where}: the lease was taken over by another host; this run stops writing "
                               "to the store")
                     return
