@@ -31,7 +31,7 @@ needs_git = pytest.mark.skipif(not GIT, reason="needs git and this checkout's hi
 def gpu_check_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--results", str(tmp_path / "results"),
                "--work", str(tmp_path / "work"), "--before-tar", str(tmp_path / "before.tar"), *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
                           env=bare_gpu_host_env(tmp_path / "bare-host"))
 
 
@@ -49,7 +49,9 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
 
     first = gpu_check_run(tmp_path, "--parts", "attention-op")
     assert first.returncode == 0, first.stdout + first.stderr
-    rest = gpu_check_run(tmp_path)
+    # A budget no load can spend: what is checked is that the rest runs, not the seconds it takes beside other tests
+    # (the budget's own rule is the first call's).
+    rest = gpu_check_run(tmp_path, "--budget", "3000")
     assert rest.returncode == 0, rest.stdout + rest.stderr
     assert "[attention-op] ok earlier, kept" in rest.stdout
 

@@ -77,6 +77,7 @@ def test_time_validation_measures_both_costs_on_a_model(rows, model):
     assert speed.source == "measured" and speed.prefill_seconds_per_token > 0
 
 
+@pytest.mark.alone  # a speed measured against seconds: with other tests beside it, it is cut short
 def test_time_validation_keeps_to_its_allowance(rows, model):
     """Half of what the whole timing would take at a guessed speed: a speed, on fewer rows where the forward pass
     measured too little time left for all (their step scaled by rows on a CPU); nothing left: not timed at all
