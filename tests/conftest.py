@@ -143,3 +143,17 @@ def bucket(endpoint) -> str:
     name = f"b-{uuid.uuid4().hex[:12]}"
     s3_client(endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """Each kind of store a test of the store runs on: a directory (a network mount), and S3 on the moto server."""
+    from phase1a.config.schema import StoreConfig
+    from phase1a.config.stores import open_store
+    from phase1a.store.base import LocalStore
+
+    if request.param == "local":
+        return LocalStore(tmp_path / "mount")
+    request.getfixturevalue("aws_env")
+    endpoint, bucket = (request.getfixturevalue(name) for name in ("endpoint", "bucket"))
+    return open_store(StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint))

@@ -16,15 +16,6 @@ from phase1a.store.lease import Lease, LeaseHeld
 from phase1a.store.s3 import S3Error
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "mount")
-    request.getfixturevalue("aws_env")
-    endpoint, bucket = (request.getfixturevalue(name) for name in ("endpoint", "bucket"))
-    return open_store(StoreConfig(url=f"s3://{bucket}/team/phase1a/", endpoint_url=endpoint))
-
-
 def a_directory(root: Path) -> Path:
     (root / "best").mkdir(parents=True)
     (root / "weights.bin").write_bytes(bytes(range(256)) * 400)

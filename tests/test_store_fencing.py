@@ -11,6 +11,8 @@ import json
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,14 @@ from phase1a.store.lease import Lease, LeaseLost
 from phase1a.train.train_store import POINTER, RemoteRun
 
 PREFIX = "jobs/fence/train-k/"
+
+
+@contextmanager
+def direct_and_through_a_proxy(endpoint: str, bucket: str) -> Iterator[tuple[Store, Store, FaultProxy]]:
+    """The run's store on moto as one host reaches it directly, and as another reaches it through a fault proxy."""
+    config = StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint)
+    with FaultProxy(endpoint) as proxy:
+        yield open_store(config), open_store(config.model_copy(update={"endpoint_url": proxy.url})), proxy
 
 
 def a_checkpoint(root: Path, step: int) -> Path:
@@ -76,14 +86,6 @@ def own(lease: Lease, step: int) -> str:
     return f"e{lease.record.epoch}-{lease.record.token[:8]}/checkpoints/step-{step:08d}"
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return LocalStore(tmp_path / "mount")
-    request.getfixturevalue("aws_env")
-    endpoint, bucket = (request.getfixturevalue(name) for name in ("endpoint", "bucket"))
-    return open_store(StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint))
-
 
 def test_a_holder_whose_lease_was_taken_cannot_commit_even_before_the_new_holder_writes_a_checkpoint(store, tmp_path):
     """The new holder resumed from the same pointer and is still training: the stale host's If-Match on the
@@ -116,10 +118,7 @@ def test_a_stale_holders_slow_upload_lands_under_its_own_name_and_is_not_committ
                                                                                   tmp_path):
     """S3 through a fault proxy: host a's upload of step 20 is held on the way while host b takes the lease over,
     resumes from a's step 10 and commits its own checkpoints; a's upload then lands, and its commit is refused."""
-    config = StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint)
-    direct = open_store(config)
-    with FaultProxy(endpoint) as proxy:
-        slow = open_store(config.model_copy(update={"endpoint_url": proxy.url}))
+    with direct_and_through_a_proxy(endpoint, bucket) as (direct, slow, proxy):
         a, a_lease = a_host(slow, tmp_path / "a", ttl=60.0, step=10)
         a.push_checkpoint(a_checkpoint(tmp_path / "a" / "ck10", 10), 10, keep_last=1)
         proxy.faults = [Fault("delay", "PUT", r"/e1-[0-9a-f]+/checkpoints/step-00000020/trainable", times=1,
@@ -147,10 +146,7 @@ def test_a_holder_paused_after_its_commit_prunes_nothing_of_the_holder_that_took
                                                                                      tmp_path):
     """Host a commits step 20; its listing before pruning is held on the way while host b takes the lease over,
     finds step 20 corrupt, resumes from step 10 and commits step 15 of its own: a's pruning spares it."""
-    config = StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint)
-    direct = open_store(config)
-    with FaultProxy(endpoint) as proxy:
-        slow = open_store(config.model_copy(update={"endpoint_url": proxy.url}))
+    with direct_and_through_a_proxy(endpoint, bucket) as (direct, slow, proxy):
         a, a_lease = a_host(slow, tmp_path / "a", ttl=60.0, step=10)
         a.push_checkpoint(a_checkpoint(tmp_path / "a" / "ck10", 10), 10, keep_last=1)
         proxy.faults = [Fault("delay", "GET", r"list-type=2", times=1, seconds=6.0)]
@@ -199,9 +195,7 @@ def test_a_pointer_moved_by_the_holder_itself_is_read_again_and_later_commits_an
 def test_a_pointer_write_whose_answer_was_lost_is_taken_as_committed(aws_env, endpoint, bucket, tmp_path):
     """The PUT reaches the store, its answer is lost, the client sends it again and is refused (the version it
     names is gone: its own first try replaced it)."""
-    config = StoreConfig(url=f"s3://{bucket}/team/", endpoint_url=endpoint)
-    with FaultProxy(endpoint) as proxy:
-        store = open_store(config.model_copy(update={"endpoint_url": proxy.url}))
+    with direct_and_through_a_proxy(endpoint, bucket) as (_, store, proxy):
         remote, lease = a_host(store, tmp_path / "a", ttl=60.0, step=10)
         remote.push_checkpoint(a_checkpoint(tmp_path / "ck10", 10), 10, keep_last=1)
         proxy.faults = [Fault("drop", "PUT", r"/latest\.json", times=1)]
