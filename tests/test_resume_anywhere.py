@@ -165,7 +165,7 @@ def test_a_host_paused_through_its_leases_expiry_writes_nothing_once_continued(j
     more: it commits nothing, completes nothing, deletes nothing, publishes no adapter."""
     with FaultProxy(job["store"]["endpoint_url"]) as proxy:
         # The uploads after the first are held 10 s on the way: the host trains past the store's checkpoint, and
-        # its paused upload reaches the store while it is stopped (the answer waits for it).
+        # an upload is on its way when it is paused.
         proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
                               seconds=10)]
         first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
@@ -180,8 +180,8 @@ def test_a_host_paused_through_its_leases_expiry_writes_nothing_once_continued(j
             second = Host.fresh(tmp_path / "b", job)
             state, report = second.run_here()
             assert state.is_completed(), report.get("error")
-            wait_until(lambda: all(seen.response_bytes for seen in proxy.requests("PUT", r"trainable")
-                                   if seen.fault == "delay"), "the held upload in the store", timeout=30, every=0.5)
+            # The upload held when the host was paused lands now or, when the pause caught its body half-sent,
+            # after SIGCONT: either way under its own directory, which the checks below allow.
             before = store.versions()
         finally:
             signal_group(process, signal.SIGCONT)
