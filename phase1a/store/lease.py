@@ -127,16 +127,17 @@ class Lease:
     def _renew(self) -> bool:
         """A renewal over this holder's own version, read under the write lock (a commit's renewal and the
         thread's never race each other's version). A refusal is a takeover only when the lease in the store is
-        another acquisition's: a renewal whose answer was lost after it landed left this holder's own record
-        there under a version it never saw, which is adopted."""
+        another acquisition's (then the lease is lost): a renewal whose answer was lost after it landed left this
+        holder's own record there under a version it never saw, which is adopted."""
         with self._writing:
             if self._write(if_match=self._etag):
                 return True
             current = self.store.get(self.key)
             record = None if current is None else _parse(current)
-            if record is None or record.token != self.record.token:
-                return False
-            return self._write(if_match=current.etag)
+            if record is not None and record.token == self.record.token and self._write(if_match=current.etag):
+                return True
+        self.lose(f"{self.where}: the lease was taken over by another host; this run stops writing to the store")
+        return False
 
     # ---- hold ----------------------------------------------------------------------------------------------
 
@@ -175,9 +176,7 @@ class Lease:
         if self.lost.is_set():
             return
         try:
-            if not self._renew():
-                self.lose(f"{self.where}: the lease was taken over by another host; this run stops writing to the "
-                          "store")
+            self._renew()
         except Exception:  # noqa: BLE001 - the regular renewals go on; valid() runs out if they fail too
             pass
 
@@ -196,8 +195,6 @@ class Lease:
                 return
             try:
                 if not self._renew():
-                    self.lose(f"{self.where}: the lease was taken over by another host; this run stops writing "
-                              "to the store")
                     return
             except Exception as error:  # noqa: BLE001 - the store unreachable for now: valid() runs out meanwhile
                 run_logger().warning(f"{self.where}: the lease was not renewed ({type(error).__name__}); trying "
