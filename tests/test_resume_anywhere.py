@@ -121,21 +121,28 @@ def store(job):
     stop_started_hosts()
 
 
+def _a_host_past_its_upload(job, store, root, proxy: FaultProxy, hold_seconds: float):
+    """A CLI host whose checkpoint uploads after the first are held `hold_seconds` on the way, started and waited
+    for until its lease reports a step past the store's checkpoint (it renews with the step it has trained, every
+    third of the ttl); the host, its process and that step."""
+    proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
+                          seconds=hold_seconds)]
+    host = Host.fresh(root, {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
+    process = host.start_cli()
+    wait_until(lambda: (store.pointer() or {}).get("step"), "a checkpoint in the store", process,
+               host.root / "run.log")
+    reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
+                          "a renewal past the upload", process, host.root / "run.log")
+    return host, process, reported
+
+
 def test_a_host_killed_after_an_upload_is_resumed_on_an_empty_host(job, store, tmp_path, uninterrupted):
     # Checkpoint uploads after the first are held on the way (a slow link), so that the host trains on past the
     # store's latest checkpoint: steps of a few milliseconds would otherwise reach each checkpoint before a renewal
     # of the lease could report any step beyond it.
     with FaultProxy(job["store"]["endpoint_url"]) as proxy:
-        proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
-                              seconds=600)]
-        first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
-        process = first.start_cli()
-        wait_until(lambda: (store.pointer() or {}).get("step"), "a checkpoint in the store", process,
-                   first.root / "run.log")
-        # The host renews its lease with the step it has trained (every third of the lease's ttl): once it has
-        # reported training past its upload, it is lost, as a machine is lost.
-        reported = wait_until(lambda: _lease_step(store) > store.pointer()["step"] and _lease_step(store),
-                              "a renewal past the upload", process, first.root / "run.log")
+        # Once the host has reported training past its upload, it is lost, as a machine is lost.
+        first, process, reported = _a_host_past_its_upload(job, store, tmp_path / "a", proxy, hold_seconds=600)
         kill_host(process)  # the host is lost: no final checkpoint, no release of the lease
     uploaded = store.pointer()["step"]
     assert uploaded < TRAIN_STEPS and "final/manifest.json" not in "\n".join(store.keys())
@@ -166,14 +173,7 @@ def test_a_host_paused_through_its_leases_expiry_writes_nothing_once_continued(j
     with FaultProxy(job["store"]["endpoint_url"]) as proxy:
         # The uploads after the first are held 10 s on the way: the host trains past the store's checkpoint, and
         # an upload is on its way when it is paused.
-        proxy.faults = [Fault("delay", "PUT", r"/checkpoints/step-\d+/trainable\.safetensors", times=10_000, skip=1,
-                              seconds=10)]
-        first = Host.fresh(tmp_path / "a", {**job, "store": {**job["store"], "endpoint_url": proxy.url}})
-        process = first.start_cli()
-        wait_until(lambda: (store.pointer() or {}).get("step"), "a checkpoint in the store", process,
-                   first.root / "run.log")
-        wait_until(lambda: _lease_step(store) > store.pointer()["step"], "a renewal past the upload", process,
-                   first.root / "run.log")
+        first, process, _ = _a_host_past_its_upload(job, store, tmp_path / "a", proxy, hold_seconds=10)
         signal_group(process, signal.SIGSTOP)
         committed, paused_holder = store.pointer()["step"], store.lease()["token"]
         try:
