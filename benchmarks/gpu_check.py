@@ -61,8 +61,12 @@ BEFORE = "bec201d"  # the commit before issue 34's train step (f657d4c)
 BEFORE_PATHS = ("phase1a", "tasks", "flows", "benchmarks")
 CARRY_LIMIT = 64 * MIB  # what a GPU lease takes along: the working tree and the carried folder together
 HOST_PYTHON = "3.12"  # the GPU hosts' interpreter: the wheels are downloaded for it
-# What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them.
-FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+# What a stock CUDA PyTorch image has of the project's dependencies (the host's own versions are used).
+ON_THE_HOST = ("torch", "transformers", "peft", "accelerate", "pyarrow", "numpy", "pyyaml", "tqdm", "tokenizers",
+               "safetensors", "huggingface-hub")
+# What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them. The rest
+# of the project's dependencies (Prefect, boto3, datasets, ...) the parts must not import: the dry run hides them.
+FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf")
 # The project's transformers and peft, installed where the host's version differs from the lock's (the code calls
 # transformers' activation_checkpointing_* API, new in 5.23; its attention and masking interfaces move between
 # releases), with what they import that may be too old or missing on the host, installed only when importing
@@ -208,7 +212,9 @@ def _attention(run: Run) -> list[str]:
 
 
 def _plan(run: Run) -> list[str]:
-    sizes = (["--model", "test", "--minutes", "0.4", "--examples", "2000", "--max-answer-words", "40",
+    # The dry run's window holds its start-up and validate estimates at several times their quiet size: a 24 s
+    # window left nothing to train on a loaded CI machine (WindowError, 2026-11-27).
+    sizes = (["--model", "test", "--minutes", "0.75", "--examples", "2000", "--max-answer-words", "40",
               "--calibration-budget", "10s", "--checkpoint-interval", "10s"] if run.dry_run
              else ["--model", "smollm2", "--tokenizer", str(TOKENIZER), "--minutes", "3"])
     return _python("benchmarks/plan_accuracy.py", *sizes, "--work", str(run.work / "plan"),
@@ -309,6 +315,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-gpu-check"))
     parser.add_argument("--budget", type=float, default=540.0, help="seconds this command may take")
     parser.add_argument("--parts", nargs="+", help="only these parts (names as in the summary)")
+    parser.add_argument("--archive", type=Path,
+                        help="after every part, the whole results folder as one .tar.gz here, and summary.md "
+                             "beside it (a lent GPU host returns a handful of files from $OUT, not a tree)")
     parser.add_argument("--retry-failed", action="store_true", help="run failed parts again")
     parser.add_argument("--before-tar", type=Path, default=BEFORE_TAR,
                         help=f"the code before issue 34 (`git archive {BEFORE}`), written by --prepare")
@@ -345,16 +354,41 @@ def main() -> int:
               budget=args.budget - (time.monotonic() - began), retry_failed=args.retry_failed,
               before_tar=args.before_tar, gpus=environment["gpus"])
     write_json(run.results / "environment.json", environment)
-    left = [part.name for part in PARTS if (not args.parts or part.name in args.parts) and not run_part(part, run)]
-    summary = collect(run.results)
-    write_json(run.results / "summary.json", summary)
-    (run.results / "summary.md").write_text(render_summary(summary))
+    left = []
+    for part in PARTS:
+        if args.parts and part.name not in args.parts:
+            continue
+        if not run_part(part, run):
+            left.append(part.name)
+        if args.archive:  # as it goes: a command cut off at its limit still returns what it finished
+            write_summary(run.results)
+            pack(run.results, args.archive)
+    write_summary(run.results)
+    if args.archive:
+        pack(run.results, args.archive)
     failed = [p.name for p in PARTS if _status(run.results, p.name).get("status") == "failed"]
     print(f"results: {run.results}/summary.md")
     if left:
         print(f"time budget spent; left: {', '.join(left)}. Run the same command again to continue.")
         return 3
     return 1 if failed else 0
+
+
+def write_summary(results: Path) -> None:
+    summary = collect(results)
+    write_json(results / "summary.json", summary)
+    (results / "summary.md").write_text(render_summary(summary))
+
+
+def pack(results: Path, archive: Path) -> None:
+    """The results folder as one .tar.gz at `archive` (replaced whole, never half-written) and its summary.md
+    beside it as `<archive stem>-summary.md`."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(results, arcname=results.name)
+    partial.replace(archive)
+    shutil.copyfile(results / "summary.md", archive.with_name(archive.name.removesuffix(".tar.gz") + "-summary.md"))
 
 
 def run_part(part: Part, run: Run) -> bool:
@@ -919,7 +953,6 @@ def describe_environment(installed: list[str], before_tar: Path = BEFORE_TAR) ->
     lock = {p["name"]: p["version"] for p in tomllib.loads((ROOT / "uv.lock").read_text())["package"]}
     cuda = torch.cuda.is_available()
     device = detect()[1].name
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "device": device, "cuda_available": cuda, "driver": _driver() if cuda else None,
@@ -928,16 +961,21 @@ def describe_environment(installed: list[str], before_tar: Path = BEFORE_TAR) ->
         "gpus": torch.cuda.device_count() if cuda else 0,
         "python": platform.python_version(), "machine": platform.node(), "versions": versions,
         "lock": {name: lock.get(name) for name in LOCKED},
-        "installed_from_wheels": installed, "commit": _commit(commit.stdout.strip()),
+        "installed_from_wheels": installed, "commit": checkout_commit(),
+        "prepared_commit": (GPU_DIR / "COMMIT").read_text().strip() if (GPU_DIR / "COMMIT").is_file() else None,
         "before": {"tar": str(before_tar), "present": before_tar.is_file(), "commit": BEFORE},
         "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",
     }
 
 
-def _commit(from_git: str) -> str | None:
-    """The checkout's commit: from git where there is one, else the COMMIT file `make gpu-wheels` writes."""
-    if from_git:
-        return from_git
+def checkout_commit() -> str | None:
+    """The checkout's commit: from git where the checkout is a repository, else the COMMIT file `make gpu-wheels`
+    writes. Only the checkout's own .git counts: a GPU host's copy of the tree can sit inside another repository,
+    whose HEAD git would report (it answered bec201d on an H200 host, 2026-11-27)."""
+    if (ROOT / ".git").exists():
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+        if git.returncode == 0 and git.stdout.strip():
+            return git.stdout.strip()
     marker = GPU_DIR / "COMMIT"
     return marker.read_text().strip() if marker.is_file() else None
 
@@ -1089,7 +1127,7 @@ def render_summary(summary: dict) -> str:
     lines = [f"# GPU check: {env['device']}, {env['date'][:10]}", ""]
     lines += _goals_section(summary["goals"], env["cuda_available"])
     lines += ["", "## Environment", "",
-              f"- command: `{env['command']}` (commit {env['commit']})",
+              f"- command: `{env['command']}` (commit {env['commit']}; .gpu/ prepared at {env.get('prepared_commit')})",
               f"- device: {env['device']}" + (f", {env['gpu_memory_gib']} GiB, driver {env['driver']}, CUDA "
                                               f"{env['cuda']}, cuDNN {env['cudnn']}" if env["cuda_available"] else "")
               + f"; Python {env['python']}; installed from carried wheels: "

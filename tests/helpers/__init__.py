@@ -138,9 +138,25 @@ def resolved(config):
     return prepare_model(config)
 
 
-# What a GPU host's stock PyTorch image lacks that this project's venv has (pydantic and the optional GPU packages
-# travel with the check as wheels: benchmarks/gpu_check.py).
-NOT_ON_A_GPU_HOST = ("boto3", "botocore", "s3transfer", "prefect", "datasets", "moto")
+def _not_on_a_gpu_host() -> tuple[str, ...]:
+    """The modules of the project's dependencies that a GPU host's stock PyTorch image lacks and the GPU check does
+    not carry as wheels (benchmarks/gpu_check.py: ON_THE_HOST, the carried groups), with what boto3 and the tests
+    bring. Derived from pyproject.toml, so a new dependency the GPU parts import fails the dry run here, not there."""
+    import re
+    import sys
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(root / "benchmarks"))
+    import gpu_check
+
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[\[<>=!~; ]", spec, maxsplit=1)[0].lower() for spec in dependencies}
+    there = {*gpu_check.ON_THE_HOST, *gpu_check.FROM_LOCK, *gpu_check.LOCKED, *gpu_check.LOCKED_DEPENDENCIES,
+             *gpu_check.OPTIONAL}
+    return tuple(sorted({name.replace("-", "_") for name in names - there} | {"botocore", "s3transfer", "moto"}))
+
 
 _HIDING = '''"""Installed by the tests: the packages a bare GPU host lacks cannot be found, as there."""
 import importlib.machinery
@@ -162,10 +178,11 @@ sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = _Hidden
 
 
 def bare_gpu_host_env(directory: Path) -> dict[str, str]:
-    """The environment of a process that sees only what a bare GPU host has: a sitecustomize on PYTHONPATH
-    hides NOT_ON_A_GPU_HOST from every import (and from `importlib.util.find_spec`, which libraries probe)."""
+    """The environment of a process that sees only what a bare GPU host has: a sitecustomize on PYTHONPATH hides
+    what it lacks (`_not_on_a_gpu_host`) from every import (and from `importlib.util.find_spec`, which libraries
+    probe)."""
     import os
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sitecustomize.py").write_text(_HIDING.format(hidden=set(NOT_ON_A_GPU_HOST)))
+    (directory / "sitecustomize.py").write_text(_HIDING.format(hidden=set(_not_on_a_gpu_host())))
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])}
