@@ -20,7 +20,7 @@ from flows.tracking import RunTracking
 from phase1a.config.schema import Phase1aConfig, config_from
 from phase1a.config.stores import open_store
 from phase1a.core.meter import configure as configure_progress
-from phase1a.model_card import RunContext
+from phase1a.model_card import RunFacts
 from phase1a.results import Plan, TrainResult, interruptions_vs_actual
 from phase1a.run_report import Lineage, ValidationSection, promoted_line
 from tasks.caching import kept_in, store_records, with_retries
@@ -121,7 +121,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
             raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))
 
         if config.validation.promote_to:  # only a pass gets here: a failed gate never moves the pointer
-            context = RunContext(config=report.data.config, data=data, plan=plan, flow_run=report.data.flow_run)
+            context = RunFacts(config=report.data.config, data=data, plan=plan, flow_run=report.data.flow_run)
             promotion = report.run("promote", stages.promote, config=config, model=model, verdict=verdict,
                                    trained=trained, run_dir=str(report.run_dir), run=context)
             report.data.validation = ValidationSection.of(verdict, promotion)

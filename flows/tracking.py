@@ -25,7 +25,7 @@ from flows.report import ReportWriter
 from phase1a.config.schema import Phase1aConfig
 from phase1a.results import Plan, RunOutcome, TrainResult, ValidationResult
 from phase1a.run_report import ValidationSection
-from phase1a.tracking import Follower, RunContext, Trackers, redacted, require_packages, wanted
+from phase1a.tracking import Follower, TrackedRun, Trackers, redacted, require_packages, wanted
 from tasks.train import training_dir
 from tasks.validate import format_table
 
@@ -121,11 +121,11 @@ class RunTracking:
         self.trackers.log_directory(Path(self.adapter_dir), "adapter", names)
 
 
-def run_context(config: Phase1aConfig, run_dir: Path) -> RunContext:
+def run_context(config: Phase1aConfig, run_dir: Path) -> TrackedRun:
     """The run's params (the resolved config, credentials cut out of its URLs) and its links back to Prefect."""
     ui = PREFECT_UI_URL.value()  # None on the embedded server, where there is no UI to link to
     links = {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_name": flow_run.get_name(),
              "prefect.flow_run_url": flow_run.ui_url if ui and flow_run.id else None, "phase1a.run_dir": str(run_dir)}
-    return RunContext(job=config.name, run_name=flow_run.get_name() or Path(run_dir).name, run_dir=Path(run_dir),
+    return TrackedRun(job=config.name, run_name=flow_run.get_name() or Path(run_dir).name, run_dir=Path(run_dir),
                       params={"config": redacted(config.model_dump(mode="json"))},
                       tags={key: redacted(str(value)) for key, value in links.items() if value})

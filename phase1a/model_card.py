@@ -77,7 +77,7 @@ class BaseModelFacts(BaseModel):
         return cls(hub_id=name_or_path if looks_like_hub_id(name_or_path) else None, license=data.get("license"))
 
 
-class RunContext(BaseModel):
+class RunFacts(BaseModel):
     """What the flow knows of the run beyond the promote stage's own inputs."""
 
     config: dict[str, Any]  # the run's resolved config, credentials cut out (report.json's)
@@ -95,7 +95,7 @@ class CardFacts(BaseModel):
     base: BaseModelFacts
     base_name: str  # the model as configured
     method: str  # lora, qlora, full
-    run: RunContext
+    run: RunFacts
     trained: TrainResult
     verdict: ValidationResult
     exports: dict[str, list[str]] = {}  # artifact -> its files

@@ -19,7 +19,7 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.data.templates import apply_chat_template_setting
 from phase1a.model.gguf import write_gguf
 from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer, peft_wrapping
-from phase1a.model_card import BaseModelFacts, CardFacts, RunContext, write_card
+from phase1a.model_card import BaseModelFacts, CardFacts, RunFacts, write_card
 from phase1a.promote.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
 from phase1a.results import TrainResult, ValidationResult
 from tasks.caching import task
@@ -96,7 +96,7 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, trained: TrainResult,
-                      run_dir: Path, run: RunContext | None = None) -> PromotionOutcome:
+                      run_dir: Path, run: RunFacts | None = None) -> PromotionOutcome:
     """Promote the run in `run_dir` (its name is the version) whose verdict passed; where its training started
     (`trained.start`) is recorded as the version's parent (None: the base model). With the `run`, every
     artifact gets its model card."""
@@ -128,7 +128,7 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
         shutil.rmtree(building.scratch, ignore_errors=True)  # copies: promoted, or not wanted
 
 
-def _card_facts(building: _Artifacts, verdict: ValidationResult, trained: TrainResult, run: RunContext,
+def _card_facts(building: _Artifacts, verdict: ValidationResult, trained: TrainResult, run: RunFacts,
                 artifacts: dict[str, Path]) -> CardFacts:
     config, start = building.config, trained.start
     exports = {name: sorted(p.name for p in directory.iterdir() if p.is_file())
@@ -142,5 +142,5 @@ def _card_facts(building: _Artifacts, verdict: ValidationResult, trained: TrainR
 
 @task(name="promote")
 def promote_task(config: Phase1aConfig, model: ResolvedModel, verdict: ValidationResult, trained: TrainResult,
-                 run_dir: str, run: RunContext) -> PromotionOutcome:
+                 run_dir: str, run: RunFacts) -> PromotionOutcome:
     return promote_candidate(config, model, verdict, trained, Path(run_dir), run)

@@ -14,7 +14,7 @@ import pytest
 from helpers import _HIDING, write_jsonl
 from helpers.tracking import TcpRelay, wandb_config, wandb_history, wandb_records
 from phase1a.config.schema import MlflowSettings, TrackingConfig
-from phase1a.tracking import Follower, JsonlTail, RunContext, Trackers, redact, redacted
+from phase1a.tracking import Follower, JsonlTail, TrackedRun, Trackers, redact, redacted
 from phase1a.tracking.base import flatten, metric_values
 
 PLANTED = {"MLFLOW_TRACKING_TOKEN": "planted-mlflow-token-Zr8Kq2", "WANDB_API_KEY": "planted0wandb0key" + "7" * 23,
@@ -88,7 +88,7 @@ def test_a_server_that_goes_away_mid_run_is_a_warning_and_counted(mlflow_server,
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client's own retries would wait minutes
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     relay = TcpRelay(int(mlflow_server.rsplit(":", 1)[1]))
-    context = RunContext(job="relay", run_name="r", run_dir=tmp_path, params={"config": {"name": "relay"}})
+    context = TrackedRun(job="relay", run_name="r", run_dir=tmp_path, params={"config": {"name": "relay"}})
     trackers = Trackers.start(TrackingConfig(mlflow=MlflowSettings(tracking_uri=relay.url)), context)
     trackers.log_records("train", [{"step": 1, "loss": 2.0, "lr": 1e-3}, {"step": 2, "loss": 1.5, "lr": 1e-3}])
     trackers.log_records("eval", [{"step": 2, "eval_loss": 1.7, "examples": 4}])

@@ -34,7 +34,7 @@ from phase1a.core.logs import run_logger
 from phase1a.core.units import GIB, KIB, MIB, format_seconds, parse_duration_seconds
 
 
-class ProgressConfig(Protocol):
+class ProgressFields(Protocol):
     """What the meter reads of the config's `progress` section (phase1a/config/schema.py)."""
 
     display: str
@@ -51,14 +51,14 @@ class MeterSettings:
     clock: Callable[[], float] = time.monotonic  # tests pass a fake one
 
     @classmethod
-    def of(cls, progress: "ProgressConfig") -> "MeterSettings":
+    def of(cls, progress: "ProgressFields") -> "MeterSettings":
         return cls(progress.display, parse_duration_seconds(progress.interval))
 
 
 _settings = MeterSettings()
 
 
-def configure(progress: "ProgressConfig") -> None:
+def configure(progress: "ProgressFields") -> None:
     """The process's meter settings, from the config's `progress` section (the flow sets them as it starts): a
     display preference, not part of any stage's inputs."""
     global _settings

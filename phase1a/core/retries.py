@@ -20,7 +20,7 @@ import sys
 from typing import Protocol
 
 
-class RetryConfig(Protocol):
+class RetryFields(Protocol):
     """What retries read of the config's `retry` section (phase1a/config/schema.py)."""
 
     count: int
@@ -98,7 +98,7 @@ def _http_status(error: BaseException) -> tuple[int | None, str | None]:
     return (status, None) if isinstance(status, int) else (None, None)
 
 
-def retry_delays(settings: RetryConfig) -> list[float]:
+def retry_delays(settings: RetryFields) -> list[float]:
     """Seconds before each retry: `delay`, then `backoff` times the one before."""
     from phase1a.core.units import parse_duration_seconds
 

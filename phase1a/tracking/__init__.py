@@ -11,8 +11,8 @@ table and verdict, and (MLflow) the adapter.
 Neither mlflow nor wandb is a dependency of a run: a tracker's module is imported when the config asks for it.
 """
 from phase1a.core.redaction import redact, redacted
-from phase1a.tracking.base import RunContext
+from phase1a.tracking.base import TrackedRun
 from phase1a.tracking.follow import Follower, JsonlTail
 from phase1a.tracking.trackers import Trackers, require_packages, wanted
 
-__all__ = ["Follower", "JsonlTail", "RunContext", "Trackers", "redact", "redacted", "require_packages", "wanted"]
+__all__ = ["Follower", "JsonlTail", "TrackedRun", "Trackers", "redact", "redacted", "require_packages", "wanted"]

@@ -1,4 +1,4 @@
-"""What every tracker does (`Tracker`), what a run starts from (`RunContext`), and the shared naming: flattened
+"""What every tracker does (`Tracker`), what a run starts from (`TrackedRun`), and the shared naming: flattened
 params and per-step metric names."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def metric_values(source: str, record: dict) -> dict[str, float]:
 
 
 @dataclass
-class RunContext:
+class TrackedRun:
     """What a tracker's run starts with."""
 
     job: str  # the config's `name`: the default experiment or project

@@ -20,13 +20,13 @@ from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH,
 from phase1a.config.schema import MlflowSettings
 from phase1a.core.redaction import redact
 from phase1a.results import RunOutcome
-from phase1a.tracking.base import RunContext, Tracker, flatten
+from phase1a.tracking.base import TrackedRun, Tracker, flatten
 
 
 class MlflowTracker(Tracker):
     name = "mlflow"
 
-    def __init__(self, settings: MlflowSettings, context: RunContext) -> None:
+    def __init__(self, settings: MlflowSettings, context: TrackedRun) -> None:
         self.client = MlflowClient(settings.tracking_uri)  # None: MLFLOW_TRACKING_URI, else MLflow's default
         experiment = settings.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or context.job
         self.experiment_id = _experiment_id(self.client, experiment)

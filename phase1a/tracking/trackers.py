@@ -14,7 +14,7 @@ from phase1a.config.schema import ConfigError, TrackingConfig
 from phase1a.core.logs import run_logger
 from phase1a.core.redaction import redact
 from phase1a.results import RunOutcome
-from phase1a.tracking.base import RunContext, Tracker, metric_values
+from phase1a.tracking.base import TrackedRun, Tracker, metric_values
 
 INSTALL = "pip install 'phase1a[tracking]' (in this project: make setup, which installs the dev group)"
 
@@ -43,7 +43,7 @@ class Trackers:
         self._lock = threading.Lock()  # the flow's thread and the follower's never interleave calls
 
     @classmethod
-    def start(cls, settings: TrackingConfig, context: RunContext) -> "Trackers":
+    def start(cls, settings: TrackingConfig, context: TrackedRun) -> "Trackers":
         trackers = cls()
         for name in wanted(settings):
             section = trackers.sections[name] = {"run_id": None, "dropped_metrics": 0, "errors": []}
@@ -105,7 +105,7 @@ class Trackers:
         self.log.warning("tracking: %s failed, left out for the rest of this run (%s)", name, message)
 
 
-def _open(name: str, settings: TrackingConfig, context: RunContext) -> Tracker:
+def _open(name: str, settings: TrackingConfig, context: TrackedRun) -> Tracker:
     """The tracker's module is imported only when it is used: neither package is a dependency of the run."""
     if name == "mlflow":
         from phase1a.tracking.mlflow_tracker import MlflowTracker

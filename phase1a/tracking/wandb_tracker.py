@@ -13,7 +13,7 @@ import wandb
 
 from phase1a.config.schema import WandbSettings
 from phase1a.results import RunOutcome
-from phase1a.tracking.base import RunContext, Tracker
+from phase1a.tracking.base import TrackedRun, Tracker
 
 STEP = "train/global_step"
 
@@ -21,7 +21,7 @@ STEP = "train/global_step"
 class WandbTracker(Tracker):
     name = "wandb"
 
-    def __init__(self, settings: WandbSettings, context: RunContext) -> None:
+    def __init__(self, settings: WandbSettings, context: TrackedRun) -> None:
         self.job, self.links = context.job, context.tags
         directory = Path(settings.dir or os.environ.get("WANDB_DIR") or context.run_dir)
         directory.mkdir(parents=True, exist_ok=True)
