@@ -26,14 +26,14 @@ from benchmarks.tokenize_throughput import _in_process, generate  # noqa: E402
 
 def night(shards: str, work: str, model_dir: str, queue) -> None:
     """One night's stage and tokenize, timed as the flow runs them (fingerprint, stage, tokenize)."""
-    from phase1a.data.staging import file_hashes, source_fingerprint, stage_dataset
+    from phase1a.data.staging import data_source_fingerprint, file_hashes, stage_dataset
     from phase1a.data.tokenized import split_digest
     from phase1a.model.loading import load_tokenizer
     from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     tokenizer, options, staging = load_tokenizer(Path(model_dir)), TokenizeOptions(), Path(work) / "staging"
     began = time.perf_counter()
-    fingerprint = source_fingerprint(shards, hashes=file_hashes(staging))
+    fingerprint = data_source_fingerprint(shards, hashes=file_hashes(staging))
     staged = stage_dataset(shards, staging)
     stage_seconds = time.perf_counter() - began
     out = dataset_dir(Path(work) / "cache", tokenize_fingerprint([fingerprint], "smollm2", 8192, options))

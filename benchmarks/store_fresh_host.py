@@ -92,7 +92,7 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
     from phase1a.config.schema import StoreConfig
     from phase1a.config.stores import open_store
     from phase1a.data.shared_shards import SharedShards
-    from phase1a.data.staging import StageOptions, file_hashes, source_fingerprint, stage_dataset
+    from phase1a.data.staging import StageOptions, data_source_fingerprint, file_hashes, stage_dataset
     from phase1a.data.tokenized import split_digest
     from phase1a.model.loading import load_tokenizer
     from phase1a.store.s3_store import S3Store
@@ -102,7 +102,7 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
     store = StoreConfig(url=store_url, endpoint_url=endpoint if store_url else None)
     options = TokenizeOptions(store=store, s3_endpoint_url=endpoint)
     began = time.perf_counter()
-    fingerprint = source_fingerprint(source, endpoint, hashes=file_hashes(staging))
+    fingerprint = data_source_fingerprint(source, endpoint, hashes=file_hashes(staging))
     fingerprinted = time.perf_counter()
     staged = stage_dataset(source, staging, endpoint, StageOptions(store=open_store(store)))
     staged_at = time.perf_counter()

@@ -20,13 +20,13 @@ import phase1a  # noqa: E402
 assert phase1a.__file__.startswith(str(Path(root).resolve())), f"imported {phase1a.__file__}, not {root}'s"
 
 from phase1a.config.schema import ModelConfig  # noqa: E402
-from phase1a.data.staging import source_fingerprint, stage_dataset  # noqa: E402
+from phase1a.data.staging import data_source_fingerprint, stage_dataset  # noqa: E402
 from phase1a.model.loading import load_tokenizer, resolve_model  # noqa: E402
 from tasks.tokenize import TokenizeOptions, tokenize_dataset  # noqa: E402
 
 tokenizer = load_tokenizer(Path(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))))
 began = time.perf_counter()
-source_fingerprint(source)
+data_source_fingerprint(source)
 staged = stage_dataset(source, work / "staging")
 data = tokenize_dataset(staged, tokenizer, 8192, TokenizeOptions(), work / "cache" / "tokenized" / "fp")
 print(json.dumps({"code": root, "seconds": round(time.perf_counter() - began, 2), "tokens": data.lengths.total_tokens,

@@ -16,8 +16,8 @@ from phase1a.config.stores import open_store
 from phase1a.data.staging import (
     StagedData,
     StageOptions,
+    data_source_fingerprint,
     file_hashes,
-    source_fingerprint,
     stage_dataset,
     staged_location,
     staged_name,
@@ -30,8 +30,8 @@ Source = Literal["source", "validation_source"]  # which field of the config's `
 def staged_fingerprint(config: Phase1aConfig, field: Source = "source") -> str:
     data = config.data
     source = getattr(data, field)
-    return source_fingerprint(source, config.endpoint_for(source), data.revision, field=f"data.{field}",
-                              hashes=file_hashes(data.staging_dir))
+    return data_source_fingerprint(source, config.endpoint_for(source), data.revision, field=f"data.{field}",
+                                   hashes=file_hashes(data.staging_dir))
 
 
 def staged_copy(fingerprint: str, config: Phase1aConfig, field: Source = "source") -> Path:

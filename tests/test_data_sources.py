@@ -20,7 +20,7 @@ from phase1a.core.errors import DataError
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.locators import file_format
 from phase1a.data.datasource import DataLocation, iter_records, resolve_shards
-from phase1a.data.staging import source_fingerprint, stage_dataset
+from phase1a.data.staging import data_source_fingerprint, stage_dataset
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)
@@ -184,14 +184,14 @@ def test_the_fingerprint_is_the_content(tmp_path):
     shards = tmp_path / "shards"
     write_parquet(shards / "a.parquet", RECORDS[:10])
     write_parquet(shards / "b.parquet", RECORDS[10:])
-    first = source_fingerprint(str(shards))
-    assert source_fingerprint(str(tmp_path / "shards" / "*.parquet")) == first  # same files, same order
+    first = data_source_fingerprint(str(shards))
+    assert data_source_fingerprint(str(tmp_path / "shards" / "*.parquet")) == first  # same files, same order
     staged = stage_dataset(str(shards), tmp_path / "staging")
     assert staged.fingerprint == first and not stage_dataset(str(shards), tmp_path / "staging").copied
     (shards / "b.parquet").touch()  # a new mtime, the same bytes: still the same data
-    assert source_fingerprint(str(shards)) == first
+    assert data_source_fingerprint(str(shards)) == first
     write_parquet(shards / "b.parquet", RECORDS[10:29])
-    assert source_fingerprint(str(shards)) != first
+    assert data_source_fingerprint(str(shards)) != first
 
 
 def test_streaming_reads_a_batch_at_a_time(tmp_path):

@@ -14,7 +14,7 @@ from helpers.hub_cache import cache_repo, unique_repo
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.errors import DataError
 from phase1a.data.hub import repo_cache_dir
-from phase1a.data.staging import StageOptions, source_fingerprint, stage_dataset
+from phase1a.data.staging import StageOptions, data_source_fingerprint, stage_dataset
 from tasks.stage import staged_copy
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
@@ -53,7 +53,7 @@ def hub_dates():
 def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_path, hub_dates):
     repo_id, records, _, commit = hub_dates
     tokenizer, options = make_tokenizer(), TokenizeOptions(split="train_sft", validation_count=4)
-    fingerprint = source_fingerprint(repo_id)
+    fingerprint = data_source_fingerprint(repo_id)
     staged = stage_dataset(repo_id, tmp_path / "staging")
     assert staged.fingerprint == fingerprint and Path(staged.path).resolve().name == commit
     config = Phase1aConfig.model_validate({"data": {"source": repo_id, "staging_dir": str(tmp_path / "staging")}})
@@ -77,13 +77,13 @@ def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_pat
 
 def test_a_moved_branch_is_new_data_and_a_pinned_revision_is_not(tmp_path, hub_dates):
     repo_id, records, files, first = hub_dates
-    before = source_fingerprint(repo_id)
-    assert source_fingerprint(repo_id) == before  # an unchanged revision: the caches hit
+    before = data_source_fingerprint(repo_id)
+    assert data_source_fingerprint(repo_id) == before  # an unchanged revision: the caches hit
     second = cache_repo(repo_id, {**files, "data/train_sft-00000-of-00001.parquet": parquet(records[:20])},
                         repo_type="dataset")
     assert (repo_cache_dir(repo_id, "dataset") / "refs" / "main").read_text() == second
-    assert source_fingerprint(repo_id) != before
-    assert source_fingerprint(repo_id, revision=first) == before
+    assert data_source_fingerprint(repo_id) != before
+    assert data_source_fingerprint(repo_id, revision=first) == before
     pinned = stage_dataset(repo_id, tmp_path / "staging", options=StageOptions(revision=first))
     assert pinned.fingerprint == before
 
@@ -104,4 +104,4 @@ def test_unknown_config_split_and_uncached_repository(tmp_path, hub_dates):
     with pytest.raises(DataError, match=r"data.split: 'train' is not a split of .*splits: train_sft, test_sft"):
         tokenize_dataset(staged, make_tokenizer(), 256, TokenizeOptions(), tmp_path / "cache" / "bad-split")
     with pytest.raises(DataError, match=r"data.source"):
-        source_fingerprint("org/never-cached-dataset")
+        data_source_fingerprint("org/never-cached-dataset")

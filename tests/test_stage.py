@@ -3,13 +3,13 @@ from pathlib import Path
 import pytest
 
 from phase1a.core.errors import DataError
-from phase1a.data.staging import source_fingerprint, stage_dataset
+from phase1a.data.staging import data_source_fingerprint, stage_dataset
 
 
 def test_copies_verifies_and_skips_identical(tmp_path, dataset):
     staging = tmp_path / "not" / "yet" / "staging"  # created on first use, parents too
     first = stage_dataset(str(dataset), staging)
-    assert first.copied and first.fingerprint == source_fingerprint(str(dataset))
+    assert first.copied and first.fingerprint == data_source_fingerprint(str(dataset))
     assert open(first.path, "rb").read() == dataset.read_bytes()
     second = stage_dataset(f"file://{dataset}", staging)
     assert not second.copied and second.path == first.path
@@ -63,7 +63,7 @@ def test_the_cache_finds_a_local_staged_copy_from_its_fingerprint(tmp_path, data
     from tasks.stage import staged_copy
 
     staging = tmp_path / "staging"
-    fingerprint = source_fingerprint(str(dataset))
+    fingerprint = data_source_fingerprint(str(dataset))
     config = Phase1aConfig.model_validate({"data": {"source": f"file://{dataset}", "staging_dir": str(staging)}})
     assert not staged_copy(fingerprint, config).exists()
     staged = stage_dataset(str(dataset), staging)

@@ -23,7 +23,7 @@ from phase1a.core.errors import DataError
 from phase1a.data.datasource import describe, iter_records, resolve_shards
 from phase1a.data.staging import (
     StageOptions,
-    source_fingerprint,
+    data_source_fingerprint,
     stage_dataset,
     stage_model,
     staged_location,
@@ -59,7 +59,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
     _put(endpoint, bucket, "data/dates.jsonl", data)
     source, staging = f"s3://{bucket}/data/dates.jsonl", tmp_path / "staging"
 
-    fingerprint = source_fingerprint(source, endpoint)
+    fingerprint = data_source_fingerprint(source, endpoint)
     first = stage_dataset(source, staging, endpoint)
     assert first.copied and Path(first.path).read_bytes() == data
     assert first.fingerprint == hashlib.sha256(data).hexdigest() and first.size_bytes == len(data)
@@ -78,7 +78,7 @@ def test_single_object_staged_verified_skipped_and_restaged_on_change(tmp_path, 
 
     changed = _jsonl(33, seed=1)
     _put(endpoint, bucket, "data/dates.jsonl", changed)
-    assert source_fingerprint(source, endpoint) != fingerprint
+    assert data_source_fingerprint(source, endpoint) != fingerprint
     second = stage_dataset(source, staging, endpoint)
     assert second.copied and second.path != first.path and Path(second.path).read_bytes() == changed
     assert second.fingerprint == hashlib.sha256(changed).hexdigest()
@@ -126,8 +126,8 @@ def test_prefix_shards_stage_as_a_directory_in_key_order_with_a_manifest(tmp_pat
 
     again = stage_dataset(source, staging, endpoint)
     assert not again.copied and again.path == staged.path and again.fingerprint == staged.fingerprint
-    assert Path(staged.path) == staged_location(staging, source_fingerprint(source, endpoint), "shards")
-    assert copy_present(source, staging, source_fingerprint(source, endpoint))
+    assert Path(staged.path) == staged_location(staging, data_source_fingerprint(source, endpoint), "shards")
+    assert copy_present(source, staging, data_source_fingerprint(source, endpoint))
 
 
 def test_a_new_object_under_the_prefix_is_the_only_one_downloaded(tmp_path, endpoint, bucket, caplog):
@@ -226,7 +226,7 @@ def test_missing_bucket_key_empty_prefix_and_empty_data(tmp_path, endpoint, buck
     with pytest.raises(DataError, match=r"s3://no-such-bucket-x/a.jsonl: no such bucket 'no-such-bucket-x'"):
         stage_dataset("s3://no-such-bucket-x/a.jsonl", staging, endpoint)
     with pytest.raises(DataError, match=r"s3://no-such-bucket-x/p/: no such bucket 'no-such-bucket-x'"):
-        source_fingerprint("s3://no-such-bucket-x/p/", endpoint)
+        data_source_fingerprint("s3://no-such-bucket-x/p/", endpoint)
     with pytest.raises(DataError, match=rf"s3://{bucket}/missing.jsonl: no such key"):
         stage_dataset(f"s3://{bucket}/missing.jsonl", staging, endpoint)
     with pytest.raises(DataError, match=rf"s3://{bucket}/empty/: no objects under this prefix"):

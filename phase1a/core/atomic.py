@@ -43,13 +43,13 @@ def atomic_path(final: Path, existing: Literal["replace", "keep", "fail"] = "rep
             if existing == "fail":
                 raise FileExistsError(f"{final} already exists")
             return
-        install(scratch, final)
+        move_into_place(scratch, final)
     finally:
         if scratch.exists() or scratch.is_symlink():
             _remove(scratch)
 
 
-def install(scratch: Path, final: Path) -> None:
+def move_into_place(scratch: Path, final: Path) -> None:
     """`scratch` takes `final`'s name in one rename; a directory there is removed first (see atomic_path)."""
     if final.is_dir() and not final.is_symlink() and scratch.is_dir():
         shutil.rmtree(final)

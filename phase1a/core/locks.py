@@ -34,7 +34,7 @@ def holder() -> dict:
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def describe(record: dict) -> str:
+def describe_holder(record: dict) -> str:
     """A holder as a message says it: flow run, pid, host and since when."""
     run = record.get("flow_run") or {}
     who = f"flow run {run.get('name')} ({run.get('id')})" if run else "a process"
@@ -43,7 +43,7 @@ def describe(record: dict) -> str:
 
 def _describe(raw: bytes) -> str:
     try:
-        return describe(json.loads(raw))
+        return describe_holder(json.loads(raw))
     except (ValueError, AttributeError):
         return "another process"
 

@@ -5,7 +5,7 @@ stage (a promoted baseline on S3) for model directories.
 Dataset sources: a local file, directory or glob, a file:// URL, s3://bucket/key (one object),
 s3://bucket/prefix/ (every object under the prefix, as a directory of shards in key order), or a Hub dataset
 id (its files for `data.config`, downloaded into HF_HOME's cache at one commit). Everything lands at
-`staging_dir/<fingerprint[:16]>/<name>`, where the fingerprint is `source_fingerprint`: the sha256 of a local
+`staging_dir/<fingerprint[:16]>/<name>`, where the fingerprint is `data_source_fingerprint`: the sha256 of a local
 file's bytes (of every file's, for a directory or glob), for S3 the hash of its keys, sizes and ETags, for the
 Hub the resolved commit. So the stage cache can tell from its inputs alone whether the staged copy still
 exists, and two sources never share a location. A Hub dataset's staged location is a link to its snapshot in
@@ -34,14 +34,15 @@ from urllib.parse import urlparse
 from boto3.s3.transfer import TransferConfig
 from pydantic import BaseModel, ValidationError
 
-from phase1a.data import hub
 from phase1a.core.atomic import atomic_path, write_atomically
-from phase1a.data.datasource import DataLocation, download_hub_dataset, is_json_array
 from phase1a.core.errors import DataError
 from phase1a.core.fingerprint import READ_CHUNK, FileHashes, hash_json
 from phase1a.core.locators import DATA_FILE_FORMATS, file_format, is_data_file, looks_like_hub_id
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
+from phase1a.data import hub
+from phase1a.data.datasource import DataLocation, download_hub_dataset, is_json_array
+from phase1a.store.base import Store
 from phase1a.store.s3 import (
     DEFAULT_TRANSFER,
     S3Error,
@@ -53,7 +54,6 @@ from phase1a.store.s3 import (
     make_client,
     parse_s3_url,
 )
-from phase1a.store.base import Store
 
 
 class StagedData(DataLocation):
@@ -187,8 +187,8 @@ def _parse(source: str) -> S3Url:
         return parse_s3_url(source)
 
 
-def source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
-                       field: str = "data.source", hashes: FileHashes | None = None) -> str:
+def data_source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
+                            field: str = "data.source", hashes: FileHashes | None = None) -> str:
     """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes (of
     every file's, for a directory or glob), for S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or
     listing, for a Hub dataset its id and the commit `revision` resolves to. `hashes` remembers local files'

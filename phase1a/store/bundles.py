@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from phase1a.core.atomic import install, remove, scratch_name
+from phase1a.core.atomic import move_into_place, remove, scratch_name
 from phase1a.core.fingerprint import sha256_file
 from phase1a.core.locks import holder
 from phase1a.store.base import Store
@@ -114,7 +114,7 @@ def download_bundles(store: Store, wanted: list[Wanted]) -> list[BundleCorrupt |
             problems = list(pool.map(lambda pair: _check(store, *pair), zip(wanted, scratches)))
         for item, scratch, problem in zip(wanted, scratches, problems):
             if problem is None:
-                install(scratch, item.destination)
+                move_into_place(scratch, item.destination)
         return problems
     finally:
         for scratch in scratches:

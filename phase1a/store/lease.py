@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, Field, ValidationError
 
-from phase1a.core.locks import describe, holder
+from phase1a.core.locks import describe_holder, holder
 from phase1a.core.logs import run_logger
 from phase1a.store.base import Fetched, Store, StoreConflict
 
@@ -103,12 +103,12 @@ class Lease:
             time.sleep(max(0.05, min(self.ttl / 3, 2.0)))
         self.waited_seconds = time.monotonic() - started
         if self.taken_over is not None:
-            run_logger().warning(f"{self.where}: took the lease over from {describe(self.taken_over.holder)}, "
+            run_logger().warning(f"{self.where}: took the lease over from {describe_holder(self.taken_over.holder)}, "
                                  f"which stopped renewing it (step {self.taken_over.step})")
         return self
 
     def _held_message(self, other: LeaseRecord | None, current: Fetched, what: str) -> str:
-        who = describe(other.holder) if other else "an unreadable lease"
+        who = describe_holder(other.holder) if other else "an unreadable lease"
         return (f"training run {self.where.removesuffix('/lease.json')} is held by {who}, renewed "
                 f"{current.age_seconds:.0f} s ago (it expires {self.ttl:.0f} s after its last renewal); {what}")
 

@@ -41,7 +41,7 @@ from pydantic import BaseModel
 
 from phase1a.core import layout
 from phase1a.core.atomic import remove
-from phase1a.core.locks import describe
+from phase1a.core.locks import describe_holder
 from phase1a.core.logs import run_logger
 from phase1a.store.base import Fetched, Store, StoreConflict
 from phase1a.store.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
@@ -205,7 +205,7 @@ class RemoteRun:
             in_store = self.held.in_store()
             if in_store is not None and in_store.token == mine.token:
                 return  # still this holder's lease: the pointer was a predecessor's, or deleted
-            who = describe(in_store.holder) if in_store is not None else "another host (the lease is not there)"
+            who = describe_holder(in_store.holder) if in_store is not None else "another host (the lease is not there)"
         self.fenced = f"{self.location}: lease lost to {who}: {what} not committed"
         raise LeaseLost(self.fenced)
 
@@ -344,7 +344,7 @@ def _pointer_content(fetched: Fetched | None) -> dict:
 
 def _who(pointer: dict) -> str:
     holder = pointer.get("holder")
-    return describe(holder) if isinstance(holder, dict) else "a host from before fencing (no holder named)"
+    return describe_holder(holder) if isinstance(holder, dict) else "a host from before fencing (no holder named)"
 
 
 def snapshot_of(checkpoint: Path, scratch_root: Path) -> Path:
