@@ -37,8 +37,10 @@ class StageCache(CachePolicy):
     """A stage's cache key, derived by the stage from its own inputs: `fingerprint(**inputs)` (the content of
     what it reads and the settings it uses, never where the inputs live), where its output lives
     (`output(fingerprint, **inputs)`, a path named by that fingerprint), the task's name, and
-    `code_fingerprint` of the task's module (the source of every project module it imports, from the import
-    graph), so an edit anywhere in the code a stage runs re-runs it.
+    `code_fingerprint` of the task's module: the code of every project module it imports, from the import graph,
+    without its prose (docstrings, comments, pydantic Field descriptions), and the FORMAT_VERSIONS of those among
+    them that a stage's output is keyed on (phase1a/core/fingerprint.py). An edit to any code a stage runs re-runs
+    it; rewording its documentation does not.
 
     When the output is gone but a record of it is stored (a cleaned cache directory), the stage runs without
     the record and writes the same output back to the same place, where the record points again. A

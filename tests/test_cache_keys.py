@@ -1,7 +1,9 @@
-"""Cache keys that cannot go stale: each stage's key covers the source of every project module it imports, found
-from the import graph (phase1a/core/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it."""
+"""Cache keys that cannot go stale: each stage's key covers the code of every project module it imports, found
+from the import graph (phase1a/core/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it, and
+rewording its prose (docstrings, comments, a setting's description) does not (tests/test_fingerprint.py)."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -25,7 +27,31 @@ def copy_of_the_code(target: Path) -> Path:
 
 
 def edit(path: Path) -> None:
-    path.write_text(path.read_text() + "\n# an edit that changes no behaviour\n")
+    """An edit to the code that changes no behaviour (a comment would be prose: no key moves with one)."""
+    path.write_text(path.read_text() + "\n\ndef _an_edit() -> int:\n    return 1\n")
+
+
+def reword_the_prose(path: Path) -> int:
+    """Every docstring and Field description in the file rewritten and a comment added, as a writer of the
+    documentation would; the number of strings rewritten."""
+    source = path.read_bytes()
+    prose = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                ast.get_docstring(node, clean=False) is not None:
+            prose.append(node.body[0].value)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Field":
+            prose += [keyword.value for keyword in node.keywords if keyword.arg == "description"
+                      and isinstance(keyword.value, ast.Constant)]
+    starts = [0]  # where each line starts, in bytes: ast's columns are UTF-8 offsets
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    for number, string in enumerate(sorted(prose, key=lambda s: (s.lineno, s.col_offset), reverse=True)):
+        begin = starts[string.lineno - 1] + string.col_offset
+        end = starts[string.end_lineno - 1] + string.end_col_offset
+        source = source[:begin] + repr(f"Reworded, {number}: {string.value[::-1]}").encode() + source[end:]
+    path.write_bytes(b"# reworded\n" + source)
+    return len(prose)
 
 
 def test_the_import_graph_is_walked_from_the_source(tmp_path):
@@ -66,11 +92,33 @@ def test_an_edit_anywhere_in_a_stages_imports_changes_its_key_and_only_its(tmp_p
     assert after["stage"] == before["stage"] and after["tokenize"] == before["tokenize"]
 
 
+def test_prose_in_the_schema_moves_no_key_and_an_edit_to_rendering_moves_tokenizes(tmp_path):
+    """Every stage imports the config schema: rewording its documentation moves none of their keys. The code that
+    renders records is tokenize's (and its shards'), not the other stages'; they re-run only as its output changes
+    (the tokenized data's fingerprint is in the plan's and validate's keys)."""
+    code = copy_of_the_code(tmp_path / "code")
+    fingerprint = code_fingerprint.__wrapped__
+    modules = ("tasks.stage", "tasks.tokenize", "phase1a.data.shards", "tasks.plan", "tasks.validate")
+    before = {module: fingerprint(module, code) for module in modules}
+    schema = code / "phase1a" / "config" / "schema.py"
+    assert all("phase1a.config.schema" in project_imports(f"tasks.{stage}", code)
+               for stage in ("stage", "tokenize", "plan", "validate"))
+    assert reword_the_prose(schema) > 100  # every section's and setting's
+    assert {module: fingerprint(module, code) for module in modules} == before
+    edit(code / "phase1a" / "data" / "render.py")
+    after = {module: fingerprint(module, code) for module in modules}
+    assert {module for module in modules if after[module] != before[module]} == {"tasks.tokenize",
+                                                                                  "phase1a.data.shards"}
+
+
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tree):
-    """The CLI on a copy of the code: a plan, the same plan again after an edit three imports below the plan
-    stage (phase1a/evaluate/answers.py), then once more without one."""
+def test_a_stage_re_runs_for_an_edit_to_its_code_never_for_prose(tmp_path, config_tree):
+    """The CLI on a copy of the code: a plan; the same plan after the config schema's documentation was reworded
+    (every stage imports the schema): all of it from the cache; then after an edit to the code that renders records,
+    below tokenize (phase1a/data/render.py): tokenize re-runs, and so does the plan, whose data it changed.
+    validate's code key is test_prose_in_the_schema_moves_no_key_and_an_edit_to_rendering_moves_tokenizes's: a run
+    that validates would add a training to this test."""
     code = copy_of_the_code(tmp_path / "code")
     # Its own plan: the suite's flows share one Prefect home, and a plan (it names no paths) is keyed on the
     # settings, model and data, which other tests' jobs share.
@@ -89,9 +137,10 @@ def test_an_edit_deep_in_the_plans_imports_re_runs_the_plan(tmp_path, config_tre
         return {name: section["state"] for name, section in report["stages"].items()}
 
     assert plan() == {**PREPARED, "stage": "Completed", "tokenize": "Completed", "plan": "Completed"}
-    edit(code / "phase1a" / "evaluate" / "answers.py")
-    assert plan() == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Completed"}
+    reword_the_prose(code / "phase1a" / "config" / "schema.py")
     assert plan() == {**PREPARED, "stage": "Cached", "tokenize": "Cached", "plan": "Cached"}
+    edit(code / "phase1a" / "data" / "render.py")
+    assert plan() == {**PREPARED, "stage": "Cached", "tokenize": "Completed", "plan": "Completed"}
 
 
 def test_the_training_key_changes_with_the_starting_adapter():

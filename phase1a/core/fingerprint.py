@@ -5,6 +5,7 @@ import ast
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,25 @@ def hash_json(value: Any) -> str:
 
 # ---- code ----------------------------------------------------------------------------------------------------
 
+# The version of each stage's output format, by a module its output is keyed on: it enters the code fingerprint of
+# that module and of every module that imports it, so a bump re-runs that stage and no other, but for tokenize's
+# (its shards' keys and the tokenized directory's name move, and that name is in the plan's, train's and validate's
+# keys). Bump one when what a stage writes changes and no code the fingerprint sees did: a dependency's
+# upgrade that changes the bytes (pyarrow, tokenizers, a chat template's rendering), or a reader that needs outputs
+# rewritten. This assignment itself is left out of the code hash (code_hash), so a bump moves only the keys it names.
+FORMAT_VERSIONS: dict[str, int] = {
+    "tasks.stage": 1,  # stage's record (StagedData); the staged copy is the source's bytes, named by their content
+    # tokenize's encoded shards (Arrow and numpy files, kept locally and in the store) and the dataset made of
+    # them: the tokenized directory's name covers this module's code, and so does the stage's key
+    "phase1a.data.shards": 1,
+    "tasks.plan": 1,  # the plan (Plan's JSON)
+    "tasks.validate": 1,  # the verdict (ValidationResult's JSON)
+}
+# Keyword arguments of pydantic's Field that are prose: they reach the JSON schema and docs/configuration.md, never
+# a value a stage reads, so rewording a setting's description does not re-run the stages that import the schema.
+PROSE_KEYWORDS = frozenset({"description", "title", "examples"})
+
+
 def _module_file(name: str, root: Path) -> Path | None:
     """The project file of a dotted module name (a module or a package's __init__), or None: not ours."""
     if name.split(".")[0] not in PROJECT_PACKAGES:
@@ -108,21 +128,118 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
-def _imported_names(path: Path) -> set[str]:
+def code_hash(tree: ast.Module) -> str:
+    """sha256 of a module's code: its tree without prose, positions or layout.
+
+    Left out: prose, which does nothing when the module runs (comments, never in the tree; docstrings and every
+    other statement that is a bare string; the PROSE_KEYWORDS of a call to pydantic's Field), and the
+    FORMAT_VERSIONS table (its entries enter each with its own module). Every other string stays: dict keys,
+    format strings, and error messages, which are behaviour (a user reads them; tokenize counts skipped records
+    by their reason in its output).
+
+    Fields that are None or empty are left out, so that a field a newer Python adds to the grammar (3.12's
+    type_params) leaves the hash of code that does not use it as it was: every file of the project hashes alike
+    on 3.11 and 3.12, so the image and a checkout on the other supported Python share their caches."""
+    out: list[str] = []
+    _emit(tree, out)
+    return hashlib.sha256("\x00".join(out).encode()).hexdigest()
+
+
+def _emit(node: ast.AST, out: list[str]) -> None:
+    """The node's type, then each field's name and value, in `out`, in one pass: about half ast.dump's time on
+    tokenize's modules, and ast.dump would show 3.12's empty type_params."""
+    kind = type(node)
+    out.append(kind.__name__)
+    for name in node._fields:
+        value = getattr(node, name, None)
+        if name == "body" and type(value) is list:
+            value = [statement for statement in value if not _is_prose(statement)
+                     and not (kind is ast.Module and _assigns_format_versions(statement))]
+        elif name == "keywords" and kind is ast.Call and _called_name(node) == "Field":
+            value = [keyword for keyword in value if keyword.arg not in PROSE_KEYWORDS]
+        if value is None or (type(value) is list and not value):
+            continue
+        out.append(name)
+        if type(value) is list:
+            out.append("[")
+            for item in value:
+                if isinstance(item, ast.AST):
+                    _emit(item, out)
+                else:  # a name: of a global statement, of a class pattern's keyword
+                    out.append(repr(item))
+            out.append("]")
+        elif isinstance(value, ast.AST):
+            _emit(value, out)
+        else:  # a constant (repr escapes NUL, so no value reads as a separator), an operator's flag, a name
+            out.append(repr(value))
+    out.append(")")
+
+
+def _is_prose(statement: ast.stmt) -> bool:
+    return (type(statement) is ast.Expr and type(statement.value) is ast.Constant
+            and type(statement.value.value) is str)
+
+
+def _called_name(call: ast.Call) -> str | None:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+
+
+def _assigns_format_versions(statement: ast.stmt) -> bool:
+    targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
+    return isinstance(statement, (ast.Assign, ast.AnnAssign)) and any(
+        isinstance(target, ast.Name) and target.id == "FORMAT_VERSIONS" for target in targets)
+
+
+def source_fingerprint(source: str | bytes, filename: str = "<source>") -> str:
+    """`code_hash` of a module's source: two sources that differ in prose, comments or layout only hash alike."""
+    return code_hash(ast.parse(source, filename=filename))
+
+
+@dataclass(frozen=True)
+class _Source:
+    imports: frozenset[str]
+    code: str
+
+
+_sources: dict[Path, tuple[tuple[int, int, int], _Source]] = {}
+
+
+def _read_source(path: Path) -> _Source:
+    """A file's imports and code hash, parsed once per process and version of the file (its inode, mtime and
+    size, as `FileHashes` keys a file): the stages' fingerprints share most of their modules."""
+    stat = path.stat()
+    stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    remembered = _sources.get(path)
+    if remembered is not None and remembered[0] == stamp:
+        return remembered[1]
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    source = _Source(_imported_names(tree), code_hash(tree))
+    _sources[path] = (stamp, source)
+    return source
+
+
+def _imported_names(tree: ast.Module) -> frozenset[str]:
     """Every module an import statement anywhere in the file names, including imports inside functions (the
     code they run is as much this module's as what it imports at the top), and `from pkg import module`;
-    not those under `if TYPE_CHECKING:`, which never run."""
+    not those under `if TYPE_CHECKING:`, which never run. Only statements are visited: an import is one."""
     names: set[str] = set()
-    tree = ast.parse(path.read_bytes(), filename=str(path))
-    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)]:
-        block.body = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        statement = pending.pop()
+        if isinstance(statement, ast.Import):
+            names.update(alias.name for alias in statement.names)
+        elif isinstance(statement, ast.ImportFrom):
+            if statement.module and statement.level == 0:
+                names.add(statement.module)
+                names.update(f"{statement.module}.{alias.name}" for alias in statement.names)
+        elif isinstance(statement, ast.If) and _is_type_checking(statement.test):
+            pending += statement.orelse
+        else:  # the statements inside: a def's, a class's, a with's, an except's or a case's body, else, finally
+            for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+                value = getattr(statement, block, None)
+                if type(value) is list:
+                    pending += value
+    return frozenset(names)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -141,7 +258,7 @@ def project_imports(module: str, root: Path = PROJECT_ROOT) -> dict[str, Path]:
         if name in found or path is None:
             continue
         found[name] = path
-        pending += [imported for imported in _imported_names(path) if imported not in found]
+        pending += [imported for imported in _read_source(path).imports if imported not in found]
         # a package's __init__ runs before any of its modules
         pending += [parent for parent in _parents(name) if parent not in found]
     return found
@@ -154,10 +271,13 @@ def _parents(name: str) -> list[str]:
 
 @lru_cache(maxsize=None)
 def code_fingerprint(module: str, root: Path = PROJECT_ROOT) -> str:
-    """Hash of the source of `module` and of every project module it imports. Computed once per process: the
-    code a process runs is the code it imported when it started."""
+    """Hash of the code of `module` and of every project module it imports (`code_hash`: prose left out), and
+    of the FORMAT_VERSIONS of those among them that write a stage's output. Computed once per process: the code
+    a process runs is the code it imported when it started."""
     digest = hashlib.sha256()
     for name, path in sorted(project_imports(module, root).items()):
         digest.update(name.encode())
-        digest.update(path.read_bytes())
+        digest.update(_read_source(path).code.encode())
+        if name in FORMAT_VERSIONS:
+            digest.update(f"format {FORMAT_VERSIONS[name]}".encode())
     return digest.hexdigest()[:16]
