@@ -9,10 +9,8 @@ from phase1a.train.history import (
     RECENT_RUNS,
     RunRecord,
     append_run,
-    last_throughput,
     read_runs,
     remembered,
-    time_accuracy_summary,
 )
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
@@ -74,21 +72,16 @@ def test_one_slowed_run_does_not_set_the_remembered_throughput(tmp_path):
     assert remembered(path, "m1", "h100", "lora").tokens_per_second == 400.0  # of two, the faster
 
 
-def test_most_recent_match_wins_and_filters(tmp_path):
+def test_the_latest_run_by_its_time_of_its_own_model_and_hardware(tmp_path):
     path = tmp_path / "history.jsonl"
-    append_run(path, record(timestamp=T0 + timedelta(hours=2), tokens_per_second=2000.0))
+    append_run(path, record(timestamp=T0 + timedelta(hours=2), tokens_per_second=2000.0, micro_batch_size=8))
     append_run(path, record(timestamp=T0, tokens_per_second=1000.0))  # older, though written later
-    append_run(path, record(timestamp=T0 + timedelta(hours=3), tokens_per_second=3000.0, micro_batch_size=8,
-                            gradient_checkpointing=True))
     append_run(path, record(timestamp=T0 + timedelta(hours=4), tokens_per_second=9999.0, hardware="a100-80gb"))
     append_run(path, record(timestamp=T0 + timedelta(hours=5), tokens_per_second=7777.0, model_fingerprint="m2"))
-    assert last_throughput(path, "m1", "h100") == 3000.0
-    assert last_throughput(path, "m1", "h100", micro_batch_size=4) == 2000.0
-    assert last_throughput(path, "m1", "h100", gradient_checkpointing=False) == 2000.0
-    assert last_throughput(path, "m1", "h100", micro_batch_size=8, gradient_checkpointing=True) == 3000.0
-    assert last_throughput(path, "m1", "h100", micro_batch_size=2) is None
-    assert last_throughput(path, "m1", "l4") is None
-    assert last_throughput(path, "m2", "h100") == 7777.0
+    latest = remembered(path, "m1", "h100", "lora")
+    assert latest.record.micro_batch_size == 8 and (latest.runs, latest.tokens_per_second) == (1, 2000.0)
+    assert remembered(path, "m1", "l4", "lora") is None
+    assert remembered(path, "m2", "h100", "lora").tokens_per_second == 7777.0
 
 
 def test_corrupt_lines_are_skipped_and_counted(tmp_path):
@@ -103,28 +96,13 @@ def test_corrupt_lines_are_skipped_and_counted(tmp_path):
         handle.write(b'{"timestamp": "2025-01-0')  # torn last line of a crashed writer
     records, skipped = read_runs(path)
     assert [r.tokens_per_second for r in records] == [1500.0, 2500.0] and skipped == 3
-    assert last_throughput(path, "m1", "h100") == 2500.0
+    assert remembered(path, "m1", "h100", "lora").record.tokens_per_second == 2500.0
 
 
 def test_missing_file_is_an_empty_history(tmp_path):
     path = tmp_path / "absent.jsonl"
     assert read_runs(path) == ([], 0)
-    assert last_throughput(path, "m1", "h100") is None
-    summary = time_accuracy_summary(path, "m1", "h100")
-    assert summary.count == 0 and summary.mean_abs_error is None and summary.worst_abs_error is None
-
-
-def test_time_accuracy_summary(tmp_path):
-    path = tmp_path / "history.jsonl"
-    for estimated in (110.0, 80.0, 100.0):
-        append_run(path, record(estimated_train_seconds=estimated, actual_train_seconds=100.0))
-    append_run(path, record(estimated_train_seconds=None))  # no estimate: not counted
-    append_run(path, record(hardware="l4", estimated_train_seconds=500.0))  # other hardware
-    summary = time_accuracy_summary(path, "m1", "h100")
-    assert summary.count == 3
-    assert summary.mean_abs_error == pytest.approx((0.1 + 0.2 + 0.0) / 3)
-    assert summary.worst_abs_error == pytest.approx(0.2)
-    assert summary.mean_accuracy == pytest.approx((1.1 + 0.8 + 1.0) / 3)
+    assert remembered(path, "m1", "h100", "lora") is None
 
 
 def _append_many(path: str, writer: int, count: int, start: "multiprocessing.synchronize.Barrier") -> None:

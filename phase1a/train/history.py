@@ -2,15 +2,13 @@
 
 Each run appends a `RunRecord` after training: what it ran on, its measured tokens/s and how long the plan
 said training would take against how long it took. The plan can then start from the measured throughput of
-the same model on the same hardware instead of an assumed MFU, and say how good its time estimates have been.
+the same model on the same hardware instead of an assumed MFU.
 
     remembered throughput = the upper median tokens/s of the last `RECENT_RUNS` runs with the latest run's
                          knobs: one run slowed by a neighbour (a shared host, a throttled GPU) does not set the
                          next plan; of two runs, the faster, since contention only ever slows a run
 
     time_accuracy      = estimated_train_seconds / actual_train_seconds   (>1: the plan was pessimistic)
-    absolute error     = |time_accuracy - 1|, a fraction of the actual time; the summary reports its mean and
-                         worst over matching runs, and the mean ratio, whose distance from 1 is the bias
 
 Appends take an exclusive flock and write each line with one write() on an O_APPEND descriptor, then fsync,
 so concurrent writers (two runs finishing together) never interleave within a line and a crash loses at most
@@ -75,13 +73,6 @@ class RunRecord(BaseModel):
         return self
 
 
-class AccuracySummary(BaseModel):
-    count: int
-    mean_abs_error: float | None  # mean |estimated/actual - 1|; None without runs
-    worst_abs_error: float | None
-    mean_accuracy: float | None  # mean estimated/actual: above 1, estimates run long
-
-
 def append_run(path: Path, record: RunRecord) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,25 +107,13 @@ def read_runs(path: Path) -> tuple[list[RunRecord], int]:
     return records, skipped
 
 
-def matching_runs(path: Path, model_fingerprint: str, hardware: str, micro_batch_size: int | None = None,
-                  gradient_checkpointing: bool | None = None) -> list[RunRecord]:
-    """Runs of this model on this hardware (and micro-batch / checkpointing where given), oldest first."""
+def _matching_runs(path: Path, model_fingerprint: str, hardware: str) -> list[RunRecord]:
+    """Runs of this model on this hardware, oldest first."""
     records, _ = read_runs(path)
-    matches = [
-        (record.timestamp, index, record) for index, record in enumerate(records)
-        if record.model_fingerprint == model_fingerprint and record.hardware == hardware
-        and (micro_batch_size is None or record.micro_batch_size == micro_batch_size)
-        and (gradient_checkpointing is None or record.gradient_checkpointing == gradient_checkpointing)
-    ]
+    matches = [(record.timestamp, index, record) for index, record in enumerate(records)
+               if record.model_fingerprint == model_fingerprint and record.hardware == hardware]
     # By timestamp, then file order: histories copied between machines need not be in time order.
     return [record for _, _, record in sorted(matches, key=lambda item: (_utc(item[0]), item[1]))]
-
-
-def last_throughput(path: Path, model_fingerprint: str, hardware: str, micro_batch_size: int | None = None,
-                    gradient_checkpointing: bool | None = None) -> float | None:
-    """The most recent matching run's measured tokens/s, or None when no run matches."""
-    matches = matching_runs(path, model_fingerprint, hardware, micro_batch_size, gradient_checkpointing)
-    return matches[-1].tokens_per_second if matches else None
 
 
 class Remembered(BaseModel):
@@ -149,7 +128,7 @@ def remembered(path: Path, model_fingerprint: str, hardware: str, method_kind: s
                world_size: int = 1) -> Remembered | None:
     """The latest run of this model, method and hardware on as many GPUs (whatever its knobs: a plan may reuse
     them), with the upper median throughput of the recent runs that used the same knobs."""
-    matches = [r for r in matching_runs(path, model_fingerprint, hardware)
+    matches = [r for r in _matching_runs(path, model_fingerprint, hardware)
                if r.method_kind == method_kind and r.world_size == world_size]
     if not matches:
         return None
@@ -163,16 +142,6 @@ def _knobs(record: RunRecord) -> tuple:
     """What a run's tokens/s depends on beyond the model and hardware: its rows and how they were run."""
     return (record.precision, record.micro_batch_size, record.gradient_checkpointing, record.compile,
             record.cuda_graphs, record.dataloader_workers, record.max_seq_length)
-
-
-def time_accuracy_summary(path: Path, model_fingerprint: str, hardware: str) -> AccuracySummary:
-    ratios = [record.time_accuracy for record in matching_runs(path, model_fingerprint, hardware)
-              if record.time_accuracy is not None]
-    if not ratios:
-        return AccuracySummary(count=0, mean_abs_error=None, worst_abs_error=None, mean_accuracy=None)
-    errors = [abs(ratio - 1) for ratio in ratios]
-    return AccuracySummary(count=len(ratios), mean_abs_error=sum(errors) / len(errors), worst_abs_error=max(errors),
-                           mean_accuracy=sum(ratios) / len(ratios))
 
 
 # ---- the store ------------------------------------------------------------------------------------------------
