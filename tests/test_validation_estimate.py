@@ -9,8 +9,8 @@ from phase1a.evaluate.metrics import (
     TimingAllowance,
     ValidationSpeed,
     time_validation,
-    validation_seconds,
     validation_timing_seconds,
+    validation_work,
 )
 from phase1a.train.packing import TokenRows
 from tasks.tokenize import TokenizeOptions, tokenize_dataset
@@ -43,14 +43,14 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
     longest = max(len(e.reference) for e in examples)
     expected = (rows.lengths()[indices].sum() * 0.001 + sum(len(e.prompt) for e in examples) * 0.001
                 + decode_steps(examples, min(64, longest), 8) * 0.01)
-    assert validation_seconds(speed, rows, indices, settings, models=2) == pytest.approx(2 * expected)
+    assert validation_work(rows, indices, settings, models=2).seconds(speed) == pytest.approx(2 * expected)
     # A measured prefill speed prices the prompts; the teacher-forced pass keeps its own.
     timed = speed.model_copy(update={"prefill_seconds_per_token": 0.003})
     prompts = sum(len(e.prompt) for e in examples)
     with_prefill = 2 * (expected + prompts * 0.002)
-    assert validation_seconds(timed, rows, indices, settings, models=2) == pytest.approx(with_prefill)
+    assert validation_work(rows, indices, settings, models=2).seconds(timed) == pytest.approx(with_prefill)
     # The base model, untuned, does not stop where the references do: its batches run to max_new_tokens.
-    base = validation_seconds(speed, rows, indices, settings, models=1, untuned=1)
+    base = validation_work(rows, indices, settings, models=1, untuned=1).seconds(speed)
     batches = -(-len(examples) // 8)
     assert base == pytest.approx(2 * expected - decode_steps(examples, min(64, longest), 8) * 0.01
                                  + batches * min(64, longest) * 0.01)

@@ -397,8 +397,3 @@ def validation_work(rows: TokenRows, indices: np.ndarray, settings: ValidationCo
     read = EvaluationWork(forward_tokens=forward, prefill_tokens=prefill)
     return (read * (models + untuned) + EvaluationWork(decode_steps=steps) * models
             + EvaluationWork(decode_steps=batches * max_new) * untuned)
-
-
-def validation_seconds(speed: ValidationSpeed, rows: TokenRows, indices: np.ndarray, settings: ValidationConfig,
-                       models: int, untuned: int = 0) -> float:
-    return validation_work(rows, indices, settings, models, untuned).seconds(speed)
