@@ -19,6 +19,12 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a fresh database migrates slowly on 2 cores
 os.environ.pop("PREFECT_API_URL", None)
+# pytest-xdist's workers share the cores: each gets its share of torch's threads, and so does every process it
+# starts, as torchrun gives its ranks (phase1a/train/launch.py: a thread a core in each of two ranks ran 5.3x slower
+# on 2 cores). A user's own OMP_NUM_THREADS is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl  # noqa: E402 - after the isolation above
 
