@@ -72,19 +72,21 @@ def job_config(name: str, work: Path, budget: str):
 
 
 def measure(name: str, budget: str, train: bool, work: Path) -> dict:
+    from phase1a.config.tokenizing import tokenize_options
     from phase1a.core.units import parse_duration_seconds
+    from phase1a.data.tokenizing import tokenize_dataset
     from phase1a.model.loading import load_tokenizer, prepare_model
+    from phase1a.plan.planner import make_plan
+    from phase1a.plan.present import format_plan
     from phase1a.promote.warmstart import resolve_start
     from phase1a.results import record_run
     from phase1a.train.history import history_path
-    from tasks.plan import format_plan, make_plan
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import train as train_stage, train_settings
 
     config = job_config(name, work, budget)
     model = prepare_model(config)
     data = tokenize_dataset(Path(config.data.source), load_tokenizer(Path(model.path)), model.max_positions,
-                            TokenizeOptions.from_config(config), work / "tokenized" / name)
+                            tokenize_options(config), work / "tokenized" / name)
     began = time.perf_counter()
     plan = make_plan(config, model, data)
     wall = time.perf_counter() - began

@@ -122,8 +122,8 @@ def figures(result, cpu: dict, output_dir: Path) -> dict:
 def prepare(args: argparse.Namespace) -> tuple[str, object]:
     """The model directory and the tokenized data (made once under `--work`, reused by later invocations)."""
     from benchmarks.train_throughput import model_and_data
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.loading import load_tokenizer
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     model_dir, data_path = model_and_data(args.model, args.work, args.examples, args.max_answer_words)
     data = tokenize_dataset(data_path, load_tokenizer(Path(model_dir)), 8192, TokenizeOptions(),

@@ -594,8 +594,8 @@ def _serve_job(work: Path, dry_run: bool) -> ServeJob:
     from train_throughput import config_target, make_model_dir
 
     from phase1a.config.schema import Phase1aConfig
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.loading import load_tokenizer, prepare_model
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     shape, epochs = ("test", 6) if dry_run else ("tiny", 12)
     if dry_run:

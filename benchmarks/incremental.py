@@ -28,8 +28,8 @@ def night(shards: str, work: str, model_dir: str, queue) -> None:
     """One night's stage and tokenize, timed as the flow runs them (fingerprint, stage, tokenize)."""
     from phase1a.data.staging import data_source_fingerprint, file_hashes, stage_dataset
     from phase1a.data.tokenized import split_digest
+    from phase1a.data.tokenizing import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
     from phase1a.model.loading import load_tokenizer
-    from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     tokenizer, options, staging = load_tokenizer(Path(model_dir)), TokenizeOptions(), Path(work) / "staging"
     began = time.perf_counter()

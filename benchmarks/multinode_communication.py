@@ -88,11 +88,11 @@ def main() -> None:
     from tokenize_throughput import generate
 
     from phase1a.config.schema import MethodConfig, ModelConfig
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.cost_model import lora_parameters, model_facts
     from phase1a.model.loading import load_tokenizer, resolve_model
     from phase1a.plan.communication import ring
     from phase1a.train.launch import Launch
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import TrainSettings, run
 
     work = args.work / datetime.now().strftime("%Y%m%dT%H%M%S")

@@ -47,11 +47,11 @@ def main() -> None:
 
     from phase1a.config.schema import MethodConfig, ModelConfig
     from phase1a.core.hardware import detect
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.build import build_model, make_optimizer
     from phase1a.model.loading import load_tokenizer, resolve_model
     from phase1a.train.packing import RowBudget, StepBatches, token_budget
     from phase1a.train.steps import optimizer_step
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))

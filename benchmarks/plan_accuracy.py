@@ -42,12 +42,13 @@ def main() -> None:
 
     from phase1a.config.schema import ModelConfig, Phase1aConfig
     from phase1a.core.hardware import detect
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.loading import load_tokenizer, prepare_model, resolve_model
+    from phase1a.plan.planner import make_plan
+    from phase1a.plan.present import format_plan
     from phase1a.promote.warmstart import resolve_start
     from phase1a.results import record_run
     from phase1a.train.history import history_path
-    from tasks.plan import format_plan, make_plan
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
     from tasks.train import train, train_settings
 
     args.work.mkdir(parents=True, exist_ok=True)

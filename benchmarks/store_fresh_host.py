@@ -94,13 +94,13 @@ def night(source: str, endpoint: str, host: str, model_dir: str, store_url: str 
     from phase1a.data.shared_shards import SharedShards
     from phase1a.data.staging import StageOptions, data_source_fingerprint, file_hashes, stage_dataset
     from phase1a.data.tokenized import split_digest
+    from phase1a.data.tokenizing import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
     from phase1a.model.loading import load_tokenizer
     from phase1a.store.s3_store import S3Store
-    from tasks.tokenize import TokenizeOptions, dataset_dir, tokenize_dataset, tokenize_fingerprint
 
     staging, tokenizer = Path(host) / "staging", load_tokenizer(Path(model_dir))
     store = StoreConfig(url=store_url, endpoint_url=endpoint if store_url else None)
-    options = TokenizeOptions(store=store, s3_endpoint_url=endpoint)
+    options = TokenizeOptions(store=open_store(store), s3_endpoint_url=endpoint)
     began = time.perf_counter()
     fingerprint = data_source_fingerprint(source, endpoint, hashes=file_hashes(staging))
     fingerprinted = time.perf_counter()

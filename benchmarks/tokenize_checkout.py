@@ -21,8 +21,8 @@ assert phase1a.__file__.startswith(str(Path(root).resolve())), f"imported {phase
 
 from phase1a.config.schema import ModelConfig  # noqa: E402
 from phase1a.data.staging import data_source_fingerprint, stage_dataset  # noqa: E402
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset  # noqa: E402
 from phase1a.model.loading import load_tokenizer, resolve_model  # noqa: E402
-from tasks.tokenize import TokenizeOptions, tokenize_dataset  # noqa: E402
 
 tokenizer = load_tokenizer(Path(resolve_model(ModelConfig(name_or_path="smollm2-135m-instruct"))))
 began = time.perf_counter()

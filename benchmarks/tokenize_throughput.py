@@ -120,8 +120,8 @@ def measure_stage(data: str, model_dir: str, cache: str, workers: int | None, co
     assert phase1a.__file__.startswith(str(Path(code).resolve())), f"imported {phase1a.__file__}, not {code}'s"
     from phase1a.core.units import MIB
     from phase1a.data.tokenized import split_digest
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.loading import load_tokenizer
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     if cores:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))  # the Rust tokenizer's threads follow

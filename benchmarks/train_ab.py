@@ -71,8 +71,8 @@ def main() -> None:
     import torch
 
     from phase1a.config.schema import ModelConfig
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
     from phase1a.model.loading import load_tokenizer, resolve_model
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
     args.work.mkdir(parents=True, exist_ok=True)
     data_path = ROOT / "data" / "demo_dates.jsonl"

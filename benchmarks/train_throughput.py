@@ -232,8 +232,8 @@ def _plan_knobs(model_dir: str, spec: dict) -> dict:
     from phase1a.config.schema import Phase1aConfig
     from phase1a.data.tokenized import TokenizedData
     from phase1a.model.loading import prepare_model
+    from phase1a.plan.planner import make_plan
     from phase1a.train.packing import token_budget
-    from tasks.plan import make_plan
 
     data = TokenizedData.model_validate_json(spec["data_json"])
     config = Phase1aConfig.model_validate({
@@ -498,9 +498,9 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         from phase1a.config.schema import ModelConfig
         from phase1a.data.lengths import right_size
+        from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
         from phase1a.model.loading import load_tokenizer, resolve_model
         from phase1a.train.packing import TokenRows
-        from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
         args.work.mkdir(parents=True, exist_ok=True)
         tokenizer_dir = args.tokenizer

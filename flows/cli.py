@@ -40,7 +40,7 @@ def _summary(report_path: Path) -> str:
         if promotion:
             lines.append(promoted_line(promotion.version, promotion.path, promotion.promoted))
     if plan and not verdict:
-        from tasks.plan import format_plan
+        from phase1a.plan.present import format_plan
 
         lines += ["", "plan:", format_plan(plan)]
     lines += ["", f"status: {report.status}, wall {report.wall_seconds or 0:.1f} s", f"report: {report_path}"]

@@ -7,10 +7,10 @@ import pytest
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import BenchmarkConfig, DataConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
 from phase1a.evaluate.gate import Baseline, BaselineError, gate
 from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork, Metrics
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 from tasks.validate import format_table, validate
 
@@ -129,7 +129,7 @@ def test_the_gate_holds_each_benchmark_to_its_tolerance():
 
 
 def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, split, date_tasks, tmp_path):
-    from tasks.plan import _Planner
+    from phase1a.plan.planner import _Planner
 
     def work(benchmarks, baseline="base"):
         config = Phase1aConfig(data=DataConfig(source="unused"), model=ModelConfig(name_or_path=str(tiny_model_dir)),

@@ -6,9 +6,9 @@ import pytest
 from helpers import FACTS_8B, date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.units import GIB
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.cost_model import MemoryModel, TrainingShape
 from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, Candidate, calibrate, memory_alternatives
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 @pytest.fixture(scope="module")

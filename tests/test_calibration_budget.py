@@ -11,9 +11,10 @@ import pytest
 
 from helpers import resolved, write_jsonl
 from phase1a.config.schema import Phase1aConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.loading import load_tokenizer
-from tasks.plan import format_plan, make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.plan.planner import make_plan
+from phase1a.plan.present import format_plan
 
 # alone: a budget measured in seconds of a real model, kept while no other test shares the cores (make test).
 pytestmark = [pytest.mark.slow, pytest.mark.alone]

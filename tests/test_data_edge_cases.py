@@ -18,7 +18,7 @@ from helpers import date_records, write_jsonl
 from phase1a.core.errors import DataError
 from phase1a.data.lengths import find_outliers, right_size
 from phase1a.data.tokenized import split_table
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_MAX = 8192  # a model's positions, for the rule's own tests (the tiny test model has 256)

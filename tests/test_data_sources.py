@@ -21,7 +21,7 @@ from phase1a.core.fingerprint import hash_json
 from phase1a.core.locators import file_format
 from phase1a.data.datasource import DataLocation, iter_records, resolve_shards
 from phase1a.data.staging import data_source_fingerprint, stage_dataset
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
 RECORDS = date_records(30, seed=7)
 FLAT = [{"prompt": r["messages"][1]["content"], "completion": r["messages"][2]["content"]} for r in RECORDS]

@@ -14,7 +14,7 @@ from phase1a.data import encoding
 from phase1a.data.datasource import DataLocation, resolve_shards
 from phase1a.data.records import RecordError
 from phase1a.data.tokenized import split_digest as digest
-from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 
 def mixed_records(total: int) -> list:

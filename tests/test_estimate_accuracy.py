@@ -10,9 +10,9 @@ import torch
 
 from helpers import date_records, make_tiny_model_dir, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import Phase1aConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.during_training import EvalSettings
-from tasks.plan import make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.plan.planner import make_plan
 from tasks.train import TrainSettings, train
 
 

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, validate_config
 from phase1a.core.labels import IGNORE_INDEX
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.during_training import EvalSettings
+from phase1a.plan.planner import make_plan
 from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.packing import TokenRows
 from phase1a.train.preemption import Preempted
-from tasks.plan import make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train, training_key
 
 

@@ -26,8 +26,8 @@ LLAMA3_8B = ModelFacts(parameters=8_030_261_248, layers=32, hidden=4096, interme
 
 
 def rows_for(step, train_tokens: float = 1e6, **job) -> dict:
-    """The plan's rows for a step nothing measured here: every kind from the GPU model (tasks/plan.py `_options`
-    for a target that is no catalogue GPU)."""
+    """The plan's rows for a step nothing measured here: every kind from the GPU model (phase1a/plan/planner.py
+    `_options` for a target that is no catalogue GPU)."""
     reference = modelled(step, "h100", 0.35).value
     fields = dict(train_tokens=int(train_tokens), flops_per_token=step.flops_per_token, reference="h100",
                   reference_tokens_per_second=reference, memory_needed_bytes_per_gpu=2 * GIB,
@@ -131,13 +131,14 @@ def test_the_demos_gpu_rows_are_overhead_bound_not_a_flop_bound_35_percent_mfu()
 
 
 def test_a_plan_for_the_cpu_prices_its_gpu_rows_with_the_gpu_model(tmp_path, config_tree):
-    """Through the planner (tasks/plan.py `_options`): a plan made on this CPU models every GPU row, each with its
-    range and source, and report.md's plan section shows them."""
+    """Through the planner (phase1a/plan/planner.py `_options`): a plan made on this CPU models every GPU row, each
+    with its range and source, and report.md's plan section shows them."""
     from flows.report_md import _options
     from helpers import date_records, make_tokenizer, resolved, write_jsonl
     from phase1a.config.schema import Phase1aConfig
-    from tasks.plan import format_plan, make_plan
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
+    from phase1a.plan.planner import make_plan
+    from phase1a.plan.present import format_plan
 
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
                             TokenizeOptions(), tmp_path / "cache" / "fp")

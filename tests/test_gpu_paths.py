@@ -14,6 +14,7 @@ import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.build import Compilation, build_model, make_optimizer
 from phase1a.train.packing import (
     RowBudget,
@@ -25,7 +26,6 @@ from phase1a.train.packing import (
     token_budget,
 )
 from phase1a.train.steps import optimizer_step
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -21,8 +21,9 @@ from phase1a.core.hardware import (
     target_accelerator,
 )
 from phase1a.core.units import GIB
-from tasks.plan import format_plan, make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
+from phase1a.plan.planner import make_plan
+from phase1a.plan.present import format_plan
 
 RENTED = ("rtx4090", "rtx5090", "l40s", "rtx-a6000", "rtx-6000-ada", "rtx-pro-6000", "b200", "mi300x")
 

@@ -15,8 +15,8 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.core.errors import DataError
 from phase1a.data.hub import repo_cache_dir
 from phase1a.data.staging import StageOptions, data_source_fingerprint, stage_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from tasks.stage import staged_copy
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 README = b"""---
 configs:

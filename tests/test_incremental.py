@@ -14,8 +14,8 @@ from phase1a.core.errors import DataError
 from phase1a.core.fingerprint import FileHashes
 from phase1a.data.staging import stage_dataset
 from phase1a.data.tokenized import SplitView
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 from phase1a.promote.replay import read_trained_on, replay_mix, write_trained_on
-from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 OPTIONS = TokenizeOptions(validation_fraction=0.25)
 

@@ -9,12 +9,13 @@ import os
 import time
 
 import numpy as np
+import prefect  # noqa: F401  # for its effect: it sets up logging on import, which must come before caplog
 import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.core.meter import MeterSettings, artifact_key, stage_meter
 from phase1a.core.units import MIB, format_seconds
-from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
 
 class FakeClock:

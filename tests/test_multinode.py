@@ -15,9 +15,9 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from helpers.prefect_stack import descendants, kill9, wait_for
 from helpers.servers import free_port
 from phase1a.config.schema import HardwareConfig, MethodConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.launch import Launch, LaunchError, launch_for, slurm_command, torchrun_command
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import ENTRY, TrainSettings, rank_settings, run
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on one CPU host")

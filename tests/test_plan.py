@@ -4,9 +4,9 @@ import pytest
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.lengths import right_size
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
+from phase1a.plan.planner import make_plan
 from phase1a.plan.window import WindowError
-from tasks.plan import make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 def planned(config_tree: dict, data):
@@ -70,8 +70,8 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
 def test_two_nodes_of_eight_gpus_are_one_gpus_speed_times_sixteen_at_the_computed_scaling(tmp_path, config_tree):
     """The plan for 2 x 8 H100s takes one H100's (assumed) speed 16 times at the scaling its step's transfers
     leave, prices 16 GPUs, never takes a one-GPU run's history for it, and prints where more nodes stop paying."""
+    from phase1a.plan.present import format_plan
     from phase1a.train.history import RunRecord, append_run, history_path
-    from tasks.plan import format_plan
 
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
                             TokenizeOptions(), tmp_path / "cache" / "fp")

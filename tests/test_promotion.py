@@ -13,6 +13,7 @@ from helpers import CHATML, date_records, make_tokenizer, write_jsonl
 from helpers.servers import s3_client
 from phase1a.config.schema import ValidationConfig
 from phase1a.core.fingerprint import sha256_tree
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.metrics import evaluate
 from phase1a.model.loading import load_for_eval
 from phase1a.promote.promotion import (
@@ -27,7 +28,6 @@ from phase1a.promote.promotion import (
 )
 from phase1a.train.packing import TokenRows
 from tasks.promote import merge_adapter
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.validate import PromotedSource, Scoring, promoted_baseline
 
 pytestmark = pytest.mark.usefixtures("aws_env")

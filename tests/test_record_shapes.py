@@ -11,9 +11,9 @@ from phase1a.core.errors import DataError
 from phase1a.data.records import RECORD_FORMATS, RecordError, to_conversation
 from phase1a.data.render import IGNORE_INDEX, Renderer, render_segments
 from phase1a.data.templates import CHAT_TEMPLATES, apply_chat_template_setting, template_fingerprint
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 from phase1a.evaluate.generation import generation_examples, stop_token_ids
 from phase1a.train.packing import TokenRows
-from tasks.tokenize import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
 
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # A small tool-capable template in the style of Qwen2.5's: schemas in a system block, calls as JSON in tags.

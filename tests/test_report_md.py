@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import prefect  # noqa: F401  # for its effect: it sets up logging on import, which must come before caplog
 import pytest
 from pydantic import BaseModel
 
@@ -18,7 +19,9 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.data.lengths import LengthStats
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.gate import GateCheck
+from phase1a.plan.planner import make_plan
 from phase1a.plots import by_step, smoothed, step_rates
 from phase1a.results import Plan, TrainResult
 from phase1a.run_report import (
@@ -32,8 +35,6 @@ from phase1a.run_report import (
     ValidationSection,
 )
 from phase1a.train.history import RunRecord, append_run, history_path
-from tasks.plan import make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset  # imports Prefect, which sets up logging: before caplog
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")

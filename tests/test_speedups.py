@@ -16,6 +16,7 @@ import torch
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.build import build_model, compile_layers, make_optimizer, set_gradient_checkpointing
 from phase1a.train.packing import (
     PackedRow,
@@ -29,7 +30,6 @@ from phase1a.train.packing import (
     summed_loss,
 )
 from phase1a.train.steps import train_step
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2)
 

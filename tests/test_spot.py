@@ -8,6 +8,7 @@ import pytest
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import ConfigError, Phase1aConfig, validate_config
 from phase1a.core.hardware import CATALOGUE
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.plan.interruptions import (
     Exposure,
     NotExpectedToFinish,
@@ -18,14 +19,13 @@ from phase1a.plan.interruptions import (
     young_daly_seconds,
 )
 from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
+from phase1a.plan.planner import make_plan
 from phase1a.plan.window import WindowError
 from phase1a.promote.warmstart import StartPoint
 from phase1a.results import StoreTraining, TrainResult, interruptions_outcome
 from phase1a.store.base import LocalStore
 from phase1a.train.history import RunRecord, append_run, history_path
 from phase1a.train.train_store import Pulled
-from tasks.plan import make_plan
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import train_settings
 
 TOKENS_PER_SECOND = 10.0  # the history's speed: a few hundred seconds of training, so intervals are seconds long

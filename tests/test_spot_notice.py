@@ -21,11 +21,11 @@ from helpers.hosts import Host, wait_until
 from helpers.metadata import FakeMetadata
 from helpers.servers import free_port, s3_client
 from phase1a.config.schema import MethodConfig, validate_config
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 from phase1a.train.launch import Launch
 from phase1a.train.preemption import Preempted, StopRequest
 from phase1a.train.spot_notice import AWS_URL, GCE_URL, AwsNotices, GceNotices, SpotNotices, clients_for
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, run
 
 

@@ -178,7 +178,7 @@ def test_parquet_on_s3_tokenizes_like_the_same_records_in_jsonl(tmp_path, endpoi
     import pyarrow.parquet as pq
 
     from helpers import make_tokenizer, read_arrow, write_jsonl
-    from tasks.tokenize import TokenizeOptions, tokenize_dataset
+    from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
     records = date_records(40, seed=3)
     for index in range(2):  # two shards under a prefix

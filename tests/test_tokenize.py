@@ -8,8 +8,8 @@ from phase1a.core.errors import DataError
 from phase1a.data.lengths import right_size
 from phase1a.data.records import to_conversation
 from phase1a.data.render import IGNORE_INDEX, render_segments
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.packing import TokenRows
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 def run(tmp_path, tokenizer, records, **options):

@@ -11,7 +11,7 @@ from flows.report_md import publish_length_report
 from helpers import date_records, make_tokenizer, read_arrow, write_jsonl
 from phase1a.core.errors import DataError
 from phase1a.data.render import IGNORE_INDEX, Renderer, render_segments
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
 
 def run(path: Path, tokenizer, **options):
@@ -148,8 +148,8 @@ def test_two_runs_racing_on_one_fingerprint(tmp_path):
 
 def test_fingerprint_changes_with_data_tokenizer_template_and_options(tmp_path):
     from helpers import make_tiny_model_dir
+    from phase1a.data.tokenizing import tokenize_fingerprint
     from phase1a.model.loading import tokenizer_fingerprint
-    from tasks.tokenize import tokenize_fingerprint
 
     chatml = make_tiny_model_dir(tmp_path / "a")
     other_template = make_tiny_model_dir(tmp_path / "b", chat_template="{{ messages[0]['content'] }}")

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import date_records
 from phase1a.data.tokenized import split_digest
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
 SHARD_FILES = ("tokens.arrow", "examples.arrow", "summary.json")
 # sha256 of tokens.arrow and examples.arrow for these fixtures with chunks of 64 records, written by the code before

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.packing import TokenRows
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 
 ROOT = Path(__file__).resolve().parents[1]

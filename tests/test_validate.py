@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.answers import extract_answer, normalise
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.generation import generate_greedy, generation_examples, stop_token_ids
@@ -20,7 +21,6 @@ from phase1a.model.loading import for_scoring, load_for_eval
 from phase1a.promote.promotion import PromotionError, read_pointer
 from phase1a.train.packing import TokenRows
 from tasks.promote import promote_candidate
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 from tasks.train import TrainSettings, train
 from tasks.validate import Scoring, base_model_metrics, format_table, validate
 

@@ -4,6 +4,7 @@ import pytest
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import ValidationConfig
+from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.generation import GenerationExample, decode_steps, generation_examples
 from phase1a.evaluate.metrics import (
     TimingAllowance,
@@ -13,7 +14,6 @@ from phase1a.evaluate.metrics import (
     validation_work,
 )
 from phase1a.train.packing import TokenRows
-from tasks.tokenize import TokenizeOptions, tokenize_dataset
 
 
 def example(prompt: int, reference: int) -> GenerationExample:
