@@ -59,6 +59,51 @@ def test_layers_point_down():
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
+# A test or benchmark exercises the library; from tasks/ it takes a stage's task function (`*_task`) and nothing
+# more. The exceptions: tests of a task itself, each with why, and the stages whose library still lives in their
+# task module.
+_STAGE_OUTPUT = "a staged copy is where the stage task's cache looks for it: its StageCache's output, staged_copy"
+TASK_TESTS = {
+    "tests/test_keys_travel.py": "the stages' keys on two hosts: the fingerprints their StageCaches are built from",
+    "tests/test_stage.py": _STAGE_OUTPUT,
+    "tests/test_stage_s3.py": _STAGE_OUTPUT,
+    "tests/test_hub_datasets.py": _STAGE_OUTPUT,
+}
+NOT_YET_MOVED = ("tasks.train", "tasks.validate", "tasks.promote")  # issue 37's later work: drop each as it moves
+
+
+def task_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every name the file imports from tasks/ ('*': a whole module, `import tasks.x`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tasks":
+            found += [(node.lineno, node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, "*") for alias in node.names if alias.name.split(".")[0] == "tasks"]
+    return found
+
+
+def beyond_the_task(path: Path) -> list[str]:
+    return [f"{relative(path)}:{line} imports {name} from {module}" for line, module, name in task_imports(path)
+            if not name.endswith("_task") and module not in NOT_YET_MOVED]
+
+
+def test_tests_and_benchmarks_import_the_library_not_a_stages_recipe():
+    """What a test or benchmark runs, it imports from phase1a/; a task module is the stage's recipe, imported for
+    its task only (to run the stage as the flow does), save by a test of the task itself."""
+    wrong = [offence for path in sources("tests", "benchmarks") if relative(path) not in TASK_TESTS
+             for offence in beyond_the_task(path)]
+    assert not wrong, "library code taken from tasks/ (import it from phase1a/):\n" + "\n".join(wrong)
+
+
+def test_the_task_tests_and_the_unmoved_stages_are_still_needed():
+    unneeded = [name for name in TASK_TESTS if not beyond_the_task(PROJECT_ROOT / name)]
+    taken = {module for path in sources("tests", "benchmarks") for _, module, name in task_imports(path)
+             if not name.endswith("_task")}
+    unneeded += [module for module in NOT_YET_MOVED if module not in taken]
+    assert not unneeded, f"no longer needed: {unneeded}"
+
+
 # The library's packages, lowest first: each imports only from those before it (and itself). The modules above
 # them, results.py (what stages hand each other), plots.py and tracking/, may import any.
 PACKAGES = ("core", "store", "data", "config", "model", "train", "evaluate", "plan", "promote")
@@ -194,10 +239,10 @@ def test_the_config_choices_are_read_from_their_registries():
 
 
 # What runs on a bare GPU host (benchmarks/gpu_check.py's parts): the train loop, tokenizing, the plan, the benchmarks.
-GPU_HOST_MODULES = ("tasks.train", "tasks.tokenize", "tasks.plan", "phase1a.train.steps", "phase1a.plan.calibration",
-                    "benchmarks.train_throughput", "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput",
-                    "benchmarks.packed_rows", "benchmarks.gpu_check", "benchmarks.attention_op",
-                    "benchmarks.step_meter")
+GPU_HOST_MODULES = ("tasks.train", "phase1a.data.tokenizing", "phase1a.plan.planner", "phase1a.plan.present",
+                    "phase1a.train.steps", "phase1a.plan.calibration", "benchmarks.train_throughput",
+                    "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput", "benchmarks.packed_rows",
+                    "benchmarks.gpu_check", "benchmarks.attention_op", "benchmarks.step_meter")
 
 
 def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):
