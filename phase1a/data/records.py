@@ -29,7 +29,7 @@ _TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 class RecordSettings(Protocol):
-    """What reading a record needs from the data settings (tasks pass their TokenizeOptions)."""
+    """What reading a record needs from the data settings (tokenizing passes its TokenizeOptions)."""
 
     format: str
     field_map: dict[str, str]

@@ -3,7 +3,7 @@ content and reused by every dataset that holds the shard.
 
 A nightly dataset grows by a shard or two out of fifty; what depends only on one shard (reading, rendering,
 tokenizing) is done once for it, and what depends on them all (max_seq_length, duplicates, the held-out
-split) is decided over the scalars, without reading the old shards' tokens again (tasks/tokenize.py).
+split) is decided over the scalars, without reading the old shards' tokens again (phase1a/data/tokenizing.py).
 
 A shard's key is its content (a sha256, or the Hub blob's name), its format, the tokenizer (its vocabulary,
 merges, special tokens and chat template, hashed from the loaded object), the record settings, and this
