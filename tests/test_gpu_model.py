@@ -9,7 +9,7 @@ import pytest
 from phase1a.core.hardware import CATALOGUE
 from phase1a.core.units import GIB
 from phase1a.model.cost_model import ModelFacts, flops_per_token
-from phase1a.plan.gpu_model import Measured, StepJob, fit, gpu_step, load_overheads, modelled, step_seconds
+from phase1a.plan.gpu_model import Measured, StepJob, fit, gpu_step, load_overheads, modelled_speed, step_seconds
 from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, format_options, option_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ LLAMA3_8B = ModelFacts(parameters=8_030_261_248, layers=32, hidden=4096, interme
 def rows_for(step, train_tokens: float = 1e6, **job) -> dict:
     """The plan's rows for a step nothing measured here: every kind from the GPU model (phase1a/plan/planner.py
     `_options` for a target that is no catalogue GPU)."""
-    reference = modelled(step, "h100", 0.35).value
+    reference = modelled_speed(step, "h100", 0.35).value
     fields = dict(train_tokens=int(train_tokens), flops_per_token=step.flops_per_token, reference="h100",
                   reference_tokens_per_second=reference, memory_needed_bytes_per_gpu=2 * GIB,
                   weights_and_state_bytes=GIB, global_batch=16, learning_rate=1e-4, gpu=step,
@@ -206,7 +206,7 @@ def test_the_fit_takes_the_largest_per_kernel_overhead_all_allow_and_the_rest_pe
     assert s.low <= 1e-3 and s.value == pytest.approx(0.5 - one.kernels * k.value, rel=1e-3)
     assert s.high == pytest.approx(1.1 - one.kernels * k.value, rel=1e-3)
     for run in runs:  # each measurement within the range of its own step
-        m = modelled(run.step, "h200", 0.35, overheads)
+        m = modelled_speed(run.step, "h200", 0.35, overheads)
         assert m.low <= run.tokens_per_second <= m.high
     assert overheads.ceiling(0.35).value == 0.35 and overheads.ceiling(0.35).low == pytest.approx(0.175)
     assert step_seconds(one, 989e12, k.value, 0.0, 0.35) == pytest.approx(one.kernels * k.value)

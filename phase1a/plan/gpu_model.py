@@ -225,7 +225,7 @@ class Modelled(BaseModel):
         return f"compute-bound: {self.step_seconds.value:.3g} s a step at the ceiling MFU"
 
 
-def modelled(step: GpuStep, kind: str, assumed_mfu: float, overheads: GpuOverheads | None = None) -> Modelled:
+def modelled_speed(step: GpuStep, kind: str, assumed_mfu: float, overheads: GpuOverheads | None = None) -> Modelled:
     """`step`'s tokens/s on one GPU of catalogue kind `kind` (module docstring)."""
     overheads = overheads or load_overheads()
     peak = CATALOGUE[kind].peak_flops

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from phase1a.core.hardware import CATALOGUE
 from phase1a.core.units import GIB
 from phase1a.plan.communication import NETWORKS, StepTraffic, step_communication
-from phase1a.plan.gpu_model import GpuStep, Modelled, load_overheads, modelled
+from phase1a.plan.gpu_model import GpuStep, Modelled, load_overheads, modelled_speed
 from phase1a.plan.interruptions import Exposure, NotExpectedToFinish, auto_interval, expected
 
 Strategy = Literal["single", "ddp", "fsdp", "zero3", "hsdp", "auto"]
@@ -276,8 +276,9 @@ def _speed(spec: OptionSpec, job: OptionsJob, policy: OptionsPolicy) -> _Speed:
                             f"FLOP/s, down to the same speed where overhead bounds the step")
     overheads = load_overheads()
     step = job.gpu.share(spec.gpus) if policy.keep_global_batch else job.gpu
-    on_kind, at_reference = modelled(step, kind, job.assumed_mfu), modelled(job.gpu, reference, job.assumed_mfu)
-    whole = on_kind if step is job.gpu else modelled(job.gpu, kind, job.assumed_mfu)
+    on_kind = modelled_speed(step, kind, job.assumed_mfu)
+    at_reference = modelled_speed(job.gpu, reference, job.assumed_mfu)
+    whole = on_kind if step is job.gpu else modelled_speed(job.gpu, kind, job.assumed_mfu)
     ratio = at_reference.value / whole.value  # step seconds on kind over the reference's
     if job.reference_source == "modelled":  # the reference is the model's: every kind straight from it
         return _Speed(low=on_kind.low, value=on_kind.value, high=on_kind.high, step_ratio=ratio, source="modelled",

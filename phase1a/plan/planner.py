@@ -78,7 +78,7 @@ from phase1a.plan.calibration import (
 )
 from phase1a.plan.communication import StepTraffic, step_communication
 from phase1a.plan.footing import Footing
-from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, load_overheads, modelled
+from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, load_overheads, modelled_speed
 from phase1a.plan.interruptions import (
     ASSUMED_DISK_BYTES_PER_SECOND,
     ASSUMED_STORE_BYTES_PER_SECOND,
@@ -253,7 +253,7 @@ class _Planner:
         """A catalogue GPU that is not present: its speed for this job's steps from the GPU model (kernel launches
         and per-step overhead fitted to committed GPU measurements, compute at `plan.assumed_mfu`), with its range."""
         target = self.config.hardware.target
-        speed = modelled(self._gpu_step(start, max_seq_length, flops), target, self.policy.assumed_mfu)
+        speed = modelled_speed(self._gpu_step(start, max_seq_length, flops), target, self.policy.assumed_mfu)
         words = f"{speed.words(load_overheads())}, {speed.low:,.0f}-{speed.high:,.0f} tokens/s"
         self.notes.append(f"throughput modelled for {self.target.name}, not measured: {words} "
                           f"(phase1a/plan/gpu_model.py); start-up and checkpoint writes assumed at 1 GiB/s")
@@ -628,7 +628,7 @@ class _Planner:
         own = reference == hardware.target  # the target's rows: its own measured (or assumed) speeds
         step = self._gpu_step(throughput.chosen, fit.max_seq_length, flops)
         reference_tps = (1.0 / throughput.seconds_per_token if own
-                         else modelled(step, reference, policy.assumed_mfu).value)
+                         else modelled_speed(step, reference, policy.assumed_mfu).value)
         assumed_tps = CATALOGUE["h100"].peak_flops * policy.assumed_mfu / flops
         speed = (self._validation_speed(throughput, fit.max_seq_length) if own else self._modelled_validation_speed(
             1.0 / assumed_tps, CATALOGUE["h100"], throughput.chosen.gradient_checkpointing, fit.max_seq_length))
