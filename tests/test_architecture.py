@@ -168,6 +168,38 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+# One name for one thing: no two classes, and no two public top-level functions, of phase1a/, tasks/ and flows/
+# share a name, so an import, a search or a traceback names one thing. A private function (_name) is its module's
+# own and may repeat. The names used twice on purpose, with why:
+SHARED_NAMES = {"main": "each command-line module's entry point (`python -m phase1a.config.reference`, flows/cli.py)"}
+
+
+def defined_names(path: Path) -> list[tuple[str, int]]:
+    """(name, line) of the module's top-level classes and public functions."""
+    return [(node.name, node.lineno) for node in ast.parse(path.read_text(), filename=str(path)).body
+            if isinstance(node, ast.ClassDef) or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not node.name.startswith("_")]
+
+
+def name_homes() -> dict[str, list[str]]:
+    homes: dict[str, list[str]] = {}
+    for path in sources(*LAYERS):
+        for name, line in defined_names(path):
+            homes.setdefault(name, []).append(f"{relative(path)}:{line}")
+    return homes
+
+
+def test_one_name_for_one_thing():
+    shared = [f"{name}: {', '.join(where)}" for name, where in sorted(name_homes().items())
+              if len(where) > 1 and name not in SHARED_NAMES]
+    assert not shared, "defined more than once (rename one, for what it is):\n" + "\n".join(shared)
+
+
+def test_the_shared_names_are_still_shared():
+    homes = name_homes()
+    assert not [name for name in SHARED_NAMES if len(homes.get(name, [])) < 2]
+
+
 def functions(path: Path):
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
