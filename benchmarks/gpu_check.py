@@ -555,7 +555,7 @@ def serve_vllm(work: Path, out: Path, dry_run: bool) -> int:
     """The serve-vllm part: train an adapter, validate and promote it, check it for vLLM multi-LoRA, then (CUDA
     and vLLM here) serve it with vLLM on the validation prompts and compare the exact match with the validate
     stage's. Writes `out`; 1 when the adapter is incompatible or the two exact matches differ."""
-    from phase1a.promote.serving import check_vllm_adapter
+    from phase1a.evaluate.serving import check_vllm_adapter
 
     began = time.monotonic()
     job = _serve_job(work, dry_run)

@@ -12,10 +12,10 @@ from pydantic import BaseModel
 from phase1a.core.hardware import history_kind
 from phase1a.evaluate.gate import Baseline, GateCheck
 from phase1a.evaluate.metrics import Metrics
+from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.plan.result import Plan
-from phase1a.promote.serving import ServingVerdict
-from phase1a.promote.warmstart import StartPoint
+from phase1a.start.warmstart import StartPoint
 from phase1a.train.history import RunRecord, append_run
 from phase1a.train.train_store import Pulled
 

@@ -10,11 +10,11 @@ from pydantic import BaseModel, Field
 from phase1a.core.atomic import write_atomically
 from phase1a.evaluate.gate import GateCheck
 from phase1a.evaluate.metrics import Answer
+from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.promote.promotion import PromotionOutcome
-from phase1a.promote.serving import ServingVerdict
-from phase1a.promote.warmstart import StartPoint
 from phase1a.results import RunOutcome, ValidationResult
+from phase1a.start.warmstart import StartPoint
 from phase1a.train.history import RunRecord
 
 T = TypeVar("T", bound=BaseModel)

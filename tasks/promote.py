@@ -20,8 +20,9 @@ from phase1a.data.templates import apply_chat_template_setting
 from phase1a.model.gguf import write_gguf
 from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer, peft_wrapping
 from phase1a.model_card import BaseModelFacts, CardFacts, RunFacts, write_card
-from phase1a.promote.promotion import Promotion, PromotionError, PromotionOutcome, PromotionRecord, promote
+from phase1a.promote.promotion import Promotion, PromotionOutcome, promote
 from phase1a.results import TrainResult, ValidationResult
+from phase1a.store.promoted import PromotionError, PromotionRecord
 from tasks.caching import task
 
 

@@ -31,7 +31,7 @@ def staged_fingerprint(config: Phase1aConfig, field: Source = "source") -> str:
     data = config.data
     source = getattr(data, field)
     return data_source_fingerprint(source, config.endpoint_for(source), data.revision, field=f"data.{field}",
-                                   hashes=file_hashes(data.staging_dir))
+                                   hashes=file_hashes(data.staging_dir), config=data.config)
 
 
 def staged_copy(fingerprint: str, config: Phase1aConfig, field: Source = "source") -> Path:

@@ -1,7 +1,7 @@
 """Start: where training starts (`method.init_from`): fresh adapters on the base model, the promoted version's
-adapter, or a given one, fetched and checked against the model (phase1a/promote/warmstart.py); and, for a warm
+adapter, or a given one, fetched and checked against the model (phase1a/start/warmstart.py); and, for a warm
 start with `data.replay_fraction`, the training data as the new shards plus old examples replayed
-(phase1a/promote/replay.py).
+(phase1a/start/replay.py).
 
 The start runs before any long stage, so a missing or mismatched adapter fails in seconds; it may fetch from S3
 or the store, so the flow retries it on transient errors. The replay mix is a view beside the tokenized dataset
@@ -12,8 +12,8 @@ from __future__ import annotations
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.tokenized import TokenizedData
 from phase1a.model.loading import ResolvedModel
-from phase1a.promote.replay import warm_start_data
-from phase1a.promote.warmstart import StartPoint, resolve_start
+from phase1a.start.replay import warm_start_data
+from phase1a.start.warmstart import StartPoint, resolve_start
 from tasks.caching import task
 
 

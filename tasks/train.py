@@ -48,9 +48,9 @@ from phase1a.evaluate.during_training import EvalSettings, Evaluator
 from phase1a.model.build import Compilation, build_model, make_optimizer, make_scheduler
 from phase1a.model.cost_model import significant
 from phase1a.model.loading import ResolvedModel
-from phase1a.promote.replay import write_trained_on
-from phase1a.promote.warmstart import StartPoint
 from phase1a.results import Plan, StoreTraining, TrainResult, record_run
+from phase1a.start.replay import write_trained_on
+from phase1a.start.warmstart import StartPoint
 from phase1a.store.base import Store
 from phase1a.store.lease import LeaseLost
 from phase1a.train import distributed, run_files

@@ -35,16 +35,17 @@ from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json, sha256_file, sha256_tree
 from phase1a.core.hardware import training_device, training_dtype
+from phase1a.data.staging import fetch_adapter
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark, validation_key
 from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.evaluate.serving import check_vllm_adapter
 from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
-from phase1a.promote.promotion import PromotedPointer, fetch_adapter, read_pointer
-from phase1a.promote.serving import check_vllm_adapter
 from phase1a.results import TrainResult, ValidationResult
 from phase1a.run_report import ValidationSection
+from phase1a.store.promoted import PromotedPointer, read_pointer
 from phase1a.train.packing import TokenRows
 from tasks.caching import StageCache, task
 

@@ -16,7 +16,7 @@ from phase1a.core.errors import DataError
 from phase1a.data.hub import repo_cache_dir
 from phase1a.data.staging import StageOptions, data_source_fingerprint, stage_dataset
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from tasks.stage import staged_copy
+from tasks.stage import staged_copy, staged_fingerprint
 
 README = b"""---
 configs:
@@ -70,6 +70,13 @@ def test_a_hub_dataset_id_stages_from_the_cache_and_tokenizes_like_jsonl(tmp_pat
     assert (held_out.train_examples, held_out.validation_examples) == (24, 6)
 
     staged_flat = stage_dataset(repo_id, tmp_path / "staging", options=StageOptions(config="flat"))
+    # Another config is other files: another key and another staged copy, so a cached stage of one config is
+    # never taken for the other.
+    assert staged_flat.fingerprint == data_source_fingerprint(repo_id, config="flat") != fingerprint
+    flat_config = Phase1aConfig.model_validate({"data": {"source": repo_id, "config": "flat",
+                                                         "staging_dir": str(tmp_path / "staging")}})
+    assert staged_fingerprint(flat_config) == staged_flat.fingerprint != staged_fingerprint(config)
+    assert staged_copy(staged_flat.fingerprint, flat_config) != staged_copy(fingerprint, config)
     flat = tokenize_dataset(staged_flat, tokenizer, 256, TokenizeOptions(config="flat", validation_count=1),
                             tmp_path / "cache" / "flat")
     assert flat.train_examples + flat.validation_examples == 6

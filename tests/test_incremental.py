@@ -15,7 +15,7 @@ from phase1a.core.fingerprint import FileHashes
 from phase1a.data.staging import stage_dataset
 from phase1a.data.tokenized import SplitView
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset, tokenize_fingerprint
-from phase1a.promote.replay import read_trained_on, replay_mix, write_trained_on
+from phase1a.start.replay import read_trained_on, replay_mix, write_trained_on
 
 OPTIONS = TokenizeOptions(validation_fraction=0.25)
 

@@ -218,7 +218,8 @@ def test_validation_counts_loss_and_generation_batches_and_generates_the_same(ti
 
 
 def test_promotion_counts_the_bytes_of_the_version(tmp_path, info_lines):
-    from phase1a.promote.promotion import Promotion, PromotionRecord, promote
+    from phase1a.promote.promotion import Promotion, promote
+    from phase1a.store.promoted import PromotionRecord
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

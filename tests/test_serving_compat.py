@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import make_tiny_model_dir
-from phase1a.promote.serving import MAX_LORA_RANKS, ServingVerdict, check_vllm_adapter
+from phase1a.evaluate.serving import MAX_LORA_RANKS, ServingVerdict, check_vllm_adapter
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RULES = ["architecture", "target_modules", "vocab_size", "rank", "modules_to_save", "embeddings", "dora", "bias",

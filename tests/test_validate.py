@@ -18,7 +18,7 @@ from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_f
 from phase1a.evaluate.generation import generate_greedy, generation_examples, stop_token_ids
 from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
 from phase1a.model.loading import for_scoring, load_for_eval
-from phase1a.promote.promotion import PromotionError, read_pointer
+from phase1a.store.promoted import PromotionError, read_pointer
 from phase1a.train.packing import TokenRows
 from tasks.promote import promote_candidate
 from tasks.train import TrainSettings, train

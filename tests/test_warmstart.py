@@ -14,8 +14,9 @@ from helpers import date_records, resolved, write_jsonl
 from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, config_from, load_config
 from phase1a.model.adapters import ADAPTER_WEIGHTS, AdapterError, adapter_fingerprint
 from phase1a.model.build import build_model
-from phase1a.promote.promotion import Promotion, PromotionRecord, promote, version_chain
-from phase1a.promote.warmstart import resolve_start
+from phase1a.promote.promotion import Promotion, promote
+from phase1a.start.warmstart import resolve_start
+from phase1a.store.promoted import PromotionRecord, version_chain
 
 METHOD = MethodConfig(lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
 

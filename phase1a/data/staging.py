@@ -1,6 +1,6 @@
 """Staging: copy a dataset (and, on request, a model directory) to fast local disk, verified, skipped when
-already identical. The stage task (tasks/stage.py) runs it for datasets; model resolution and the validate
-stage (a promoted baseline on S3) for model directories.
+already identical. The stage task (tasks/stage.py) runs it for datasets; model resolution, the warm start and
+the validate stage (a promoted version's adapter: `fetch_adapter`) for model directories.
 
 Dataset sources: a local file, directory or glob, a file:// URL, s3://bucket/key (one object),
 s3://bucket/prefix/ (every object under the prefix, as a directory of shards in key order), or a Hub dataset
@@ -43,6 +43,7 @@ from phase1a.core.meter import Meter, stage_meter
 from phase1a.data import hub
 from phase1a.data.datasource import DataLocation, download_hub_dataset, is_json_array
 from phase1a.store.base import Store
+from phase1a.store.promoted import PromotedPointer, PromotionError
 from phase1a.store.s3 import (
     DEFAULT_TRANSFER,
     S3Error,
@@ -188,18 +189,20 @@ def _parse(source: str) -> S3Url:
 
 
 def data_source_fingerprint(source: str, endpoint_url: str | None = None, revision: str | None = None,
-                            field: str = "data.source", hashes: FileHashes | None = None) -> str:
+                            field: str = "data.source", hashes: FileHashes | None = None,
+                            config: str | None = None) -> str:
     """What the stage cache keys on, without downloading anything: the sha256 of a local file's bytes (of
     every file's, for a directory or glob), for S3 the hash of (bucket, keys, sizes, ETags) from one HEAD or
-    listing, for a Hub dataset its id and the commit `revision` resolves to. `hashes` remembers local files'
-    hashes by their identity (inode, size, mtime), so unchanged shards are not read again."""
+    listing, for a Hub dataset its id, the commit `revision` resolves to and the `config` whose files are staged.
+    `hashes` remembers local files' hashes by their identity (inode, size, mtime), so unchanged shards are not
+    read again."""
     hashes = hashes or FileHashes()
     if is_s3_url(source):
         url = _parse(source)
         return _s3_fingerprint(url, _list(url, endpoint_url)[1])
     if looks_like_hub_id(source):
         commit = hub.resolve_commit(source, repo_type="dataset", revision=revision, field=field)
-        return hash_json(["hub-dataset", source, commit])
+        return _hub_fingerprint(source, commit, config)
     if is_glob(source):
         fingerprint = _files_fingerprint(*glob_files(source, field), hashes)
     else:
@@ -207,6 +210,12 @@ def data_source_fingerprint(source: str, endpoint_url: str | None = None, revisi
         fingerprint = _files_fingerprint(path, _local_files(path), hashes) if path.is_dir() else hashes.sha256(path)
     hashes.save()
     return fingerprint
+
+
+def _hub_fingerprint(source: str, commit: str, config: str | None) -> str:
+    # The stage downloads one config's files: another config of the same commit is other data. Without a config,
+    # the key it always had.
+    return hash_json(["hub-dataset", source, commit] + ([config] if config is not None else []))
 
 
 def staged_name(source: str) -> str:
@@ -580,7 +589,7 @@ def _stage_s3(source: str, staging_dir: Path, endpoint_url: str | None, options:
 def _stage_hub(source: str, staging_dir: Path, revision: str | None, config: str | None) -> StagedData:
     """The Hub dataset's files for `config`, in HF_HOME's cache at one commit; the staged location links there."""
     snapshot = download_hub_dataset(source, revision, config)
-    fingerprint = hash_json(["hub-dataset", source, snapshot.commit])
+    fingerprint = _hub_fingerprint(source, snapshot.commit, config)
     target = staged_location(staging_dir, fingerprint, staged_name(source))
     if not target.is_dir():
         with atomic_path(target) as link:
@@ -643,3 +652,14 @@ def stage_model(source: str, staging_dir: Path, endpoint_url: str | None = None,
     url = _parse(source if source.endswith("/") else source + "/")  # a model is always a directory
     client, objects = _list(url, endpoint_url)
     return _stage_s3_prefix(source, url, client, objects, Path(staging_dir), StageOptions(transfer=transfer)).target
+
+
+def fetch_adapter(pointer: PromotedPointer, staging_dir: Path, endpoint_url: str | None = None) -> Path:
+    """The promoted version's adapter on local disk: staged under `staging_dir/promoted/` from S3 (verified,
+    reused while unchanged), or where it lies locally."""
+    location = pointer.artifacts.get("adapter", "")
+    if is_s3_url(location):
+        return stage_model(location, Path(staging_dir) / "promoted", endpoint_url)
+    if not Path(location).is_dir():
+        raise PromotionError(f"promoted version {pointer.version}: its adapter {location!r} is missing")
+    return Path(location)

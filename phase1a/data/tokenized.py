@@ -45,7 +45,7 @@ class TokenizedData(BaseModel):
     truncated_examples: int
     dropped_overlong: int
     dropped_without_labels: int
-    replay: dict[str, float] | None = None  # a warm start's mix of new and replayed examples (phase1a/promote/replay.py)
+    replay: dict[str, float] | None = None  # a warm start's mix of new and replayed examples (phase1a/start/replay.py)
 
 
 def read_mapped(path: str | Path) -> pa.Table:

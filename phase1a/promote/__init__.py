@@ -1,1 +1,2 @@
-"""Promoted versions, warm starts from them, and old data replayed beside the new."""
+"""Promotion: a model that passed the gate stored as a new version, then the pointer moved to it (promotion.py);
+reading the promoted versions is phase1a/store/promoted.py."""

@@ -8,7 +8,7 @@ Layout, the same in a local directory and under an s3://bucket/prefix/:
     versions/<version>/gguf/...        optional: GGUF files of the merged model (validation.export)
     versions/<version>/version.json    the pointer as it was written for this version, with its `parent`: the
                                        version it was trained from (`method.init_from`), so the chain
-                                       base -> v1 -> v2 reads back (`version_chain`)
+                                       base -> v1 -> v2 reads back (phase1a/store/promoted.py: `version_chain`)
 
 Every file of a version is written and verified before the pointer moves, and the pointer is replaced in one
 atomic step (locally a temporary file and os.replace, on S3 a single PUT), so a reader sees the old pointer or
@@ -27,45 +27,26 @@ from types import EllipsisType
 from typing import Any, Callable
 
 from botocore.exceptions import ClientError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.fingerprint import sha256_file
 from phase1a.core.locks import exclusive
 from phase1a.core.meter import stage_meter
-from phase1a.data.staging import stage_model
+from phase1a.store.promoted import (
+    POINTER,
+    PromotedPointer,
+    PromotionError,
+    PromotionRecord,
+    read_local_pointer,
+    read_s3_pointer,
+    read_s3_record,
+)
 from phase1a.store.s3 import S3Url, is_s3_url, make_client, parse_s3_url, s3_errors
-
-POINTER = "promoted.json"
-
-
-class PromotionError(RuntimeError):
-    """A promotion that did not happen; the previous pointer is intact."""
 
 
 class PromotionConflict(PromotionError):
     """The pointer moved while this promotion ran; this version was stored but not pointed at."""
-
-
-class PromotionRecord(BaseModel):
-    """What the caller knows about the model being promoted."""
-
-    run: str
-    adapter_sha256: str
-    base_model_fingerprint: str
-    sample_fingerprint: str
-    metric_settings: str
-    metrics: dict[str, Any]
-    parent: str | None = None  # the promoted version this model was trained from; None: fresh from the base model
-    started_from: str | None = None  # where its training started, in words: the base model, a version, an adapter
-
-
-class PromotedPointer(PromotionRecord):
-    version: str
-    path: str  # the version's directory or s3:// prefix
-    artifacts: dict[str, str]  # "adapter" / "merged" / "gguf" -> its location
-    files: dict[str, str]  # path relative to the version -> sha256
-    promoted_at: str
 
 
 @dataclass
@@ -132,72 +113,12 @@ def promote(promotion: Promotion, destination: str, *, endpoint_url: str | None 
     return _promote_local(promotion, Path(destination), copy_file)
 
 
-def read_pointer(destination: str, endpoint_url: str | None = None) -> PromotedPointer | None:
-    if is_s3_url(destination):
-        url = parse_s3_url(destination.rstrip("/") + "/")
-        return _read_s3_pointer(make_client(endpoint_url), url)[0]
-    return _read_local_pointer(Path(destination))
-
-
-def fetch_adapter(pointer: PromotedPointer, staging_dir: Path, endpoint_url: str | None = None) -> Path:
-    """The promoted version's adapter on local disk: staged under `staging_dir/promoted/` from S3 (verified,
-    reused while unchanged), or where it lies locally."""
-    location = pointer.artifacts.get("adapter", "")
-    if is_s3_url(location):
-        return stage_model(location, Path(staging_dir) / "promoted", endpoint_url)
-    if not Path(location).is_dir():
-        raise PromotionError(f"promoted version {pointer.version}: its adapter {location!r} is missing")
-    return Path(location)
-
-
-def version_chain(destination: str, endpoint_url: str | None = None) -> list[PromotedPointer]:
-    """The promoted version, then the version it was trained from, and so on back to one trained from the base
-    model, each as its `version.json` recorded it. Empty when nothing is promoted."""
-    pointer = read_pointer(destination, endpoint_url)
-    chain = [pointer] if pointer is not None else []
-    while chain and chain[-1].parent is not None:
-        if any(seen.version == chain[-1].parent for seen in chain):
-            raise PromotionError(f"{destination}: version {chain[-1].version} names {chain[-1].parent} as its "
-                                 "parent, which is already in its chain")
-        chain.append(_read_version(destination, chain[-1].parent, endpoint_url))
-    return chain
-
-
-def _read_version(destination: str, version: str, endpoint_url: str | None) -> PromotedPointer:
-    if is_s3_url(destination):
-        url = parse_s3_url(destination.rstrip("/") + "/")
-        key, client = f"{url.key}versions/{version}/version.json", make_client(endpoint_url)
-        with s3_errors(client, f"s3://{url.bucket}/{key}", url.bucket, "GET"):
-            raw = client.get_object(Bucket=url.bucket, Key=key)["Body"].read()
-        return _parse_pointer(raw, f"s3://{url.bucket}/{key}")
-    path = Path(destination) / "versions" / version / "version.json"
-    if not path.is_file():
-        raise PromotionError(f"{path}: version {version}, a parent in the promoted chain, is missing")
-    return _parse_pointer(path.read_bytes(), str(path))
-
-
 # --- a local directory -------------------------------------------------------------------------------------
-
-def _parse_pointer(raw: bytes, where: str) -> PromotedPointer:
-    try:
-        return PromotedPointer.model_validate_json(raw)
-    except (ValidationError, ValueError) as error:
-        raise PromotionError(f"{where}: not a promoted pointer: {error}") from None
-
-
-def _read_local_pointer(root: Path) -> PromotedPointer | None:
-    path = root / POINTER
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    return _parse_pointer(raw, str(path))
-
 
 def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, Path], Any]) -> PromotionOutcome:
     artifacts, version, record = promotion.artifacts, promotion.version, promotion.record
     root.mkdir(parents=True, exist_ok=True)
-    current = _read_local_pointer(root)
+    current = read_local_pointer(root)
     # Before the expected-version check: another run that trained the same adapter may have promoted it.
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
@@ -220,7 +141,7 @@ def _promote_local(promotion: Promotion, root: Path, copy_file: Callable[[Path, 
         pointer = _new_pointer(record, version, str(final), artifacts, files, lambda name: str(final / name))
         (partial / "version.json").write_text(pointer.model_dump_json(indent=2) + "\n")
     with exclusive(root / ".promoted.lock", f"the promoted pointer under {root}"):
-        now = _read_local_pointer(root)
+        now = read_local_pointer(root)
         if now and now.adapter_sha256 == record.adapter_sha256:  # promoted meanwhile by a run of the same adapter
             shutil.rmtree(final)  # one version of an adapter is enough
             return PromotionOutcome(pointer=now, promoted=False)
@@ -238,19 +159,6 @@ def _upload(client: Any, path: Path, bucket: str, key: str) -> None:
     client.upload_file(str(path), bucket, key)
 
 
-def _read_s3_pointer(client: Any, url: S3Url) -> tuple[PromotedPointer | None, str | None]:
-    key = url.key + POINTER
-    with s3_errors(client, f"s3://{url.bucket}/{key}", url.bucket, "GET"):
-        try:
-            response = client.get_object(Bucket=url.bucket, Key=key)
-        except ClientError as error:
-            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None, None
-            raise
-        raw = response["Body"].read()
-    return _parse_pointer(raw, f"s3://{url.bucket}/{key}"), response["ETag"]
-
-
 def _delete_quietly(client: Any, bucket: str, keys: list[str]) -> None:
     """Best effort: objects of a version that never got pointed at are unreferenced garbage, not harm."""
     for start in range(0, len(keys), 1000):
@@ -262,7 +170,7 @@ def _delete_quietly(client: Any, bucket: str, keys: list[str]) -> None:
 
 def _promote_s3(promotion: Promotion, url: S3Url, client: Any, upload_file) -> PromotionOutcome:
     version, record = promotion.version, promotion.record
-    current, etag = _read_s3_pointer(client, url)
+    current, etag = read_s3_pointer(client, url)
     # Before the expected-version check: an earlier attempt of this promotion (a retry) may have moved it here.
     if current and current.adapter_sha256 == record.adapter_sha256:
         return PromotionOutcome(pointer=current, promoted=False)
@@ -280,22 +188,11 @@ def _check_version_free(client: Any, url: S3Url, prefix: str, record: PromotionR
     with s3_errors(client, f"s3://{url.bucket}/{prefix}", url.bucket, "list"):
         if not client.list_objects_v2(Bucket=url.bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0):
             return
-    earlier = _read_s3_record(client, url.bucket, prefix + "version.json")
+    earlier = read_s3_record(client, url.bucket, prefix + "version.json")
     pointed_at = current is not None and current.path == f"s3://{url.bucket}/{prefix}"
     if pointed_at or (earlier is not None and earlier.run != record.run):
         raise PromotionError(f"s3://{url.bucket}/{prefix}: version {prefix.rstrip('/').rsplit('/', 1)[-1]} "
                              "already exists; versions are never overwritten")
-
-
-def _read_s3_record(client: Any, bucket: str, key: str) -> PromotedPointer | None:
-    with s3_errors(client, f"s3://{bucket}/{key}", bucket, "GET"):
-        try:
-            raw = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as error:
-            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-    return _parse_pointer(raw, f"s3://{bucket}/{key}")
 
 
 def _upload_version(promotion: Promotion, url: S3Url, client: Any, upload_file,
@@ -343,7 +240,7 @@ def _put_pointer(client: Any, url: S3Url, body: bytes, etag: str | None,
             status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status not in (409, 412):
                 raise
-            now = _read_s3_pointer(client, url)[0]
+            now = read_s3_pointer(client, url)[0]
             if now is None or now.adapter_sha256 != pointer.adapter_sha256:
                 raise PromotionConflict(f"{url}: the promoted pointer moved while {pointer.version} was uploaded; "
                                         f"{pointer.path} is stored but not promoted") from None

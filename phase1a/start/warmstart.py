@@ -9,7 +9,7 @@ a note in the report's lineage: the nightly job needs no special first run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel
@@ -19,12 +19,9 @@ from phase1a.core.logs import run_logger
 from phase1a.model.adapters import AdapterError, adapter_fingerprint, check_adapter
 from phase1a.model.loading import ResolvedModel
 
-if TYPE_CHECKING:
-    pass
-
 
 class StartPoint(BaseModel):
-    """Where a run's trainable weights start (`method.init_from`, phase1a/promote/warmstart.py): fresh adapters on
+    """Where a run's trainable weights start (`method.init_from`, phase1a/start/warmstart.py): fresh adapters on
     the base model (or the base itself, full fine-tuning), a promoted version's adapter, or a given adapter."""
 
     init_from: str  # as configured: base, promoted, or the adapter's location
@@ -57,7 +54,8 @@ def resolve_start(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
 
 def _promoted(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
     # Imported here: boto3 comes with them, and a base or local start on a bare GPU host has none.
-    from phase1a.promote.promotion import fetch_adapter, read_pointer
+    from phase1a.data.staging import fetch_adapter
+    from phase1a.store.promoted import read_pointer
 
     where, base = config.validation.promote_to, config.model.name_or_path
     pointer = read_pointer(where, config.endpoint_for(where))  # in the store's bucket: the store's endpoint
