@@ -121,7 +121,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
         if not verdict.passed:
             raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))
 
-        if config.validation.promote_to:  # only a pass gets here: a failed gate never moves the pointer
+        if config.promotion.to:  # only a pass gets here: a failed gate never moves the pointer
             context = RunFacts(config=report.data.config, data=data, plan=plan, flow_run=report.data.flow_run)
             promotion = report.run("promote", stages.promote, config=config, model=model, verdict=verdict,
                                    trained=trained, run_dir=str(report.run_dir), run=context)

@@ -360,7 +360,7 @@ def _steps(report: RunReport, train: TrainResult, plan: Plan | None) -> str:
         taken = ", ".join(f"{name} {value}" for name, value in train.arithmetic_from_checkpoint.items())
         steps += f" with its checkpoint's {taken} (this host's plan chose otherwise)"
     if train.stopped_early:  # `steps` is the plan's count: where the patience ran out says how far it went
-        patience = report.config.get("validation", {}).get("early_stopping")
+        patience = (report.config.get("method") or {}).get("early_stopping_patience")
         steps += (f"; stopped early at step {train.stopped_at_step:,} (no better eval loss in {patience} "
                   f"evaluations), the adapter from step {train.best_step:,}")
     return steps + (" (a finished run, reused)" if train.reused_completed_run else "")
@@ -437,7 +437,7 @@ def _validation(report: RunReport) -> list[str]:
 
 def _promotion(report: RunReport) -> list[str]:
     promotion = report.validation.promotion if report.validation else None
-    promote_to = (report.config.get("validation") or {}).get("promote_to")
+    promote_to = (report.config.get("promotion") or {}).get("to")
     rows = [("started from", report.lineage.started_from if report.lineage else "-")]
     if promotion:
         rows += [("version", f"`{promotion.version}`" + ("" if promotion.promoted
@@ -448,7 +448,7 @@ def _promotion(report: RunReport) -> list[str]:
         failed = report.validation is not None and report.validation.verdict == "fail"
         rows.append(("promoted", "no: " + ("the gate failed" if failed else "the run did not get that far")))
     else:
-        rows.append(("promoted", "no: validation.promote_to is not set"))
+        rows.append(("promoted", "no: promotion.to is not set"))
     serving = report.validation.serving if report.validation else None
     if serving is not None:
         rows.append(("serving", serving.describe()))

@@ -19,6 +19,6 @@ from tasks.caching import task
 @task(name="model")
 def model_task(config: Phase1aConfig) -> ResolvedModel:
     model = prepare_model(config)
-    if "gguf" in config.validation.export:
+    if "gguf" in config.promotion.export:
         check_gguf_export(Path(model.path))  # an architecture GGUF export does not cover fails here, not at promote
     return model

@@ -1,8 +1,8 @@
-"""Promote: a model that passed the gate, copied as a new version under `validation.promote_to` (a directory or
+"""Promote: a model that passed the gate, copied as a new version under `promotion.to` (a directory or
 s3://bucket/prefix/), then the `promoted.json` pointer moved to it (phase1a/promote/promotion.py).
 
 What is promoted: the adapter (or a full fine-tune's weights), with the tokenizer it was trained with when
-`data.chat_template` overrode the base's template; with `validation.export` the base with the adapter merged in
+`data.chat_template` overrode the base's template; with `promotion.export` the base with the adapter merged in
 (`merged`, which loads without peft) and GGUF files of it (`gguf`). Each artifact carries its model card
 (phase1a/model_card.py).
 """
@@ -71,9 +71,9 @@ class _Artifacts:
         return target
 
     def exports(self) -> dict[str, Path]:
-        """`validation.export`: the merged model (a full fine-tune's weights already are one) and its GGUF files,
+        """`promotion.export`: the merged model (a full fine-tune's weights already are one) and its GGUF files,
         named by the version."""
-        wanted, adapter = self.config.validation.export, self.adapter_dir
+        wanted, adapter = self.config.promotion.export, self.adapter_dir
         if not wanted:
             return {}
         merged = (merge_adapter(self.model_dir, adapter, self.scratch / "merged", self.config.model.trust_remote_code,
@@ -101,11 +101,11 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
     """Promote the run in `run_dir` (its name is the version) whose verdict passed; where its training started
     (`trained.start`) is recorded as the version's parent (None: the base model). With the `run`, every
     artifact gets its model card."""
-    settings, start = config.validation, trained.start
+    destination, start = config.promotion.to, trained.start
     if not verdict.passed:  # the flow never calls this on a fail; a direct caller must not either
         raise PromotionError("refusing to promote a model that failed the gate: " + "; ".join(verdict.reasons))
-    if not settings.promote_to:
-        raise PromotionError("validation.promote_to is not set: nowhere to promote to")
+    if not destination:
+        raise PromotionError("promotion.to is not set: nowhere to promote to")
     run_dir = Path(run_dir)
     building = _Artifacts(config, Path(model.path), Path(trained.adapter_dir), run_dir / "promote.tmp", run_dir.name)
     try:
@@ -122,9 +122,9 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
                                  parent=start.version if start else None,
                                  started_from=start.describe() if start else None)
         # Against a promoted baseline the pointer must still be the one the gate saw; else whatever it is now.
-        expected = verdict.promoted_seen if settings.baseline == "promoted" else ...
-        return promote(Promotion(artifacts, run_dir.name, record, expected), settings.promote_to,
-                       endpoint_url=config.endpoint_for(settings.promote_to))  # the store's, in its bucket
+        expected = verdict.promoted_seen if config.validation.baseline == "promoted" else ...
+        return promote(Promotion(artifacts, run_dir.name, record, expected), destination,
+                       endpoint_url=config.endpoint_for(destination))  # the store's, in its bucket
     finally:
         shutil.rmtree(building.scratch, ignore_errors=True)  # copies: promoted, or not wanted
 

@@ -127,6 +127,10 @@ def _display(settings: TrainSettings) -> MeterSettings | None:
     return MeterSettings.of(settings.progress) if settings.progress is not None else current_settings()
 
 
+# init_from enters as the start's content; early stopping as `EvalSettings.key`, beside where it looks.
+_NOT_IN_METHOD_KEY = {"init_from", "early_stopping_patience", "early_stopping_threshold"}
+
+
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int,
                  start_fingerprint: str | None = None, early_stopping: dict | None = None) -> str:
     """What makes two runs the same run: same data, weights (the base's, and the adapter a warm start continues)
@@ -136,7 +140,7 @@ def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: Met
     weights are final); the cadence of evaluations without it does not, since evaluating changes no weight. A
     start from the base without early stopping keeps the key it had before either existed."""
     key = {"data": tokenized_fingerprint, "model": model_fingerprint, "max_seq_length": max_seq_length,
-           "method": method.model_dump(exclude={"init_from"})}
+           "method": method.model_dump(exclude=_NOT_IN_METHOD_KEY)}
     if start_fingerprint is not None:
         key["start"] = start_fingerprint
     if early_stopping is not None:
@@ -156,7 +160,7 @@ class _Choices:
     @classmethod
     def of(cls, config: Phase1aConfig, plan: Plan, data: TokenizedData) -> "_Choices":
         return cls(method=config.method.model_copy(update={"epochs": plan.epochs}),
-                   evaluation=EvalSettings.of(config.validation, data.validation_path, data.validation_examples),
+                   evaluation=EvalSettings.of(config, data.validation_path, data.validation_examples),
                    interval=plan.checkpoint_interval or config.checkpoint.interval)
 
 

@@ -169,17 +169,17 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
 def _promoted_pointer(config: Phase1aConfig) -> PromotedPointer | None:
     """The pointer the gate compares with; None on a warm start's first night (nothing promoted yet), which is
     gated against the base model: the nightly job needs no special first run."""
-    settings = config.validation
-    pointer = read_pointer(settings.promote_to, config.endpoint_for(settings.promote_to))
+    where = config.promotion.to
+    pointer = read_pointer(where, config.endpoint_for(where))
     if pointer is None and config.method.init_from == "base":
-        raise BaselineError(f"validation.baseline promoted: nothing is promoted at {settings.promote_to} (no "
+        raise BaselineError(f"validation.baseline promoted: nothing is promoted at {where} (no "
                             "promoted.json); promote a model first (e.g. a run with baseline: base) or choose "
                             "baseline: base or file")
     return pointer
 
 
 def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path, adapter_dir: Path) -> ValidationResult:
-    settings, endpoint = config.validation, config.endpoint_for(config.validation.promote_to)
+    settings, endpoint = config.validation, config.endpoint_for(config.promotion.to)
     device, trust = training_device(), config.model.trust_remote_code
     # 1. sample; the baseline read before any model loads
     rows = TokenRows.load(validation_path)
@@ -262,14 +262,15 @@ def publish_validation(verdict: ValidationResult, run_dir: Path) -> Path:
 
 # ---- the task ------------------------------------------------------------------------------------------------
 
-def baseline_identity(settings: ValidationConfig, endpoint_url: str | None = None) -> str:
+def baseline_identity(config: Phase1aConfig) -> str:
     """What the verdict depends on besides the candidate: the baseline file's bytes or the pointer's version."""
+    settings = config.validation
     if settings.baseline == "file":
         path = Path(settings.baseline_file)
         return sha256_file(path) if path.is_file() else "missing"  # the stage runs and names the path
     if settings.baseline == "promoted":
-        pointer = read_pointer(settings.promote_to, endpoint_url)
-        # The version and its adapter's bytes, not where the pointer lies: a local promote_to is another path
+        pointer = read_pointer(config.promotion.to, config.endpoint_for(config.promotion.to))
+        # The version and its adapter's bytes, not where the pointer lies: a local promotion.to is another path
         # on another host.
         return f"promoted {pointer.version} {pointer.adapter_sha256}" if pointer else "promoted None"
     return "base"
@@ -278,14 +279,12 @@ def baseline_identity(settings: ValidationConfig, endpoint_url: str | None = Non
 def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, trained: TrainResult) -> str:
     """The validate stage's key, from its own inputs: the same weights on the same held-out examples against
     the same baseline give the same verdict."""
-    endpoint = config.endpoint_for(config.validation.promote_to)
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
-    # What is exported is the promote stage's (never cached): the verdict is the same.
     # No path enters (validation_key): the verdict is found from any checkout or host.
-    settings = validation_key(config.validation, exclude=DURING_TRAINING_FIELDS | {"export"})
+    settings = validation_key(config.validation, exclude=DURING_TRAINING_FIELDS)
     return hash_json({"model": model.fingerprint, "adapter": sha256_tree(Path(trained.adapter_dir), ADAPTER_FILES),
                       "data": data.fingerprint, "settings": settings,
-                      "baseline": baseline_identity(config.validation, endpoint)})
+                      "baseline": baseline_identity(config)})
 
 
 @task(name="validate", cache_policy=StageCache(fingerprint=verdict_fingerprint), persist_result=True,

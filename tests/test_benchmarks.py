@@ -6,7 +6,14 @@ import pytest
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from helpers.benchmarks import write_date_tasks
-from phase1a.config.schema import BenchmarkConfig, DataConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.config.schema import (
+    BenchmarkConfig,
+    DataConfig,
+    ModelConfig,
+    Phase1aConfig,
+    PromotionConfig,
+    ValidationConfig,
+)
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
 from phase1a.evaluate.gate import Baseline, BaselineError, gate
@@ -134,8 +141,8 @@ def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, sp
     def work(benchmarks, baseline="base"):
         config = Phase1aConfig(data=DataConfig(source="unused"), model=ModelConfig(name_or_path=str(tiny_model_dir)),
                                cache_dir=tmp_path / "cache", validation=ValidationConfig(
-                                   max_examples=8, benchmarks=benchmarks, baseline=baseline,
-                                   promote_to=str(tmp_path / "promoted")))
+                                   max_examples=8, benchmarks=benchmarks, baseline=baseline),
+                               promotion=PromotionConfig(to=str(tmp_path / "promoted")))
         return _Planner(config, resolved(config), split)._validation_work()
 
     one = sum((benchmark_work(load_benchmark(spec), make_tokenizer(), 16) for spec in specs(date_tasks)),

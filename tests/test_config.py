@@ -1,9 +1,10 @@
+import logging
 from pathlib import Path
 
 import pytest
 import yaml
 
-from phase1a.config.schema import ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
+from phase1a.config.schema import MOVED_KEYS, ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
 from phase1a.core.units import Interval, parse_interval
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -135,3 +136,65 @@ def test_shipped_example_jobs():
 def test_schema_is_shared_and_serialisable():
     config = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}})
     assert Phase1aConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+# ---- keys that moved to their stage's section (MOVED_KEYS) -----------------------------------------------------
+
+OLD_KEYS = {"validation": {"max_examples": 8, "promote_to": "promoted", "export": ["gguf", "merged"],
+                           "early_stopping": 2, "early_stopping_min_delta": 0.01}}
+NEW_KEYS = {"validation": {"max_examples": 8}, "promotion": {"to": "promoted", "export": ["merged", "gguf"]},
+            "method": {"early_stopping_patience": 2, "early_stopping_threshold": 0.01}}
+
+
+def job_file(tmp_path: Path, name: str, tree: dict) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"data": {"source": "d.jsonl"}, **tree}))
+    return path
+
+
+def moved_key_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "phase1a" and " is now " in r.getMessage()]
+
+
+def test_old_keys_load_as_the_new_ones_each_said_in_one_line(tmp_path, caplog):
+    new = load_config(job_file(tmp_path, "new", NEW_KEYS))
+    with caplog.at_level(logging.WARNING, logger="phase1a"):
+        old = load_config(job_file(tmp_path, "old", OLD_KEYS))
+    assert old == new and old.promotion.to == str(tmp_path / "promoted")  # relative to the file, as before
+    assert moved_key_lines(caplog) == [f"{old_key} is now {new_key}; it still loads, for one release"
+                                       for old_key, new_key in MOVED_KEYS.items()]
+
+
+@pytest.mark.parametrize("old_key, new_key", MOVED_KEYS.items())
+def test_an_old_key_beside_its_new_key_is_an_error_naming_both(tmp_path, old_key, new_key):
+    (old_section, old_leaf), (new_section, new_leaf) = old_key.split("."), new_key.split(".")
+    value = {"promote_to": "p", "export": ["gguf"], "early_stopping": 2, "early_stopping_min_delta": 0.1}[old_leaf]
+    tree = {old_section: {old_leaf: value}, new_section: {new_leaf: value}}
+    with pytest.raises(ConfigError) as error:
+        load_config(job_file(tmp_path, "both", tree))
+    assert f"{old_key} and {new_key} are both given: {new_key} replaces {old_key}" in str(error.value)
+    assert str(tmp_path / "both.yaml") in str(error.value)
+
+
+def test_a_set_of_an_old_key_works_on_a_file_with_either_key(tmp_path, caplog):
+    """`--set validation.promote_to=...` (the CLI's and a deployment's overrides) on a job written before the
+    move or after it: the override wins, moved to its new key; a new key's override replaces an old key too."""
+    for name, tree in (("old", OLD_KEYS), ("new", NEW_KEYS)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="phase1a"):
+            config = config_from(config_file=job_file(tmp_path, name, tree), base=tmp_path,
+                                 overrides=["validation.promote_to=s3://models/p/", "validation.early_stopping=5"])
+        assert (config.promotion.to, config.method.early_stopping_patience) == ("s3://models/p/", 5)
+        assert config.promotion.export == ["merged", "gguf"] and config.method.early_stopping_threshold == 0.01
+        assert "validation.promote_to is now promotion.to; it still loads, for one release" in moved_key_lines(caplog)
+    old_file = job_file(tmp_path, "old", OLD_KEYS)
+    assert config_from(config_file=old_file, overrides=["promotion.to=s3://models/q/"]).promotion.to == "s3://models/q/"
+    assert config_from(config_file=old_file, overrides=["validation.promote_to=null"]).promotion.to is None
+
+
+def test_promote_merged_from_before_exports_still_adds_merged(tmp_path):
+    for tree in ({"validation": {"promote_merged": True}}, {"validation": {"promote_merged": True, "export": ["gguf"]}},
+                 {"validation": {"promote_merged": True}, "promotion": {"export": ["gguf"]}}):
+        exports = ["merged", "gguf"] if "gguf" in str(tree) else ["merged"]
+        assert load_config(job_file(tmp_path, "merged", tree)).promotion.export == exports, tree
+    assert load_config(job_file(tmp_path, "off", {"validation": {"promote_merged": False}})).promotion.export == []

@@ -51,7 +51,7 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
         gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile,
         dataloader_workers=plan.dataloader_workers, max_seq_length=plan.max_seq_length,
         checkpoint_interval=config.checkpoint.interval, show_progress=False,
-        evaluation=EvalSettings.of(config.validation, data.validation_path, data.validation_examples),
+        evaluation=EvalSettings.of(config, data.validation_path, data.validation_examples),
     ))
     assert result.train_tokens == plan.train_tokens and result.steps == plan.steps
     assert result.checkpoints_written == plan.estimate.checkpoints

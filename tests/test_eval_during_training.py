@@ -291,18 +291,19 @@ def test_a_resume_goes_back_to_the_best_its_checkpoint_names(cadence, tiny_model
 
 def test_config_errors_name_the_field(config_tree):
     config = validate_config(config_tree)
-    assert config.validation.during_training == "checkpoint" and config.validation.early_stopping is None
-    for validation, words in [
-        ({"during_training": "5 parsecs"}, ["validation.during_training", "'checkpoint'"]),
-        ({"during_training": "never", "early_stopping": 3}, ["validation", "early_stopping 3", "during_training"]),
-        ({"early_stopping": 0}, ["validation.early_stopping", "greater than or equal to 1"]),
+    assert config.validation.during_training == "checkpoint" and config.method.early_stopping_patience is None
+    for validation, patience, words in [
+        ({"during_training": "5 parsecs"}, None, ["validation.during_training", "'checkpoint'"]),
+        ({"during_training": "never"}, 3, ["method.early_stopping_patience 3", "validation.during_training is"]),
+        ({}, 0, ["method.early_stopping_patience", "greater than or equal to 1"]),
     ]:
         with pytest.raises(ConfigError) as error:
-            validate_config({**config_tree, "validation": {**config_tree["validation"], **validation}})
+            validate_config({**config_tree, "validation": {**config_tree["validation"], **validation},
+                             "method": {**config_tree["method"], "early_stopping_patience": patience}})
         assert all(word in str(error.value) for word in words), str(error.value)
     with pytest.raises(ConfigError, match="checkpoint.interval is never"):
         validate_config({**config_tree, "checkpoint": {"interval": "never"},
-                         "validation": {"early_stopping": 2}})
+                         "method": {"early_stopping_patience": 2}})
     assert validate_config({**config_tree, "validation": {"during_training": None}}).validation.during_training == \
         "never"
 
@@ -322,14 +323,15 @@ def test_only_early_stopping_enters_the_training_key():
 
 def test_the_plan_estimates_the_evaluations(config_tree, data):
     config_tree["hardware"] = {"target": "h100"}  # not present: no calibration, the assumed speed
-    config_tree["validation"]["early_stopping"] = 2
+    config_tree["method"]["early_stopping_patience"] = 2
 
-    def estimate(**validation):
-        tree = {**config_tree, "validation": {**config_tree["validation"], **validation}}
+    def estimate(patience: int | None = 2, **validation):
+        tree = {**config_tree, "validation": {**config_tree["validation"], **validation},
+                "method": {**config_tree["method"], "early_stopping_patience": patience}}
         config = Phase1aConfig.model_validate(tree)
         return make_plan(config, resolved(config), data).estimate
 
-    at_checkpoints, never = estimate(), estimate(during_training="never", early_stopping=None)
+    at_checkpoints, never = estimate(), estimate(during_training="never", patience=None)
     assert at_checkpoints.checkpoints == 1 and at_checkpoints.evaluations_during_training == 2  # step 3 and the end
     assert at_checkpoints.eval_during_training_seconds > 0 and never.evaluations_during_training == 0
     assert at_checkpoints.train_seconds == pytest.approx(
@@ -341,17 +343,19 @@ def test_the_plan_estimates_the_evaluations(config_tree, data):
 
 
 def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_validate_sample():
-    """Changing only the fields `DURING_TRAINING_FIELDS` names changes EvalSettings and never the validate stage's
-    key; the sample is at most `max_examples`, the first examples the validate stage scores."""
+    """Changing only the fields `DURING_TRAINING_FIELDS` names (and early stopping, in method) changes
+    EvalSettings and never the validate stage's key; the sample is at most `max_examples`, the first examples the
+    validate stage scores."""
     from phase1a.config.schema import ValidationConfig
     from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 
     assert DURING_TRAINING_FIELDS <= set(ValidationConfig.model_fields)
-    base = ValidationConfig(max_examples=16)
+    base = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}, "validation": {"max_examples": 16}})
     assert EvalSettings.of(base, "v.json", 100).examples == 16  # 64 asked, 16 validated
-    changed = base.model_copy(update={"during_training": "5steps", "during_training_examples": 8,
-                                      "early_stopping": 2, "early_stopping_min_delta": 0.01})
+    changed = base.model_copy(update={
+        "validation": base.validation.model_copy(update={"during_training": "5steps", "during_training_examples": 8}),
+        "method": base.method.model_copy(update={"early_stopping_patience": 2, "early_stopping_threshold": 0.01})})
     settings = EvalSettings.of(changed, "v.json", 100)
     assert (settings.cadence, settings.examples, settings.patience, settings.min_delta) == ("5steps", 8, 2, 0.01)
-    assert (base.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
-            == changed.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS))
+    assert (base.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
+            == changed.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS))

@@ -163,7 +163,7 @@ def test_the_flow_retries_through_faults_resumes_and_counts_the_retries(config_t
                     Fault("drop", "GET", weights, times=1, after_bytes=len(files["model.safetensors"]) // 2)]
     config_tree["model"]["name_or_path"] = f"s3://{bucket}/models/tiny/"
     config_tree["data"] |= {"source": f"s3://{bucket}/data/dates.jsonl", "s3_endpoint_url": proxy.url}
-    config_tree["validation"]["promote_to"] = f"s3://{bucket}/promoted/"
+    config_tree["promotion"] = {"to": f"s3://{bucket}/promoted/"}
     config_tree["retries"] = {"count": 3, "delay": "0.2s", "jitter": 0}
 
     state, report = run_flow(config_tree)

@@ -191,8 +191,9 @@ def test_a_pass_is_promoted_and_a_failed_gate_fails_the_run_and_promotes_nothing
 
     promoted = tmp_path / "promoted"
     tasks = write_date_tasks(tmp_path / "tasks", date_records(16, seed=5))
-    config_tree["validation"].update({"promote_to": str(promoted), "export": ["merged", "gguf"], "benchmarks": [
-        {"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 8, "tolerance": None}]})
+    config_tree["promotion"] = {"to": str(promoted), "export": ["merged", "gguf"]}
+    config_tree["validation"]["benchmarks"] = [
+        {"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 8, "tolerance": None}]
     state, first = run_flow(config_tree)
     assert state.is_completed(), state.message
     section = first.validation

@@ -260,8 +260,8 @@ def test_a_run_that_cannot_export_fails_at_its_model_stage(tmp_path):
 
     config = Phase1aConfig.model_validate({"data": {"source": "unused"}, "cache_dir": str(tmp_path / "cache"),
                                           "model": {"name_or_path": str(gpt2_model(tmp_path / "gpt2"))},
-                                          "validation": {"export": ["gguf"], "promote_to": str(tmp_path / "p")}})
+                                          "promotion": {"export": ["gguf"], "to": str(tmp_path / "p")}})
     with pytest.raises(GGUFExportError, match="is 'GPT2LMHeadModel'"):
         model_task.fn(config)
-    assert model_task.fn(config.model_copy(update={"validation": config.validation.model_copy(
+    assert model_task.fn(config.model_copy(update={"promotion": config.promotion.model_copy(
         update={"export": []})})).path == str(tmp_path / "gpt2")

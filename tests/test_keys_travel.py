@@ -36,8 +36,8 @@ JOB = {  # every path relative to the job's YAML, as a job kept in a repository 
     "hardware": {"target": "h100"},  # not here: the plan models its speed, no trial runs
     "checkpoint": {"interval": "3steps"},
     "validation": {"max_examples": 16, "baseline": "file", "baseline_file": "baseline.json",
-                   "promote_to": "../promoted",
                    "benchmarks": [{"task": "bench/dates_choice.yaml", "metric": "acc", "limit": 8}]},
+    "promotion": {"to": "../promoted"},
 }
 
 

@@ -29,8 +29,8 @@ def config_for(tiny_model_dir: Path, tmp_path: Path, store: str, endpoint: str, 
         "model": {"name_or_path": str(tiny_model_dir)},
         "method": {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, **method},
         "store": {"url": store, "endpoint_url": endpoint},
-        "validation": {"max_examples": 8, "promote_to": promote_to,
-                       "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}}})
+        "validation": {"max_examples": 8, "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
+        "promotion": {"to": promote_to}})
 
 
 def test_the_rule_the_stores_bucket_is_the_stores_endpoint_anything_else_the_datas():
@@ -81,13 +81,13 @@ def test_promotion_and_warm_start_use_the_stores_endpoint_set_once(tiny_model_di
     nightly = config.model_copy(update={
         "method": config.method.model_copy(update={"init_from": "promoted"}),
         "validation": config.validation.model_copy(update={"baseline": "promoted"})})
-    assert baseline_identity(nightly.validation, nightly.endpoint_for(promote_to)).startswith("promoted v1 ")
+    assert baseline_identity(nightly).startswith("promoted v1 ")
     start = resolve_start(nightly, model)
     assert start.kind == "promoted" and start.version == "v1" and start.fingerprint == adapter_fingerprint(adapter)
     assert Path(start.adapter_dir).is_relative_to(tmp_path / "staging")
 
     # Outside the store's bucket the default endpoint still serves: here it answers nothing.
-    elsewhere = config.model_copy(update={"validation": config.validation.model_copy(
-        update={"promote_to": "s3://another-bucket/models/"})})
+    elsewhere = config.model_copy(update={"promotion": config.promotion.model_copy(
+        update={"to": "s3://another-bucket/models/"})})
     with pytest.raises(Exception, match="127.0.0.1:9"):
         promote_candidate(elsewhere, model, verdict, trained, tmp_path / "v2")

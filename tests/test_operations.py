@@ -260,8 +260,7 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
     config = {**config_tree, "method": {**config_tree["method"], "epochs": 5},
               "checkpoint": {"interval": "2steps", "keep_last": 2},
               "data": {**config_tree["data"], "source": "s3://nightly/data/", "s3_endpoint_url": endpoint},
-              "validation": {**config_tree["validation"],
-                             "promote_to": str(Path(config_tree["work_dir"]) / "promoted")}}
+              "promotion": {"to": str(Path(config_tree["work_dir"]) / "promoted")}}
 
     with worker(ops, "worker-a") as worker_a:
         # 1. kill -9 the flow-run process once it has a checkpoint: the worker sees it die and reports Crashed.
@@ -334,7 +333,7 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
     # Both passed the gate with the same adapter: one promoted it, the other found the pointer already on it.
     promotions = [report["stages"]["promote"]["result"] for report in reports]
     assert sorted(promotion["promoted"] for promotion in promotions) == [False, True], promotions
-    pointer = json.loads(Path(config["validation"]["promote_to"], "promoted.json").read_text())
+    pointer = json.loads(Path(config["promotion"]["to"], "promoted.json").read_text())
     assert {promotion["pointer"]["version"] for promotion in promotions} == {pointer["version"]}
     assert all(Path(pointer["path"], name).is_file() for name in pointer["files"]), pointer
 

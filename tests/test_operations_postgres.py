@@ -65,7 +65,7 @@ def _job(config_tree: dict, shared: Path) -> Path:
         **config_tree, "work_dir": str(shared / "runs"), "cache_dir": "~/cache",
         "data": {**config_tree["data"], "staging_dir": "~/staging"},
         "method": {**config_tree["method"], "epochs": 5}, "checkpoint": {"interval": "2steps", "keep_last": 2},
-        "validation": {**config_tree["validation"], "promote_to": str(shared / "promoted")}}))
+        "promotion": {"to": str(shared / "promoted")}}))
     return job
 
 

@@ -232,9 +232,9 @@ def test_a_promoted_adapter_on_s3_is_scored_again_on_a_new_sample(tiny_model_dir
                             TokenizeOptions(validation_fraction=0.2), tmp_path / "cache" / "fp")
     rows = TokenRows.load(data.validation_path)
     indices = np.arange(4)
-    settings = ValidationConfig(max_examples=4, baseline="promoted", promote_to=f"s3://{bucket}/m/")
-    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), settings.promote_to, endpoint_url=endpoint)
-    pointer = read_pointer(settings.promote_to, endpoint)
+    settings, promote_to = ValidationConfig(max_examples=4, baseline="promoted"), f"s3://{bucket}/m/"
+    promote(Promotion({"adapter": adapters[0]}, "v1", record(adapters[0])), promote_to, endpoint_url=endpoint)
+    pointer = read_pointer(promote_to, endpoint)
     assert pointer.sample_fingerprint == "sample-fp"  # scored on some other sample: must be scored again here
 
     scoring = Scoring(make_tokenizer(), rows, indices, settings, tmp_path / "cache", "model-fp")

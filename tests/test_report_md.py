@@ -140,7 +140,7 @@ def report_json(tmp_path: Path, results) -> tuple[RunReport, Path]:
         status="passed", wall_seconds=65.2,
         flow_run=FlowRunLink(id="0b5c-run-id", name="calm-otter", url="http://prefect:4200/runs/flow-run/0b5c"),
         config={"name": "demo", "cache_dir": str(cache_dir), "model": {"name_or_path": "smollm2-135m"},
-                "validation": {"promote_to": "/srv/promoted"}},
+                "promotion": {"to": "/srv/promoted"}},
         stages={"stage": _stage(staged, "Cached", 0.1), "tokenize": _stage(_tokenized(data)),
                 "plan": _stage(_plan(plan), seconds=8.0), "train": _stage(_train(train_dir), seconds=31.2),
                 "validate": _stage(None, seconds=6.0), "promote": _stage(None)},
@@ -202,7 +202,7 @@ def test_the_data_section_names_ignored_files_the_overlap_and_the_outliers(tmp_p
 
 def test_an_early_stop_and_an_s3_pointer_read_as_they_are(tmp_path, results):
     report, run_dir = report_json(tmp_path, results)
-    report.config["validation"] = {"promote_to": "s3://models/dates/", "early_stopping": 1}
+    report.config |= {"promotion": {"to": "s3://models/dates/"}, "method": {"early_stopping_patience": 1}}
     report.stages["train"].result |= {"stopped_early": True, "stopped_at_step": 30, "best_step": 20}
     text = write_report(report, run_dir).read_text()
     assert ("| steps | 30; stopped early at step 30 (no better eval loss in 1 evaluations), the adapter from "

@@ -104,7 +104,7 @@ def test_every_catalogue_kind_has_a_spot_price_and_rate():
 
 def test_config_takes_auto_and_needs_a_rate_for_spot_without_a_catalogue_figure():
     tree = {"data": {"source": "d.jsonl"}, "checkpoint": {"interval": " Auto "},
-            "validation": {"early_stopping": 2, "during_training": "checkpoint"}}
+            "method": {"early_stopping_patience": 2}, "validation": {"during_training": "checkpoint"}}
     assert validate_config(tree).checkpoint.interval == "auto"  # early stopping's check reads auto as an interval
     with pytest.raises(ConfigError, match="hardware: Value error, spot on target 'cpu'.*interruptions_per_hour"):
         validate_config({"data": {"source": "d.jsonl"}, "hardware": {"spot": True}})
@@ -152,7 +152,8 @@ def test_the_training_key_holds_auto_not_the_interval_it_chose(tmp_path, config_
     """Two hosts measure checkpoints a few seconds apart and choose different intervals; with early stopping at
     each checkpoint the interval enters the training key, and a resume must still find the same directory."""
     tree = spot_tree(config_tree, tmp_path, rate=2.0)
-    tree["validation"] |= {"early_stopping": 2, "during_training": "checkpoint"}
+    tree["validation"] |= {"during_training": "checkpoint"}
+    tree["method"] |= {"early_stopping_patience": 2}
     config = Phase1aConfig.model_validate(tree)
     start = StartPoint(init_from="base", kind="base", base_model=config.model.name_or_path)
     settings = []

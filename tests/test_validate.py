@@ -11,7 +11,15 @@ from transformers import AutoTokenizer
 
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from helpers.benchmarks import write_date_tasks
-from phase1a.config.schema import DataConfig, GateTolerances, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
+from phase1a.config.schema import (
+    DataConfig,
+    GateTolerances,
+    MethodConfig,
+    ModelConfig,
+    Phase1aConfig,
+    PromotionConfig,
+    ValidationConfig,
+)
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.answers import extract_answer, normalise
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
@@ -27,15 +35,19 @@ from tasks.validate import Scoring, base_model_metrics, format_table, validate
 SPECIALS = ["<|im_end|>", "</s>"]
 
 
-def job(model_dir: Path, cache: Path, settings: ValidationConfig, chat_template: str | None = None):
-    """A run's config for validating (and promoting) a model of `model_dir` under `settings`, and its model."""
+def job(model_dir: Path, cache: Path, settings: ValidationConfig, chat_template: str | None = None,
+        promote_to: str | None = None):
+    """A run's config for validating (and promoting, to `promote_to`) a model of `model_dir` under `settings`, and
+    its model."""
     config = Phase1aConfig(data=DataConfig(source="unused", chat_template=chat_template),
-                           model=ModelConfig(name_or_path=str(model_dir)), cache_dir=cache, validation=settings)
+                           model=ModelConfig(name_or_path=str(model_dir)), cache_dir=cache, validation=settings,
+                           promotion=PromotionConfig(to=promote_to))
     return config, resolved(config)
 
 
-def validated(model_dir: Path, adapter_dir, validation_path, settings: ValidationConfig, cache: Path):
-    config, model = job(model_dir, cache, settings)
+def validated(model_dir: Path, adapter_dir, validation_path, settings: ValidationConfig, cache: Path,
+              promote_to: str | None = None):
+    config, model = job(model_dir, cache, settings, promote_to=promote_to)
     return validate(config, model, Path(validation_path), Path(adapter_dir))
 
 
@@ -242,9 +254,10 @@ def test_a_missing_baseline_is_a_clear_error_before_any_model_loads(tiny_model_d
     missing_file = ValidationConfig(baseline="file", baseline_file=tmp_path / "reference.json")
     with pytest.raises(BaselineError, match=f"no such file: {tmp_path / 'reference.json'}"):
         validated(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, missing_file, tmp_path / "cache")
-    nothing_promoted = ValidationConfig(baseline="promoted", promote_to=str(tmp_path / "promoted"))
+    nothing_promoted = ValidationConfig(baseline="promoted")
     with pytest.raises(BaselineError, match=f"nothing is promoted at {tmp_path / 'promoted'}"):
-        validated(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, nothing_promoted, tmp_path / "cache")
+        validated(tiny_model_dir, tmp_path / "no-adapter", split.validation_path, nothing_promoted, tmp_path / "cache",
+                  promote_to=str(tmp_path / "promoted"))
 
 
 def with_shuffled_answers(records: list[dict], seed: int) -> list[dict]:
@@ -275,15 +288,15 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     tasks = write_date_tasks(tmp_path / "tasks", date_records(24, seed=11))
     benchmarks = [{"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 16, "tolerance": 0.0},
                   {"task": str(tasks["dates_written"]), "metric": "exact_match", "limit": 16, "tolerance": 0.0}]
-    settings = ValidationConfig(max_examples=16, promote_to=str(tmp_path / "promoted"), benchmarks=benchmarks)
-    cache = tmp_path / "cache"
+    settings = ValidationConfig(max_examples=16, benchmarks=benchmarks)
+    cache, promoted_to = tmp_path / "cache", str(tmp_path / "promoted")
 
     last_night = validated(tiny_model_dir, runs["good"].adapter_dir, good.validation_path, settings, cache)
     assert last_night.passed
     # Trained on data rendered with an overriding template (data.chat_template): the promoted model carries it.
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
-    config, model = job(tiny_model_dir, cache, settings, chat_template=str(template))
+    config, model = job(tiny_model_dir, cache, settings, chat_template=str(template), promote_to=promoted_to)
     promoted = promote_candidate(config, model, last_night, runs["good"], tmp_path / "good")
     stored = Path(promoted.pointer.artifacts["adapter"])
     assert AutoTokenizer.from_pretrained(stored).chat_template == template.read_text()
@@ -291,7 +304,8 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
 
     # Tonight's run trained on shuffled labels, held out on the same (correct) validation examples.
     nightly = settings.model_copy(update={"baseline": "promoted"})
-    tonight = validated(tiny_model_dir, runs["shuffled"].adapter_dir, good.validation_path, nightly, cache)
+    tonight = validated(tiny_model_dir, runs["shuffled"].adapter_dir, good.validation_path, nightly, cache,
+                        promote_to=promoted_to)
     assert tonight.baseline.source == "promoted good" and tonight.base_cached
     assert not tonight.passed
     failed = {check.metric for check in tonight.checks if not check.passed}
@@ -301,6 +315,6 @@ def test_a_model_trained_on_shuffled_labels_is_refused_and_the_good_one_stays_pr
     # Against the untrained base it would have looked like progress: the promoted baseline is what catches it.
     assert tonight.candidate.loss < tonight.base.loss
     with pytest.raises(PromotionError, match="failed the gate: loss"):
-        promote_candidate(*job(tiny_model_dir, cache, nightly), tonight, runs["shuffled"],
+        promote_candidate(*job(tiny_model_dir, cache, nightly, promote_to=promoted_to), tonight, runs["shuffled"],
                           tmp_path / "shuffled")
-    assert read_pointer(settings.promote_to).version == "good"
+    assert read_pointer(promoted_to).version == "good"

@@ -39,7 +39,7 @@ def config_for(tiny_model_dir: Path, tmp_path: Path, **method) -> Phase1aConfig:
         "data": {"source": "unused", "staging_dir": str(tmp_path / "staging")},
         "model": {"name_or_path": str(tiny_model_dir)},
         "method": {**METHOD.model_dump(), **method},
-        "validation": {"promote_to": str(tmp_path / "promoted")}})
+        "promotion": {"to": str(tmp_path / "promoted")}})
 
 
 def promote_as(version: str, adapter: Path, destination: str, base_fingerprint: str, parent: str | None = None,
@@ -54,16 +54,16 @@ def promote_as(version: str, adapter: Path, destination: str, base_fingerprint: 
 
 def test_a_warm_start_is_gated_against_the_promoted_model_unless_a_baseline_was_chosen(tmp_path):
     tree = {"data": {"source": "d.jsonl"}, "method": {"init_from": "promoted"},
-            "validation": {"promote_to": str(tmp_path / "promoted")}}
+            "promotion": {"to": str(tmp_path / "promoted")}}
     assert config_from(tree, base=tmp_path).validation.baseline == "promoted"
-    chosen = {**tree, "validation": {**tree["validation"], "baseline": "base"}}
+    chosen = {**tree, "validation": {"baseline": "base"}}
     assert config_from(chosen, base=tmp_path).validation.baseline == "base"
     # A derived default stays a default: a whole config given back with another init_from derives it anew.
     warm = config_from(tree, base=tmp_path)
     assert config_from(warm, overrides=["method.init_from=base"], base=tmp_path).validation.baseline == "base"
     assert config_from({**tree, "method": {}}, base=tmp_path).validation.baseline == "base"
 
-    with pytest.raises(ConfigError, match="method.init_from promoted needs validation.promote_to"):
+    with pytest.raises(ConfigError, match="method.init_from promoted needs promotion.to"):
         config_from({"data": {"source": "d.jsonl"}, "method": {"init_from": "promoted"}}, base=tmp_path)
     with pytest.raises(ConfigError, match="method: .*init_from 'promoted' continues a LoRA adapter; kind full "
                                           "starts from model.name_or_path"):
@@ -71,7 +71,7 @@ def test_a_warm_start_is_gated_against_the_promoted_model_unless_a_baseline_was_
 
 
 def test_init_from_a_local_adapter_directory(tiny_model_dir, tmp_path):
-    """A path relative to the job file, like every path in it; no promote_to: the baseline stays the base."""
+    """A path relative to the job file, like every path in it; no promotion.to: the baseline stays the base."""
     adapter = make_adapter(tiny_model_dir, tmp_path / "jobs" / "adapters" / "last-week")
     job = tmp_path / "jobs" / "job.yaml"
     job.write_text(yaml.safe_dump({"data": {"source": "d.jsonl"}, "model": {"name_or_path": str(tiny_model_dir)},
@@ -129,13 +129,13 @@ def test_init_from_promoted_takes_the_promoted_version_or_the_base_on_a_first_ni
     assert first.note == f"nothing promoted yet at {tmp_path / 'promoted'}: started from the base model"
 
     v1 = make_adapter(tiny_model_dir, tmp_path / "v1")
-    promote_as("v1", v1, config.validation.promote_to, model.fingerprint)
+    promote_as("v1", v1, config.promotion.to, model.fingerprint)
     start = resolve_start(config, model)
     stored = tmp_path / "promoted" / "versions" / "v1" / "adapter"
     assert (start.kind, start.version, start.path, start.adapter_dir) == ("promoted", "v1", str(stored), str(stored))
     assert start.fingerprint == adapter_fingerprint(v1)
 
-    promote_as("v2", make_adapter(tiny_model_dir, tmp_path / "v2", seed=2), config.validation.promote_to,
+    promote_as("v2", make_adapter(tiny_model_dir, tmp_path / "v2", seed=2), config.promotion.to,
                "another base model")
     with pytest.raises(AdapterError, match="version v2 at .* was trained on another base model"):
         resolve_start(config, model)
@@ -148,7 +148,7 @@ def test_warm_starts_from_s3(tiny_model_dir, tmp_path, endpoint, bucket):
     config = config_for(tiny_model_dir, tmp_path, init_from="promoted")
     config = config.model_copy(update={
         "data": config.data.model_copy(update={"s3_endpoint_url": endpoint}),
-        "validation": config.validation.model_copy(update={"promote_to": destination})})
+        "promotion": config.promotion.model_copy(update={"to": destination})})
     v1 = make_adapter(tiny_model_dir, tmp_path / "v1")
     promote_as("v1", v1, destination, resolved(config).fingerprint, endpoint=endpoint)
     start = resolve_start(config, resolved(config))
@@ -195,8 +195,8 @@ def test_a_nightly_warm_start_continues_the_promoted_model_and_records_its_paren
     promoted = tmp_path / "promoted"
     config_tree["method"] |= {"init_from": "promoted"}
     # The gate here is about lineage: loose enough that a second epoch of this tiny model passes.
-    config_tree["validation"] |= {"promote_to": str(promoted),
-                                  "tolerances": {"loss": 0.05, "token_accuracy": 0.05, "exact_match": None}}
+    config_tree["promotion"] = {"to": str(promoted)}
+    config_tree["validation"] |= {"tolerances": {"loss": 0.05, "token_accuracy": 0.05, "exact_match": None}}
 
     night1 = run_flow(config_tree)  # nothing promoted yet: from the base weights, gated against the base
     assert night1["lineage"]["kind"] == "base" and "nothing promoted yet" in night1["lineage"]["note"]
@@ -236,8 +236,9 @@ def test_a_nightly_replay_trains_on_the_new_shard_and_a_share_of_the_old(config_
         write_jsonl(shards / f"part-{number}.jsonl", date_records(48, seed=200 + number))
     config_tree["data"] |= {"source": str(shards), "replay_fraction": 0.5}
     config_tree["method"] |= {"init_from": "promoted", "epochs": 1}
-    config_tree["validation"] |= {"promote_to": str(promoted),  # the gate is not what this test is about
-                                  "tolerances": {"loss": 1.0, "token_accuracy": 1.0, "exact_match": None}}
+    config_tree["promotion"] = {"to": str(promoted)}
+    # the gate is not what this test is about
+    config_tree["validation"] |= {"tolerances": {"loss": 1.0, "token_accuracy": 1.0, "exact_match": None}}
 
     night1 = run_flow(config_tree)  # nothing promoted yet: the base, on all the data
     assert night1["replay"] is None and "replay" not in night1["stages"]  # no replay stage ran

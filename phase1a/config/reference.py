@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from phase1a.config.schema import Phase1aConfig
+from phase1a.config.schema import MOVED_KEYS, Phase1aConfig
 from phase1a.core.atomic import write_atomically
 from phase1a.data.records import RECORD_FORMATS
 
@@ -175,9 +175,20 @@ def _record_formats() -> list[str]:
             "| format | identified by | what it holds |", "|---|---|---|", *rows]
 
 
+def _moved_keys() -> list[str]:
+    """The keys that moved to their stage's section, from the table the loader moves them by (MOVED_KEYS)."""
+    rows = [f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()]
+    return ["", "## Keys that moved", "",
+            "These keys moved to the section of the stage that reads them; "
+            "the old key still loads, for one release, moved to its new place with one warning line naming it (a "
+            "`--set` of the old key too). Giving both is an error. `validation.promote_merged: true`, from before "
+            "exports, still adds `merged` to `promotion.export`.", "",
+            "| old key | new key |", "|---|---|", *rows]
+
+
 def render() -> str:
-    """docs/configuration.md: the preamble, the top-level keys, one table per section in schema order, then the
-    record formats."""
+    """docs/configuration.md: the preamble, the top-level keys, one table per section in schema order, the keys
+    that moved, then the record formats."""
     fields = Phase1aConfig.model_fields
     top = {name: field for name, field in fields.items() if not _is_section(field.annotation)}
     lines = [PREAMBLE.rstrip("\n"), "", "## Top level", "",
@@ -186,7 +197,7 @@ def render() -> str:
     for name, field in fields.items():
         if _is_section(field.annotation):
             lines += _sections(name, field)
-    return "\n".join(lines + _record_formats()) + "\n"
+    return "\n".join(lines + _moved_keys() + _record_formats()) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

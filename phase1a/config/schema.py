@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from phase1a.core.hardware import CATALOGUE, HARDWARE_KINDS
 from phase1a.core.locators import looks_like_hub_id
+from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, parse_duration_seconds, parse_interval
 from phase1a.data.templates import CHAT_TEMPLATES
 
@@ -154,6 +155,12 @@ class MethodConfig(_Section):
     epochs: float = Field(1.0, gt=0.0, description=(
         "Passes over the training split, fractions allowed (1.5: one and a half). Fitting a time window may "
         "lower it, never below plan.min_epochs."))
+    early_stopping_patience: int | None = Field(None, ge=1, description=(
+        "Stop training after this many evaluations during training (`validation.during_training`) without an "
+        "improvement of the eval loss; the best weights are kept as `best/` and become the final adapter that "
+        "validation scores. None: train every step, the final adapter is the last weights."))
+    early_stopping_threshold: float = Field(0.0, ge=0.0, description=(
+        "An evaluation improves only when its eval loss is below the best so far by more than this."))
     batch_size: int = Field(16, ge=1, description="Examples per optimizer step (the global batch).")
     seed: int = Field(0, description="Seeds torch and the order of the examples (one permutation per epoch).")
     optimizer: Literal["adamw_fused", "adamw", "adamw_8bit"] = Field(
@@ -171,7 +178,7 @@ class MethodConfig(_Section):
                             "eager: one block-diagonal mask over the whole row (the square of its length).")
     init_from: str = Field("base", min_length=1, description=(
         "Where the trainable weights start. base: fresh adapters on the base model; promoted: the adapter that "
-        "`validation.promote_to`'s pointer names (nothing promoted yet: base, said in the report's lineage); or a "
+        "`promotion.to`'s pointer names (nothing promoted yet: base, said in the report's lineage); or a "
         "LoRA adapter directory (local, file:// or s3://) whose r, alpha and target_modules are `lora`'s. Not "
         "base: the gate's baseline defaults to promoted, and the training key includes the adapter's content. "
         "kind full starts from model.name_or_path."))
@@ -365,7 +372,7 @@ class StoreConfig(_Section):
         "s3://bucket/prefix/ or a local directory (a network mount); None: no store, local disk only."))
     endpoint_url: str | None = Field(None, description=(
         "S3-compatible endpoint of the store (MinIO, moto), and of every s3:// location in the store's bucket: a "
-        "`validation.promote_to`, its pointer and versions, a warm start's adapter, data or a model there; None: "
+        "`promotion.to`, its pointer and versions, a warm start's adapter, data or a model there; None: "
         "AWS, or AWS_ENDPOINT_URL if set. Credentials come only from the standard AWS chain."))
     lease_ttl: Duration = Field("60s", description=(
         "A training run holds a lease on its directory in the store, renewed every third of this; a lease not "
@@ -428,20 +435,15 @@ class ValidationConfig(_Section):
     ece_bins: int = Field(10, ge=1, description="Equal-width confidence bins of the expected calibration error.")
     baseline: Literal["base", "file", "promoted"] = Field(
         "base", description="base: the model without the adapter, same sample (cached); file: `baseline_file`; "
-                            "promoted: the model the `promote_to` pointer names.")
+                            "promoted: the model the `promotion.to` pointer names.")
     baseline_file: Path | None = Field(None, description="baseline: file; a metrics JSON (e.g. candidate_metrics.json "
                                                          "of a full-precision reference run).")
     tolerances: GateTolerances = Field(GateTolerances(), description=(
         "How much worse than the baseline the candidate may be, per metric; null leaves a metric out of the gate "
         "(reported only)."))
-    promote_to: str | None = Field(None, description="On a pass, copy the adapter here (a local directory or "
-                                                     "s3://bucket/prefix/) and move its `promoted.json` pointer.")
     benchmarks: list[BenchmarkConfig] = Field([], description=(
         "lm-evaluation-harness tasks scored on the baseline and the candidate (did the fine-tune forget?), each "
         "gated with its own tolerance: [{task: arc_easy, metric: acc_norm, limit: 500, tolerance: 0.01}]."))
-    export: list[Literal["merged", "gguf"]] = Field([], description=(
-        "Also promote, beside the adapter: 'merged' (the model with the LoRA adapter merged in, safetensors) and "
-        "'gguf' (the merged model as GGUF f16 and q8_0, for llama.cpp and Ollama; Llama-family models)."))
     during_training: str | None = Field("checkpoint", description=(
         "Evaluate eval loss and token accuracy on a fixed held-out sample while training, written to `eval.jsonl` "
         "beside `metrics.jsonl`: 'checkpoint' (at each checkpoint: every eval point has weights to go back to), "
@@ -450,28 +452,6 @@ class ValidationConfig(_Section):
     during_training_examples: int = Field(64, ge=1, description=(
         "The sample evaluated during training: the first N examples of the validation split, at most "
         "`max_examples` (a part of the validate stage's sample)."))
-    early_stopping: int | None = Field(None, ge=1, description=(
-        "Patience: stop training after this many evaluations during training without an improvement of the eval "
-        "loss; the best weights are kept as `best/` and become the final adapter that validation scores. None: "
-        "train every step, the final adapter is the last weights."))
-    early_stopping_min_delta: float = Field(0.0, ge=0.0, description=(
-        "An evaluation improves only when its eval loss is below the best so far by more than this."))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _promote_merged(cls, tree: Any) -> Any:
-        """`promote_merged: true`, from before `export` existed, still means export: [merged]."""
-        if isinstance(tree, dict) and "promote_merged" in tree:
-            tree = dict(tree)
-            if tree.pop("promote_merged"):
-                tree["export"] = list(dict.fromkeys([*(tree.get("export") or []), "merged"]))
-        return tree
-
-    @field_validator("export")
-    @classmethod
-    def _export(cls, value: list[str]) -> list[str]:
-        """Each once, in a fixed order (the GGUF files are written from the merged model)."""
-        return [name for name in EXPORTS if name in value]
 
     @field_validator("during_training")
     @classmethod
@@ -500,16 +480,27 @@ class ValidationConfig(_Section):
                 raise ValueError(f"answer_pattern {self.answer_pattern!r} needs a group: the answer is its first group")
         if self.baseline == "file" and self.baseline_file is None:
             raise ValueError("baseline 'file' needs baseline_file")
-        if self.baseline == "promoted" and not self.promote_to:
-            raise ValueError("baseline 'promoted' needs promote_to, where the promoted pointer lives")
         names = [(b.task, b.metric) for b in self.benchmarks]
         if len(set(names)) != len(names):
             raise ValueError("benchmarks: a task and metric listed twice")
-        if self.early_stopping is not None and self.during_training != "checkpoint" \
-                and str(parse_interval(self.during_training)) == "never":
-            raise ValueError(f"early_stopping {self.early_stopping} counts evaluations during training, and "
-                             f"during_training is {self.during_training!r}: set it to 'checkpoint' or an interval")
         return self
+
+
+class PromotionConfig(_Section):
+    """The promote stage: where a model that passed the gate goes, and what goes with it (docs/validation.md)."""
+
+    to: str | None = Field(None, description=(
+        "On a pass, copy the adapter here as a new version (a local directory or s3://bucket/prefix/) and move its "
+        "`promoted.json` pointer to it. None: nothing is promoted."))
+    export: list[Literal["merged", "gguf"]] = Field([], description=(
+        "Also promote, beside the adapter: 'merged' (the model with the LoRA adapter merged in, safetensors) and "
+        "'gguf' (the merged model as GGUF f16 and q8_0, for llama.cpp and Ollama; Llama-family models)."))
+
+    @field_validator("export")
+    @classmethod
+    def _export(cls, value: list[str]) -> list[str]:
+        """Each once, in a fixed order (the GGUF files are written from the merged model)."""
+        return [name for name in EXPORTS if name in value]
 
 
 class RetryConfig(_Section):
@@ -585,6 +576,52 @@ class TrackingConfig(_Section):
         "Needs `pip install 'phase1a[tracking]'`."))
 
 
+# Keys that moved to the section of the stage that reads them: old dotted key -> new (moved after 0.1.0; drop an
+# entry once a release has shipped with it). An old key still loads, with one warning line naming its new key; both
+# together are an error. A `--set` of either spelling replaces the other (apply_overrides): an old override works
+# on a new file.
+MOVED_KEYS = {
+    "validation.promote_to": "promotion.to",
+    "validation.export": "promotion.export",
+    "validation.early_stopping": "method.early_stopping_patience",
+    "validation.early_stopping_min_delta": "method.early_stopping_threshold",
+}
+_MOVED_NOTE = "%s is now %s; it still loads, for one release"
+
+
+def move_old_keys(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` (a config as read) with its old keys (MOVED_KEYS) moved to their new places, each said once in the
+    log. The caller's tree is not modified."""
+    tree = _fold_promote_merged(tree)
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section, target = tree.get(old_section), tree.get(new_section) or {}
+        if not isinstance(section, dict) or old_key not in section or not isinstance(target, dict):
+            continue  # not given, or a section that is not a mapping: its own error says so
+        if new_key in target:
+            raise ValueError(f"{old} and {new} are both given: {new} replaces {old}; keep only {new}")
+        run_logger().warning(_MOVED_NOTE, old, new)
+        section, target = dict(section), dict(target)
+        target[new_key] = section.pop(old_key)
+        tree = {**tree, old_section: section, new_section: target}
+    return tree
+
+
+def _fold_promote_merged(tree: dict[str, Any]) -> dict[str, Any]:
+    """`validation.promote_merged: true`, from before exports, is `merged` added to the exports: to the export
+    list given beside it (validation.export, moved on next), else to promotion.export."""
+    validation = tree.get("validation")
+    if not isinstance(validation, dict) or "promote_merged" not in validation:
+        return tree
+    validation = dict(validation)
+    merged = validation.pop("promote_merged")
+    run_logger().warning(_MOVED_NOTE, "validation.promote_merged: true", "promotion.export: [merged]")
+    section = validation if "export" in validation else dict(tree.get("promotion") or {})
+    if merged:
+        section["export"] = list(dict.fromkeys([*(section.get("export") or []), "merged"]))
+    return {**tree, "validation": validation, **({} if section is validation else {"promotion": section})}
+
+
 class Phase1aConfig(_Section):
     name: str = Field("phase1a", pattern=r"^[A-Za-z0-9._-]+$", description=(
         "The job's name: its runs, checkpoints and adapters go under `work_dir/<name>/`."))
@@ -606,7 +643,9 @@ class Phase1aConfig(_Section):
         "Where what outlives the host goes: `store: s3://bucket/prefix/` (or `store: {url: ..., endpoint_url: "
         "...}`) or a directory on a network mount. None: local disk only."))
     validation: ValidationConfig = Field(ValidationConfig(), description=(
-        "The held-out evaluation, the gate against a baseline, and promotion."))
+        "The held-out evaluation, during training and after it, and the gate against a baseline."))
+    promotion: PromotionConfig = Field(PromotionConfig(), description=(
+        "Where a model that passed the gate is promoted, and the exports promoted with it."))
     retries: RetryConfig = Field(RetryConfig(), description=(
         "Retries of S3 staging, Hub downloads and promotion when the network fails them for a while."))
     progress: ProgressConfig = Field(ProgressConfig(), description=(
@@ -616,7 +655,7 @@ class Phase1aConfig(_Section):
         "Experiment tracking in MLflow and Weights & Biases; off unless a tracker's section is given."))
 
     def endpoint_for(self, location: str | None) -> str | None:
-        """The S3 endpoint that serves `location`: a location in the store's bucket (a promote_to, a warm start's
+        """The S3 endpoint that serves `location`: a location in the store's bucket (a promotion.to, a warm start's
         adapter or a promoted pointer beside the runs) is the store's, `store.endpoint_url`, set once for a MinIO
         or R2 store; any other is `data.s3_endpoint_url` (None for either: AWS, or AWS_ENDPOINT_URL if set)."""
         store = self.store.url
@@ -630,26 +669,42 @@ class Phase1aConfig(_Section):
         """`store: s3://bucket/prefix/` is short for `store: {url: s3://bucket/prefix/}`."""
         return {"url": value} if isinstance(value, str) or value is None else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, tree: Any) -> Any:
+        return move_old_keys(tree) if isinstance(tree, dict) else tree
+
     @model_validator(mode="after")
     def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
-        validation = self.validation
-        if validation.early_stopping is not None and validation.during_training == "checkpoint" \
-                and self.checkpoint.interval != AUTO and str(parse_interval(self.checkpoint.interval)) == "never":
-            raise ValueError(f"validation.early_stopping {validation.early_stopping} counts evaluations at "
-                             "checkpoints (validation.during_training: checkpoint), and checkpoint.interval is "
-                             "never: give during_training an interval of its own, e.g. '500steps'")
+        patience, during = self.method.early_stopping_patience, self.validation.during_training
+        if patience is None:
+            return self
+        if during != "checkpoint" and str(parse_interval(during)) == "never":
+            raise ValueError(f"method.early_stopping_patience {patience} counts evaluations during training, and "
+                             f"validation.during_training is {during!r}: set it to 'checkpoint' or an interval")
+        if during == "checkpoint" and self.checkpoint.interval != AUTO \
+                and str(parse_interval(self.checkpoint.interval)) == "never":
+            raise ValueError(f"method.early_stopping_patience {patience} counts evaluations at checkpoints "
+                             "(validation.during_training: checkpoint), and checkpoint.interval is never: give "
+                             "validation.during_training an interval of its own, e.g. '500steps'")
+        return self
+
+    @model_validator(mode="after")
+    def _promoted_baseline_has_a_pointer(self) -> "Phase1aConfig":
+        if self.validation.baseline == "promoted" and not self.promotion.to:
+            raise ValueError("validation.baseline promoted needs promotion.to, where the promoted pointer lives")
         return self
 
     @model_validator(mode="after")
     def _warm_start_baseline(self) -> "Phase1aConfig":
         """A warm start is gated against the model it continues: baseline promoted unless one was chosen."""
-        init_from, validation = self.method.init_from, self.validation
+        init_from, validation, promote_to = self.method.init_from, self.validation, self.promotion.to
         if self.data.replay_fraction is not None and init_from == "base":
             raise ValueError("data.replay_fraction mixes new data with old for a warm start: set method.init_from "
                              "to promoted or an adapter, or leave replay_fraction unset")
-        if init_from == "promoted" and not validation.promote_to:
-            raise ValueError("method.init_from promoted needs validation.promote_to, where the promoted pointer lives")
-        if init_from != "base" and validation.promote_to and "baseline" not in validation.model_fields_set:
+        if init_from == "promoted" and not promote_to:
+            raise ValueError("method.init_from promoted needs promotion.to, where the promoted pointer lives")
+        if init_from != "base" and promote_to and "baseline" not in validation.model_fields_set:
             derived = validation.model_copy(update={"baseline": "promoted"})
             derived.__pydantic_fields_set__.discard("baseline")  # still a default: derived anew after overrides
             self.validation = derived
@@ -681,13 +736,25 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _drop_dotted(tree: dict[str, Any], dotted: str) -> None:
+    section, _, leaf = dotted.rpartition(".")
+    node = tree.get(section)
+    if isinstance(node, dict):
+        node.pop(leaf, None)
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `key.sub=value` strings; values parse as YAML so numbers, booleans and lists keep their type."""
+    """Apply `key.sub=value` strings; values parse as YAML so numbers, booleans and lists keep their type. A moved
+    key's override (MOVED_KEYS, either spelling) replaces the value under the other spelling."""
+    spellings = {**MOVED_KEYS, **{new: old for old, new in MOVED_KEYS.items()}}
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. method.epochs=2")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        if key in spellings:
+            _drop_dotted(tree, spellings[key])
+        _set_dotted(tree, key, yaml.safe_load(raw) if raw.strip() else None)
     return tree
 
 
@@ -787,8 +854,9 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
         validation = validation.model_copy(update={"baseline_file": absolute(validation.baseline_file)})
     validation = validation.model_copy(update={"benchmarks": [
         b.model_copy(update={"task": str(absolute(Path(b.task)))}) if b.is_file else b for b in validation.benchmarks]})
-    if validation.promote_to and "://" not in validation.promote_to:
-        validation = validation.model_copy(update={"promote_to": str(absolute(Path(validation.promote_to)))})
+    promotion = config.promotion
+    if promotion.to and "://" not in promotion.to:
+        promotion = promotion.model_copy(update={"to": str(absolute(Path(promotion.to)))})
     store = config.store
     if store.url is not None and "://" not in store.url:
         store = store.model_copy(update={"url": str(absolute(Path(store.url)))})
@@ -806,6 +874,7 @@ def resolve_paths(config: Phase1aConfig, base: Path) -> Phase1aConfig:
                 update={"name_or_path": model_path, "cache_dir": absolute(config.model.cache_dir)}
             ),
             "validation": validation,
+            "promotion": promotion,
             "store": store,
             "tracking": tracking,
         }

@@ -73,9 +73,9 @@ def load_benchmark(spec: BenchmarkConfig) -> Benchmark:
 def validation_key(settings: ValidationConfig, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """The validation section as a cache key reads it, the same from any checkout, work directory or host: where
     a file lies never enters. A benchmark YAML enters as its definition (its bytes and its data files'), a
-    baseline file by its bytes where the verdict reads it (tasks/validate.py), and promote_to not at all: it is
-    where a model goes, not what is measured (a promoted baseline enters as the version its pointer names)."""
-    key = settings.model_dump(mode="json", exclude={"promote_to", "baseline_file", "benchmarks", *exclude})
+    baseline file by its bytes where the verdict reads it (tasks/validate.py). Where a model is promoted is
+    another section's (promotion.to): a promoted baseline enters as the version its pointer names."""
+    key = settings.model_dump(mode="json", exclude={"baseline_file", "benchmarks", *exclude})
     key["benchmarks"] = [{**spec.model_dump(mode="json", exclude={"task"} if spec.is_file else None),
                           "definition": load_benchmark(spec).definition} for spec in settings.benchmarks]
     return key

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import save_file
 
-from phase1a.config.schema import ValidationConfig
+from phase1a.config.schema import Phase1aConfig
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.units import Clock, Interval, parse_interval
 from phase1a.evaluate.metrics import teacher_forced
@@ -27,7 +27,7 @@ from phase1a.train.packing import TokenRows
 EVERY_CHECKPOINT = "checkpoint"
 # The `validation` fields that only evaluation during training reads (`EvalSettings.of`): the validate stage's
 # cache key leaves them out, since they reach its verdict only through the trained weights.
-DURING_TRAINING_FIELDS = {"during_training", "during_training_examples", "early_stopping", "early_stopping_min_delta"}
+DURING_TRAINING_FIELDS = {"during_training", "during_training_examples"}
 
 
 class EvalSettings(BaseModel):
@@ -40,16 +40,18 @@ class EvalSettings(BaseModel):
     min_delta: float = 0.0
 
     @classmethod
-    def of(cls, validation: ValidationConfig, validation_path: str | None,
+    def of(cls, config: Phase1aConfig, validation_path: str | None,
            validation_examples: int) -> EvalSettings | None:
-        """From the config; None when it is off or there is no validation split to take the sample from."""
+        """From the config (`validation.during_training*`, `method.early_stopping_*`); None when it is off or there
+        is no validation split to take the sample from."""
+        validation = config.validation
         if validation.during_training == "never" or not validation_path or validation_examples == 0:
             return None
         return cls(validation_path=validation_path, cadence=validation.during_training,
                    # The validate stage scores the first max_examples: this sample stays a part of that one.
                    examples=min(validation.during_training_examples, validation.max_examples),
-                   patience=validation.early_stopping,
-                   min_delta=validation.early_stopping_min_delta)
+                   patience=config.method.early_stopping_patience,
+                   min_delta=config.method.early_stopping_threshold)
 
     @property
     def at_checkpoints(self) -> bool:

@@ -197,7 +197,7 @@ class _Planner:
         self.memory = MemoryModel(self.facts, self.shape, trainable,
                                   int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
         self.lengths = TokenRows.load(data.train_path).lengths()
-        self.eval_settings = EvalSettings.of(config.validation, data.validation_path, data.validation_examples)
+        self.eval_settings = EvalSettings.of(config, data.validation_path, data.validation_examples)
         self.rate_per_hour, self.rate_source = interruption_rate(config, self.target)
 
     # ---- 2. truncation -----------------------------------------------------------------------------------

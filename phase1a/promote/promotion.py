@@ -4,8 +4,8 @@ Layout, the same in a local directory and under an s3://bucket/prefix/:
 
     promoted.json                      the pointer: version, where it lives, its metrics, when
     versions/<version>/adapter/...     the adapter (or full weights) as training saved it
-    versions/<version>/merged/...      optional: the model with the adapter merged in (validation.export)
-    versions/<version>/gguf/...        optional: GGUF files of the merged model (validation.export)
+    versions/<version>/merged/...      optional: the model with the adapter merged in (promotion.export)
+    versions/<version>/gguf/...        optional: GGUF files of the merged model (promotion.export)
     versions/<version>/version.json    the pointer as it was written for this version, with its `parent`: the
                                        version it was trained from (`method.init_from`), so the chain
                                        base -> v1 -> v2 reads back (phase1a/store/promoted.py: `version_chain`)

@@ -57,7 +57,7 @@ def _promoted(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
     from phase1a.data.staging import fetch_adapter
     from phase1a.store.promoted import read_pointer
 
-    where, base = config.validation.promote_to, config.model.name_or_path
+    where, base = config.promotion.to, config.model.name_or_path
     pointer = read_pointer(where, config.endpoint_for(where))  # in the store's bucket: the store's endpoint
     if pointer is None:
         note = f"nothing promoted yet at {where}: started from the base model"
