@@ -67,7 +67,7 @@ def job_config(name: str, work: Path, budget: str):
         data.write_text("".join(json.dumps(record) + "\n" for record in make()))
     run = work / f"{name}-{budget}-{time.time_ns()}"  # fresh: no history, no cached plan
     settings = {"data.source": str(data), "work_dir": str(run), "cache_dir": str(run / "cache"),
-                "plan.calibration_budget": budget, "validation.promote_to": "null", **overrides}
+                "plan.calibration_budget": budget, "promotion.to": "null", **overrides}
     return load_config(ROOT / "configs" / "demo.yaml", [f"{key}={value}" for key, value in settings.items()])
 
 
