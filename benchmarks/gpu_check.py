@@ -611,7 +611,8 @@ def _serve_job(work: Path, dry_run: bool) -> ServeJob:
         "method": {"batch_size": 16, "epochs": epochs, "learning_rate": 3e-3, "lora": {"r": 8, "alpha": 16}},
         "hardware": {"target": config_target()},
         "validation": {"max_examples": SERVE_EXAMPLES, "generation_batch_size": SERVE_EXAMPLES, "extractor": "whole",
-                       "baseline": "base", "promote_to": str(run_dir / "promoted")}})
+                       "baseline": "base"},
+        "promotion": {"to": str(run_dir / "promoted")}})
     model = prepare_model(config)
     data = tokenize_dataset(data_path, load_tokenizer(Path(model.path)), 256,
                             TokenizeOptions(validation_count=SERVE_EXAMPLES), run_dir / "cache" / "tokenized")

@@ -27,7 +27,7 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
     """The plan stage's key, from its own inputs: the sections it reads, the model, the data, and the device it
     would calibrate on. No host path enters, so a host with another checkout or work directory takes the plan a
     host before it measured (a calibration is minutes on a GPU, and may choose other knobs): the benchmarks by
-    their content, the warm start's adapter and promote_to, which the plan never reads, not at all."""
+    their content, the warm start's adapter and promotion.to, which the plan never reads, not at all."""
     sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "checkpoint"},
                                  exclude={"method": {"init_from"}})
     try:
