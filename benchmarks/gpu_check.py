@@ -963,7 +963,7 @@ def describe_environment(installed: list[str], before_tar: Path = BEFORE_TAR) ->
         "python": platform.python_version(), "machine": platform.node(), "versions": versions,
         "lock": {name: lock.get(name) for name in LOCKED},
         "installed_from_wheels": installed, "commit": checkout_commit(),
-        "prepared_commit": (GPU_DIR / "COMMIT").read_text().strip() if (GPU_DIR / "COMMIT").is_file() else None,
+        "prepared_commit": prepared_commit(),
         "before": {"tar": str(before_tar), "present": before_tar.is_file(), "commit": BEFORE},
         "slug": f"{_slug(device)}-{datetime.now(timezone.utc):%Y-%m-%d}",
     }
@@ -977,6 +977,11 @@ def checkout_commit() -> str | None:
         git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
         if git.returncode == 0 and git.stdout.strip():
             return git.stdout.strip()
+    return prepared_commit()
+
+
+def prepared_commit() -> str | None:
+    """The commit `make gpu-wheels` prepared .gpu/ at (its COMMIT file: the GPU host has no git)."""
     marker = GPU_DIR / "COMMIT"
     return marker.read_text().strip() if marker.is_file() else None
 
