@@ -223,7 +223,7 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
     facts = _facts(model_dir, model)
     queue.put(_result(spec, meter, facts, {
         **knobs, "static_rows": static, "row_shape": asdict(shape), "row_lengths": shape.lengths(),
-        "attention": model.config._attn_implementation, "liger": _liger(method), "optimizer": method.optimizer,
+        "attention": model.config._attn_implementation, "liger": _liger(method, model), "optimizer": method.optimizer,
         "build_seconds": round(built - began, 2), "warmup_seconds": round(meter.began - built, 2)}))
 
 
@@ -480,14 +480,11 @@ def _cudnn_label(cudnn: bool | None) -> str | None:
     return None if cudnn is None else ("on" if cudnn else "off")
 
 
-def _liger(method) -> str:
-    import importlib.util
+def _liger(method, model) -> str:
+    from phase1a.model import liger
 
-    import torch
-
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    applies = torch.cuda.is_available() and method.liger != "off" and installed
-    return f"{method.liger} ({'kernels applied' if applies else 'not applied'})"
+    where = "in the layers" if liger.applied(model) else "not in the layers (compiled, off or not installed)"
+    return f"{method.liger} ({where})"
 
 
 # ------------------------------------------------------------------------------------------------------- the bench
@@ -564,18 +561,6 @@ class Bench:
         if config == "trl_sft":  # TRL tokenizes the records itself: the first ones of the file, as many
             return call(measure_trl_sft, model, str(self.data_path), spec)
         return call(measure_new, model, train, spec)
-
-
-def _without_liger(spec: dict, cuda: bool) -> list[dict]:
-    """A compiled measurement that failed with Liger's kernels in the layers (the product's default where Liger is
-    installed, untested under fullgraph compilation on a GPU), measured again without them: the failure is
-    reported, and the compiled numbers are still had."""
-    import importlib.util
-
-    if (spec["config"] not in ("new_compiled", "new_graphs") or spec.get("liger") == "off" or not cuda
-            or importlib.util.find_spec("liger_kernel") is None):
-        return []
-    return [{**spec, "liger": "off", "label": spec["label"] + "-liger_off"}]
 
 
 def _peer_micro(step: dict, mean_length: float) -> int:
@@ -696,7 +681,6 @@ def main() -> None:
             except Exception as error:  # the next measurement still runs; this one is retried next time
                 failed[spec["label"]] = f"{type(error).__name__}: {error}"[:1000]
                 print(f"{spec['label']} failed: {failed[spec['label']]}", flush=True)
-                specs[:0] = _without_liger(spec, cuda)
                 continue
             if done is not None:
                 write_json(done, result)

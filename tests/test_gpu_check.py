@@ -278,20 +278,6 @@ def test_a_model_built_on_the_device_trains_as_one_loaded_from_disk(tmp_path):
     assert build.load_model.__module__ == "phase1a.model.loading"  # put back after the build
 
 
-def test_a_compiled_measurement_that_fails_with_liger_is_taken_again_without_it(monkeypatch):
-    import importlib.util
-
-    import train_throughput
-
-    spec = {"config": "new_compiled", "label": "new_compiled-demo", "liger": "auto"}
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else None)
-    assert train_throughput._without_liger(spec, cuda=True) == [
-        {"config": "new_compiled", "label": "new_compiled-demo-liger_off", "liger": "off"}]
-    assert train_throughput._without_liger({**spec, "config": "new"}, cuda=True) == []  # eager: nothing to retry
-    assert train_throughput._without_liger({**spec, "liger": "off"}, cuda=True) == []
-    assert train_throughput._without_liger(spec, cuda=False) == []
-
-
 def test_the_flattening_peer_fills_rows_as_ours_do():
     from train_throughput import _peer_micro
 

@@ -168,9 +168,10 @@ class MethodConfig(_Section):
     base_precision: Literal["16bit", "4bit"] = Field(
         "16bit", description="4bit: an NF4 base (QLoRA), LoRA on CUDA only.")
     liger: Literal["auto", "on", "off"] = Field(
-        "auto", description="Liger kernels on CUDA (RMSNorm, RoPE, SwiGLU): auto uses them when installed; on also "
-                            "takes Liger's fused linear cross-entropy for the loss, which reads the device once a "
-                            "micro-batch (the default loss reads nothing).")
+        "auto", description="Liger kernels on CUDA (RMSNorm, SwiGLU) in eager layers: auto uses them when "
+                            "installed (compiled layers fuse these themselves); on also takes Liger's fused linear "
+                            "cross-entropy for the loss, which reads the device once a micro-batch (the default loss "
+                            "reads nothing).")
     attention: Literal["auto", "varlen", "sdpa_packed", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto and varlen: one attention call a layer over the packed examples' boundaries "
                             "(phase1a/model/attention.py; FlashAttention 2's varlen kernel on a GPU); sdpa_packed: "

@@ -19,7 +19,7 @@ import torch
 
 from phase1a.config.schema import MethodConfig
 from phase1a.core.hardware import training_device, training_dtype
-from phase1a.model import chunked_loss
+from phase1a.model import chunked_loss, liger
 from phase1a.model.adapters import load_adapter_weights
 from phase1a.model.attention import NAME as VARLEN  # importing it registers it: transformers finds it by name
 from phase1a.model.loading import load_model, peft_wrapping
@@ -103,6 +103,7 @@ def set_compiled(model, compilation: Compilation | None) -> None:
     state = None if compilation is None else compilation.cuda_graphs
     if getattr(model, "_phase1a_compiled", None) == state:
         return
+    liger.enable(model, on=compilation is None)  # Liger's kernels in eager layers only (phase1a/model/liger.py)
     if compilation is not None:
         compile_layers(model, compilation)
     else:
@@ -140,15 +141,14 @@ def attention_implementation(method: MethodConfig, device: torch.device, dtype: 
 
 
 def _apply_liger(model, required: bool) -> bool:
-    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) in place of the model's own, when the package is installed.
-    Its fused linear cross-entropy is called by the loss (phase1a/model/chunked_loss.py), not by a patched forward."""
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError:
+    """Liger's Triton kernels (RMSNorm, SwiGLU) in this model's eager layers, when the package is installed
+    (phase1a/model/liger.py). Its fused linear cross-entropy is called by the loss (phase1a/model/chunked_loss.py),
+    not by a patched forward."""
+    if not liger.installed():
         if required:
-            raise RuntimeError("method.liger on needs liger-kernel: `uv pip install liger-kernel`") from None
+            raise RuntimeError("method.liger on needs liger-kernel: `uv pip install liger-kernel`")
         return False
-    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False, cross_entropy=False)
+    liger.apply(model)  # False for a family Liger has no kernels for: the loss's kernel still applies
     return True
 
 
