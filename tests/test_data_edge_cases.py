@@ -158,9 +158,9 @@ def test_one_long_record_among_60_is_named_and_the_others_size_the_run(config_tr
 
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_an_empty_answer_is_a_bad_record_in_every_format(config_tree, tmp_path):
+def test_an_empty_answer_is_skipped_and_counted_by_default_in_every_format(config_tree, tmp_path):
     """A chat with an empty assistant turn and a prompt/completion record with a blank completion, side by side:
-    one rule, one reason."""
+    one rule, one reason; skipped by default and said once, an error with `data.bad_records: fail`."""
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     chats, qa = date_records(32), qa_records(32, seed=1)
@@ -170,18 +170,22 @@ def test_an_empty_answer_is_a_bad_record_in_every_format(config_tree, tmp_path):
     write_jsonl(mixed / "qa.jsonl", qa)
     config_tree["data"]["source"] = str(mixed)
 
-    failed = plan(config_tree, tmp_path)  # data.bad_records: fail, the default
-    assert failed.returncode == 1
-    assert f"{mixed}/chats.jsonl:6: messages[2].content: empty assistant turn" in failed.stderr, failed.stderr[-3000:]
-
-    skipped = plan(config_tree, tmp_path, "data.bad_records=skip")
+    skipped = plan(config_tree, tmp_path)  # data.bad_records: skip_empty, the default
     assert skipped.returncode == 0, skipped.stderr[-3000:]
+    examples = [f"{mixed}/chats.jsonl:6: messages[2].content: empty assistant turn",
+                f"{mixed}/qa.jsonl:10: field 'completion': empty assistant turn"]
+    said = skipped.stdout + skipped.stderr
+    assert said.count("record(s) with nothing to train skipped") == 1, said[-3000:]
+    assert f"2 record(s) with nothing to train skipped (empty_answer: 2), e.g. {'; '.join(examples)}" in said
     tokenized = report_of(skipped)["stages"]["tokenize"]["result"]
-    assert tokenized["skipped"] == {"empty_turn": 2}
-    assert tokenized["skipped_examples"] == [f"{mixed}/chats.jsonl:6: messages[2].content: empty assistant turn",
-                                             f"{mixed}/qa.jsonl:10: field 'completion': empty assistant turn"]
+    assert tokenized["skipped"] == {"empty_answer": 2} and tokenized["skipped_examples"] == examples
     assert tokenized["train_examples"] + tokenized["validation_examples"] == 62
-    assert "| skipped | empty_turn: 2 |" in report_md(skipped)
+    assert "| skipped | empty_answer: 2 |" in report_md(skipped)
+
+    failed = plan(config_tree, tmp_path, "data.bad_records=fail")
+    assert failed.returncode == 1
+    assert f"{examples[0]} (a record with nothing to train; data.bad_records: skip_empty skips" in failed.stderr, \
+        failed.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Record shapes, tool calls, bad variants and chat-template overrides, against the template applied directly."""
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +187,7 @@ def _calls(*ids):
     ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "a"}]},
      "messages[0].content: empty user turn", "empty_turn"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
-     "messages[1].content: empty assistant turn", "empty_turn"),
+     "messages[1].content: empty assistant turn", "empty_answer"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, {"role": "assistant", "content": "a"}]},
      "messages[0].content: must be a string (list)", "non_string_content"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": _calls("a")},
@@ -205,7 +206,7 @@ def _calls(*ids):
     ({"conversations": [{"from": "narrator", "value": "q"}, {"from": "gpt", "value": "a"}]},
      "conversations[0].from: unknown role", "unknown_role"),
     ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
-     "conversations[1].value: empty assistant turn", "empty_turn"),
+     "conversations[1].value: empty assistant turn", "empty_answer"),
     ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "a"}]},
      "conversations[0].value: must be a string (int)", "non_string_content"),
     ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "weather(Paris)"},
@@ -226,16 +227,16 @@ def _calls(*ids):
     ({"prompt": [{"role": "user"}], "completion": [{"role": "assistant", "content": "a"}]},
      "prompt[0].content: empty user turn", "empty_turn"),
     ({"prompt": "q", "completion": 3}, "field 'completion' must be a string (int)", "bad_field:completion"),
-    # One rule for every format: an empty or blank turn is a bad record, `empty_turn`.
-    ({"prompt": "q", "completion": ""}, "field 'completion': empty assistant turn", "empty_turn"),
+    # One rule for every format: an empty or blank turn is a bad record, `empty_answer` where it is the trained one.
+    ({"prompt": "q", "completion": ""}, "field 'completion': empty assistant turn", "empty_answer"),
     ({"prompt": " \n", "completion": "a"}, "field 'prompt': empty user turn", "empty_turn"),
     ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": " "}]},
-     "completion[0].content: empty assistant turn", "empty_turn"),
-    ({"instruction": "q", "output": ""}, "field 'output': empty assistant turn", "empty_turn"),
+     "completion[0].content: empty assistant turn", "empty_answer"),
+    ({"instruction": "q", "output": ""}, "field 'output': empty assistant turn", "empty_answer"),
     ({"instruction": "", "input": "", "output": "a"}, "field 'instruction': empty user turn", "empty_turn"),
     ({"instruction": "q", "output": "a", "history": [["q0", ""]]}, "history[0][1]: empty assistant turn",
-     "empty_turn"),
-    ({"text": "\t"}, "field 'text': empty assistant turn", "empty_turn"),
+     "empty_answer"),
+    ({"text": "\t"}, "field 'text': empty assistant turn", "empty_answer"),
     ({"messages": [{"role": "assistant", "content": "a"}], "system": 5}, "field 'system' must be a string (int)",
      "bad_field:system"),
     ({"question": "q"}, "no 'messages', 'conversations', 'instruction'/'output'", "unknown_schema"),
@@ -255,8 +256,33 @@ def test_bad_records_skipped_are_counted_by_reason(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     result = tokenize_dataset(write_jsonl(path, good + bad), tokenizer, 256, TokenizeOptions(bad_records="skip"),
                               tmp_path / "cache" / "fp")
-    assert result.skipped == {"unknown_role": 1, "last_turn_not_assistant": 1, "empty_turn": 1}
+    assert result.skipped == {"unknown_role": 1, "last_turn_not_assistant": 1, "empty_answer": 1}
     assert result.skipped_examples[0].startswith(f"{path}:5: messages[0].role: unknown role")
+
+
+def test_records_with_nothing_to_train_are_skipped_by_default_and_said_once(tmp_path, tokenizer, caplog):
+    """An empty answer (2 in 5,000 public Alpaca records) is skipped and counted by default, in one warning naming
+    the count and where; a malformed record still stops the run, saying which setting would skip it."""
+    caplog.set_level("WARNING", logger="phase1a")
+    empty = [{"instruction": "q", "output": ""}, {"messages": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": " "}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", [_chat(n)[0] for n in range(4)] + empty)
+    result = tokenize_dataset(path, tokenizer, 256, TokenizeOptions(), tmp_path / "cache" / "fp")
+    assert result.skipped == {"empty_answer": 2}
+    assert result.skipped_examples == [f"{path}:5: field 'output': empty assistant turn",
+                                       f"{path}:6: messages[1].content: empty assistant turn"]
+    warnings = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
+    assert warnings == [f"2 record(s) with nothing to train skipped (empty_answer: 2), e.g. {path}:5: field 'output': "
+                        f"empty assistant turn; {path}:6: messages[1].content: empty assistant turn; "
+                        "data.bad_records: fail makes them errors"]
+
+    with pytest.raises(RecordError, match=rf"^{re.escape(str(path))}:5: field 'output': empty assistant turn \(a record with nothing "
+                                          r"to train; data.bad_records: skip_empty skips and counts these\)$"):
+        tokenize_dataset(path, tokenizer, 256, TokenizeOptions(bad_records="fail"), tmp_path / "cache" / "fail")
+    malformed = write_jsonl(tmp_path / "m.jsonl", [_chat(n)[0] for n in range(4)] + empty + [{"question": "q"}])
+    with pytest.raises(RecordError, match=r"m.jsonl:7: no 'messages'.*\(data.bad_records: skip skips and counts bad "
+                                          r"records\)$"):
+        tokenize_dataset(malformed, tokenizer, 256, TokenizeOptions(), tmp_path / "cache" / "malformed")
 
 
 def test_dotted_field_map_reaches_into_nested_records():

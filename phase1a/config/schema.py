@@ -55,9 +55,12 @@ class DataConfig(_Section):
     chat_template: str | None = Field(None, description="Override the tokenizer's chat template: a named one "
                                                         "(phase1a.data.templates.CHAT_TEMPLATES) or a Jinja file.")
     train_on_inputs: bool = Field(False, description="Train on prompt tokens too, not only the responses.")
-    bad_records: Literal["fail", "skip"] = Field(
-        "fail", description="fail: the first bad record stops the run, named as `file:line: field: what is wrong`; "
-                            "skip: bad records are skipped and counted by reason, with examples in the report.")
+    bad_records: Literal["fail", "skip_empty", "skip"] = Field(
+        "skip_empty", description="skip_empty: records with nothing to train (an empty answer, as public datasets "
+                                  "have a few) are skipped, counted in one warning and the report; a malformed "
+                                  "record stops the run, named as `file:line: field: what is wrong`. fail: every "
+                                  "bad record stops the run. skip: every bad record is skipped and counted by "
+                                  "reason, with examples in the report.")
     overlong: Literal["truncate", "drop", "fail"] = Field(
         "truncate", description="Examples longer than the run's max_seq_length: truncated, dropped (both counted in "
                                 "the report), or the run fails naming the first.")

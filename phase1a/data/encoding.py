@@ -33,7 +33,7 @@ import numpy as np
 
 from phase1a.data.datasource import RecordRun, Shard, SourceRecord, describe, record_runs
 from phase1a.core.hardware import usable_cores
-from phase1a.data.records import RecordError, parse_json_record, to_conversation
+from phase1a.data.records import NOTHING_TO_TRAIN, RecordError, parse_json_record, to_conversation
 from phase1a.data.render import Renderer, TokenizedChunk, tokenize_conversations
 from phase1a.core.units import MIB
 
@@ -57,7 +57,7 @@ class EncodeSettings:
     field_map: dict[str, str] = field(default_factory=dict)
     role_map: dict[str, str] = field(default_factory=dict)
     train_on_inputs: bool = False
-    bad_records: str = "fail"
+    bad_records: str = "skip_empty"  # a key of phase1a.data.records.BAD_RECORDS
 
 
 @dataclass
@@ -95,8 +95,8 @@ class ChunkEncoder:
             try:
                 conversation = to_conversation(parse_json_record(where, record.raw), where, self.settings)
             except RecordError as error:
-                if self.settings.bad_records == "fail":
-                    raise
+                if not skips(self.settings.bad_records, error.reason):
+                    raise RecordError(with_remedy(str(error), error.reason), error.reason) from None
                 skipped[error.reason] += 1
                 if len(shown) < SHOWN_SKIPS:
                     shown.append(str(error))
@@ -110,6 +110,20 @@ class ChunkEncoder:
         return EncodedChunk(shard=records[0].shard, tokens=tokens,
                             places=np.array(places, dtype=np.int64).reshape(-1, 2),
                             keys=np.asarray(keys, dtype=np.uint64), skipped=skipped, shown=shown)
+
+
+def skips(policy: str, reason: str) -> bool:
+    """Whether `data.bad_records: policy` skips a record that is bad for `reason` (records.BAD_RECORDS)."""
+    return policy == "skip" or (policy == "skip_empty" and reason in NOTHING_TO_TRAIN)
+
+
+def with_remedy(message: str, reason: str) -> str:
+    """A bad record's message and the setting that would skip it, unless the message names one already."""
+    if "data.bad_records" in message:
+        return message
+    if reason in NOTHING_TO_TRAIN:
+        return f"{message} (a record with nothing to train; data.bad_records: skip_empty skips and counts these)"
+    return f"{message} (data.bad_records: skip skips and counts bad records)"
 
 
 def auto_workers(shards: list[Shard], requested: int | None) -> int:
@@ -130,7 +144,7 @@ Result = TypeVar("Result")
 
 def encode_chunks(runs: Iterable[RecordRun], job: Callable[[RecordRun], Result], workers: int) -> Iterator[Result]:
     """`job(run)` for every run, in source order, in this process or in `workers` processes; a bad record raises
-    its RecordError (with `bad_records: fail`)."""
+    its RecordError (unless `bad_records` skips it)."""
     if workers <= 1:
         yield from map(job, runs)
         return

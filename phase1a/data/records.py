@@ -6,7 +6,9 @@ config's choices, auto-detection, the documentation and the tests all read it. A
 naming where it is (file and line, or array index) and the field path; the caller decides whether that fails
 the run or is skipped and counted under the error's `reason`. One rule for every format: an empty or blank turn
 (a chat turn, a prompt, an instruction, a completion, an output, a text; not an assistant turn that only calls
-tools) is a bad record, `empty_turn`.
+tools) is a bad record: `empty_answer` where the turn is the one trained (an assistant turn, a completion, an
+output, a text), `empty_turn` otherwise. An empty answer is a well-formed record with nothing to train (public
+datasets have them: 2 in 5,000 Alpaca records): `NOTHING_TO_TRAIN`, skipped by default (`data.bad_records`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,13 @@ from typing import Any, Callable, NamedTuple, Protocol
 from phase1a.core.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
+# Reasons of records that are well-formed but have nothing to train: `data.bad_records: skip_empty` (the default)
+# skips and counts them; every other reason is a malformed record, which fails the run unless `skip`.
+NOTHING_TO_TRAIN = frozenset({"empty_answer"})
+BAD_RECORDS = {"fail": "every bad record stops the run",
+               "skip_empty": "records with nothing to train (an empty answer) are skipped and counted; a malformed "
+                             "record stops the run",
+               "skip": "every bad record is skipped and counted"}
 # Role names used by ShareGPT-style datasets (FastChat, Axolotl, LLaMA-Factory) and chat exports; data.role_map
 # adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an
 # assistant turn with tool calls.
@@ -149,7 +158,7 @@ def _text(record: dict, field: str, where: str, optional: bool = False) -> str:
 
 def _turn_text(record: dict, field: str, where: str, role: str) -> str:
     """A field that is a whole turn (a prompt, a completion, a text): empty is a bad record, as an empty turn of a
-    chat is (`_turn`): one rule for every format, counted as `empty_turn` when bad records are skipped."""
+    chat is (`_turn`): one rule for every format (the module docstring)."""
     value = _text(record, field, where)
     _require_content(value, f"field {field!r}", where, role)
     return value
@@ -158,7 +167,8 @@ def _turn_text(record: dict, field: str, where: str, role: str) -> str:
 def _require_content(text: str, path: str, where: str, role: str) -> None:
     """An empty or blank turn has nothing to train on (an assistant's) or to answer (a user's)."""
     if not text.strip():
-        raise RecordError(f"{where}: {path}: empty {role} turn", "empty_turn")
+        reason = "empty_answer" if role == "assistant" else "empty_turn"
+        raise RecordError(f"{where}: {path}: empty {role} turn", reason)
 
 
 def _chat(record: dict, where: str, role_map: dict[str, str]) -> list[dict[str, Any]]:

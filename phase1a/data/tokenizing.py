@@ -50,7 +50,7 @@ from phase1a.store.base import Store
 
 
 class TokenizeOptions(BaseModel):
-    """The `data` settings tokenizing reads (and `model.max_seq_length`): its key's settings part. A config's:
+    """The `data` settings tokenizing reads: its key's settings part. A config's:
     phase1a/config/tokenizing.py."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)  # the store: an open Store, not settings
@@ -60,7 +60,7 @@ class TokenizeOptions(BaseModel):
     role_map: dict[str, str] = {}
     chat_template: str | None = None  # a name in phase1a.data.templates.CHAT_TEMPLATES or a Jinja file's path
     train_on_inputs: bool = False
-    bad_records: Literal["fail", "skip"] = "fail"
+    bad_records: Literal["fail", "skip_empty", "skip"] = "skip_empty"  # phase1a.data.records.BAD_RECORDS
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
     drop_duplicates: bool = False
     length_percentile: float = 100.0
@@ -214,6 +214,10 @@ def _encode(sources: _Sources, tokenizer, options: TokenizeOptions, root: Path,
     if not sum(shard.count for shard in shards):
         detail = f" ({sum(skipped.values())} bad records skipped: {dict(skipped)})" if skipped else ""
         raise DataError(f"{sources.name()}: no usable records{detail}")
+    if options.bad_records == "skip_empty" and skipped:  # skipped by default: said once, never silently
+        run_logger().warning("%d record(s) with nothing to train skipped (%s), e.g. %s; data.bad_records: fail makes "
+                             "them errors", sum(skipped.values()), ", ".join(f"{r}: {n}" for r, n in skipped.items()),
+                             "; ".join(shown[:3]))
     column = lambda name: np.concatenate([shard.examples[name] for shard in shards])  # noqa: E731
     places = np.column_stack([np.repeat(np.arange(len(shards)), [shard.count for shard in shards]), column("line")])
     return _Encoded(shards, places, column("key"), column("length"), column("first_label"), column("supervised"),
