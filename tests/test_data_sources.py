@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import bz2
 import csv
+import io
 import json
 import lzma
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,7 +21,7 @@ from helpers import date_records, read_arrow, write_jsonl
 from phase1a.core.errors import DataError
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.locators import file_format
-from phase1a.data.datasource import DataLocation, iter_records, resolve_shards
+from phase1a.data.datasource import DataLocation, Shard, estimate_records, iter_records, resolve_shards
 from phase1a.data.staging import data_source_fingerprint, stage_dataset
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
@@ -225,3 +227,41 @@ def test_byte_order_marks_and_invalid_utf8_in_text_formats(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"broken.json:3: invalid UTF-8 at byte 6 of the line \(0xff\); a JSON array "
                                         r"is read whole"):
         tokenize_dataset(broken, tokenizer, 256, TokenizeOptions(bad_records="skip"), tmp_path / "c4" / "broken")
+
+
+def test_a_byte_that_is_not_utf8_in_a_csv_names_its_row_and_line(tmp_path, tokenizer):
+    """Rows and lines differ where cells hold newlines: both are named, rows as the reader numbers them (after the
+    header, from 0). Read by columns, a CSV cannot lose one row: the file stops, with the place to mend."""
+    records = [{"prompt": f"line one {n}\nline two {n}", "completion": f"answer {n}"} for n in range(60)]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=["prompt", "completion"])
+    writer.writeheader()
+    writer.writerows(records)
+    data = text.getvalue().encode()
+    at = data.index(b"answer 37")  # row 37: its prompt's two lines start at line 2 + 2 * 37
+    bad = tmp_path / "badutf8.csv"
+    bad.write_bytes(data[:at + 3] + b"\xff" + data[at + 3:])
+    byte = len('line two 37",ans') + 1
+    expected = f"{bad}:row 37 (line 77): invalid UTF-8 at byte {byte} of the line (0xff); save"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        tokenize_dataset(bad, tokenizer, 256, TokenizeOptions(), tmp_path / "c5" / "bad")
+    header = tmp_path / "badheader.csv"
+    header.write_bytes(b"pro\xffmpt,completion\n" + data.split(b"\n", 1)[1])
+    with pytest.raises(DataError, match=re.escape(f"{header}:the header row (line 1): invalid UTF-8 at byte 4")):
+        tokenize_dataset(header, tokenizer, 256, TokenizeOptions(), tmp_path / "c5" / "header")
+
+
+def test_progress_counts_a_csvs_rows_not_its_lines(tmp_path):
+    """The count progress starts from (tokenize's "N examples to do"): cells with newlines are one row each, in a
+    small file exactly, in one larger than the sample read within a few percent."""
+    def write(path, count, repeat):
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["prompt", "completion"])
+            writer.writeheader()
+            writer.writerows({"prompt": f"first line {n}\nsecond line\n" * repeat, "completion": f"answer\n{n}"}
+                             for n in range(count))
+        return Shard(path, "csv")
+
+    assert estimate_records(write(tmp_path / "small.csv", 60, 1)) == 60
+    large = estimate_records(write(tmp_path / "large.csv", 60_000, 8))  # about 20 MiB: beyond the 8 MiB sample
+    assert abs(large - 60_000) / 60_000 < 0.05, large

@@ -35,8 +35,8 @@ from pydantic import BaseModel
 
 from phase1a.core.errors import DataError
 from phase1a.core.locators import COMPRESSION_SUFFIXES, DATA_FILE_FORMATS, file_format
-from phase1a.data.records import UndecodableLine
 from phase1a.core.units import MIB
+from phase1a.data.records import UndecodableLine
 
 _BATCH = 4096  # rows per streamed batch of a columnar shard
 
@@ -301,12 +301,31 @@ def _estimate_records(shard: Shard) -> int | None:
         sample = handle.read(_SAMPLE)
     if any(sample.startswith(magic) for magic in (_ZSTD_MAGIC, *(prefix for prefix, _ in _MAGIC))):
         return None
-    size, lines = Path(shard.path).stat().st_size, sample.count(b"\n")
-    if len(sample) == size:  # the whole file: a last line without its newline counts too
-        lines += bool(sample) and not sample.endswith(b"\n")
-    else:
-        lines = round(lines * size / len(sample))
-    return max(0, lines - (shard.format in ("csv", "tsv")))  # a header row
+    size = Path(shard.path).stat().st_size
+    whole = len(sample) == size
+    if shard.format in ("csv", "tsv"):
+        return _csv_rows(sample, whole, shard.format, size)
+    lines = sample.count(b"\n")
+    if whole:  # a last line without its newline counts too
+        return lines + (bool(sample) and not sample.endswith(b"\n"))
+    return round(lines * size / len(sample))
+
+
+def _csv_rows(sample: bytes, whole: bool, format: str, size: int) -> int:
+    """Rows, not lines: a quoted cell may hold newlines. The sample's rows parsed in blocks (a sample cut inside
+    a row ends the count there), scaled by the file's size."""
+    rows = 0
+    try:
+        reader = pacsv.open_csv(io.BytesIO(sample), read_options=pacsv.ReadOptions(block_size=1 << 18),
+                                parse_options=pacsv.ParseOptions(delimiter="\t" if format == "tsv" else ",",
+                                                                 newlines_in_values=True),
+                                convert_options=pacsv.ConvertOptions(column_types={}, strings_can_be_null=False))
+        for batch in reader:
+            rows += batch.num_rows
+    except (ValueError, OSError):  # the cut row, or a file the reading proper will name the fault of
+        if not rows:
+            return max(0, sample.count(b"\n") - 1)
+    return rows if whole else round(rows * size / len(sample))
 
 
 
@@ -397,7 +416,45 @@ _UNREADABLE = (ValueError, OSError)  # pyarrow's ArrowInvalid is a ValueError
 
 
 def _unreadable(shard: Shard, error: Exception) -> DataError:
+    if shard.format in ("csv", "tsv") and (isinstance(error, UnicodeDecodeError) or "invalid UTF8" in str(error)):
+        place = _first_invalid_utf8(shard)
+        if place is not None:
+            return DataError(f"{shard.label}:{place}; save the file as UTF-8 (a {shard.format.upper()} file is read "
+                             "by columns, so one bad byte stops the whole file)")
     return DataError(f"{shard.label}: cannot read as {shard.format}: {' '.join(str(error).split())[:500]}")
+
+
+def _first_invalid_utf8(shard: Shard) -> str | None:
+    """Where a CSV/TSV file's first byte that is not UTF-8 is, as `row N (line L): invalid UTF-8 at byte B of the
+    line (0xXX)` (rows numbered as `describe` numbers them, after the header); None when every byte decodes.
+    Two streaming passes, so a bad byte deep in a large file costs reading up to it, not memory."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open_binary(shard.path) as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                offset += error.start
+                break
+            offset += len(chunk)
+        else:
+            return None
+    with open_binary(shard.path) as handle:
+        seen, lineno, prefix = 0, 0, []
+        for lineno, line in enumerate(handle, start=1):
+            if seen + len(line) > offset:
+                column, value = offset - seen, line[offset - seen]
+                prefix.append(line[:column].decode("utf-8"))
+                break
+            prefix.append(line.decode("utf-8"))
+            seen += len(line)
+    # The last row read is the one the bad byte is in (cut before it; an empty cut is an empty row); the first, the
+    # header. A quoted cell's newlines make rows and lines differ: both are named.
+    row = sum(1 for _ in csv.reader(prefix, delimiter="\t" if shard.format == "tsv" else ",")) - 2
+    where = f"row {row}" if row >= 0 else "the header row"
+    return f"{where} (line {lineno}): invalid UTF-8 at byte {column + 1} of the line (0x{value:02x})"
 
 
 def _columnar_rows(shard: Shard) -> Iterator[dict]:
@@ -440,8 +497,9 @@ def _record_batches(shard: Shard) -> Iterator[pa.RecordBatch]:
 
 
 def _csv_header(shard: Shard) -> list[str]:
-    with open_text(shard.path) as handle:
-        header = next(csv.reader(handle, delimiter="\t" if shard.format == "tsv" else ","), None)
+    with open_binary(shard.path) as handle:  # the first line only: a bad byte further on is a row's, not the header's
+        first = handle.readline().removeprefix(_BOM).decode("utf-8")
+    header = next(csv.reader([first], delimiter="\t" if shard.format == "tsv" else ","), None)
     if not header:
         raise DataError(f"{shard.label}: a {shard.format.upper()} file needs a header row naming its columns")
     return header

@@ -31,11 +31,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from phase1a.data.datasource import RecordRun, Shard, SourceRecord, describe, record_runs
 from phase1a.core.hardware import usable_cores
+from phase1a.core.units import MIB
+from phase1a.data.datasource import RecordRun, Shard, SourceRecord, describe, record_runs
 from phase1a.data.records import NOTHING_TO_TRAIN, RecordError, parse_json_record, to_conversation
 from phase1a.data.render import Renderer, TokenizedChunk, tokenize_conversations
-from phase1a.core.units import MIB
 
 CHUNK = 4096  # records per batched tokenizer call, per task of a worker, and per record batch of a shard's tokens
 SHOWN_SKIPS = 5  # skipped records quoted in the report; every skip is counted
@@ -51,7 +51,8 @@ _START = get_context("fork" if sys.platform == "linux" else "spawn")
 
 @dataclass(frozen=True)
 class EncodeSettings:
-    """What reading and rendering a record needs (a `phase1a.data.records.RecordSettings`), and the bad-record policy."""
+    """What reading and rendering a record needs (a `phase1a.data.records.RecordSettings`), and the bad-record
+    policy."""
 
     format: str = "auto"
     field_map: dict[str, str] = field(default_factory=dict)

@@ -31,6 +31,9 @@ import numpy as np
 import pyarrow as pa
 
 from phase1a.core.atomic import atomic_path
+from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
+from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.meter import Meter, stage_meter
 from phase1a.data.datasource import RecordRun, Shard, estimate_records
 from phase1a.data.encoding import (
     SHOWN_SKIPS,
@@ -40,9 +43,6 @@ from phase1a.data.encoding import (
     chunk_runs,
     encode_chunks,
 )
-from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
-from phase1a.core.labels import IGNORE_INDEX
-from phase1a.core.meter import Meter, stage_meter
 from phase1a.data.tokenized import read_mapped
 
 if TYPE_CHECKING:  # typing only: how shards travel to and from the store is not part of a shard's key

@@ -12,9 +12,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phase1a.store.bundles import Bundle, BundleCorrupt, Wanted, delete_bundle, download_bundles, read_bundle, upload_bundle
 from phase1a.core.logs import run_logger
 from phase1a.store.base import Store
+from phase1a.store.bundles import (
+    Bundle,
+    BundleCorrupt,
+    Wanted,
+    delete_bundle,
+    download_bundles,
+    read_bundle,
+    upload_bundle,
+)
 
 _THREADS = 8
 
