@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from flows.processes import Terminated, own_processes
 from phase1a.config.schema import ConfigError, config_from
 from phase1a.core import layout
-from phase1a.core.errors import DataError
+from phase1a.core.errors import DataError, UserError
 from phase1a.results import Plan, TrainResult, ValidationResult
 from phase1a.run_report import RunReport, promoted_line
 from phase1a.train.preemption import Preempted
@@ -65,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="override a config field, e.g. --set method.epochs=2 (repeatable)")
         if name == "runs":
             command.add_argument("--last", type=int, default=20, help="the most recent N runs (default 20)")
+        if name in ("run", "plan"):
+            command.add_argument("--verbose", action="store_true",
+                                 help="print an input error's traceback too (it always goes to the run's error.log)")
     return parser
 
 
@@ -83,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     own_processes()  # the embedded server and every other process the run starts end with it
-    return _run(config, plan_only=args.command == "plan")
+    return _run(config, plan_only=args.command == "plan", verbose=args.verbose)
 
 
-def _run(config, plan_only: bool) -> int:
+def _run(config, plan_only: bool, verbose: bool = False) -> int:
     """The flow, in this process; its report's summary whatever the end. Exit status: 0 when the flow run
     completed, 128 + the signal's number when SIGTERM (143) or SIGINT (130) stopped it, in training (at a
     checkpoint) or not, else 1."""
@@ -94,6 +99,8 @@ def _run(config, plan_only: bool) -> int:
     try:
         from flows.phase1a import phase1a  # after the settings above: Prefect reads them when it is first imported
 
+        if not verbose:
+            _user_errors_in_one_line()
         state = phase1a(config, plan_only=plan_only, return_state=True)
     except BaseException as error:
         signum = _stop_signal(error)  # a signal outside training, after report.json was written
@@ -103,13 +110,41 @@ def _run(config, plan_only: bool) -> int:
         print(f"phase1a: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
     report_path = Path(state.result(raise_on_failure=False)) if state.is_completed() else None
-    _print_summary(report_path or _latest_report(config, since=started))
+    report_path = report_path or _latest_report(config, since=started)
+    _print_summary(report_path)
     if state.is_completed():
         return 0
-    print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
     error = state.result(raise_on_failure=False)
+    if isinstance(error, UserError):  # the user's input to mend: the message last, the traceback in a file
+        sys.stdout.flush()
+        if report_path is not None:
+            log = report_path.parent / layout.ERROR_LOG
+            log.write_text("".join(traceback.format_exception(error)))
+            print(f"phase1a: the traceback is in {log} (--verbose prints it)", file=sys.stderr)
+        print(f"phase1a: {error}", file=sys.stderr)
+        return 1
+    print(f"phase1a: flow run {state.name}: {state.message}", file=sys.stderr)
     stopped_by = error.signal_name if isinstance(error, Preempted) else None  # training stopped at a checkpoint
     return (128 + signal.Signals[stopped_by]) if stopped_by in signal.Signals.__members__ else 1
+
+
+class _WithoutUserTraceback(logging.Filter):
+    """A user error's log lines without their traceback, on the terminal only (Prefect's API handler, on the
+    flow- and task-run loggers, has already taken the record whole when it reaches the root's console)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _user_errors_in_one_line() -> None:
+    """Prefect logs a failed task's and flow's exception with its traceback, twice: for a user error (a bad
+    record, a missing file, a setting) that is 150 lines before the one that matters."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not any(
+                isinstance(f, _WithoutUserTraceback) for f in handler.filters):
+            handler.addFilter(_WithoutUserTraceback())
 
 
 def _stop_signal(error: BaseException) -> int | None:

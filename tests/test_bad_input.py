@@ -30,6 +30,18 @@ def report_of(done: subprocess.CompletedProcess) -> dict:
     return json.loads(Path(line.removeprefix("report: ")).read_text())
 
 
+def ends_with_the_message(failed: subprocess.CompletedProcess, message: str) -> None:
+    """An input error ends the run cleanly: no traceback on the terminal, the one-line message last (the setting
+    or action that changes the outcome in it), the traceback in the run's error.log."""
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr + failed.stdout, failed.stderr[-3000:]
+    last = failed.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f"phase1a: {message}"), failed.stderr[-3000:]
+    run_dir = Path([line for line in failed.stdout.splitlines() if line.startswith("report: ")][-1][8:]).parent
+    assert f"phase1a: the traceback is in {run_dir / 'error.log'}" in failed.stderr
+    assert "Traceback (most recent call last)" in (run_dir / "error.log").read_text()
+
+
 def jsonl_bytes(records: list[dict]) -> list[bytes]:
     return [json.dumps(record).encode() + b"\n" for record in records]
 
@@ -44,10 +56,9 @@ def test_an_invalid_utf8_byte_names_the_users_file_and_line_and_can_be_skipped(c
     byte = lines[40].index(b"\xff") + 1
 
     failed = plan(config_tree, tmp_path)
-    assert failed.returncode == 1
     expected = (f"{data}:41: invalid UTF-8 at byte {byte} of the line (0xff); save the file as UTF-8, or skip "
                 "such lines with data.bad_records: skip")
-    assert expected in failed.stderr, failed.stderr[-2000:]
+    ends_with_the_message(failed, expected)
     assert "staging" not in failed.stderr.split(expected)[0].splitlines()[-1]  # the user's path, not the copy
     assert "UnicodeDecodeError" not in failed.stderr + failed.stdout
 
@@ -77,8 +88,17 @@ def test_a_missing_mapped_field_is_named_as_the_user_names_it(config_tree, tmp_p
     data.write_bytes(b"".join(jsonl_bytes(records)))
     config_tree["data"].update(source=str(data), field_map={"question": "prompt", "answer": "completion"})
     done = plan(config_tree, tmp_path)
-    assert done.returncode == 1
-    assert f"{data}:10: field 'answer' (mapped to completion) is missing" in done.stderr, done.stderr[-2000:]
+    ends_with_the_message(done, f"{data}:10: field 'answer' (mapped to completion) is missing (data.bad_records: "
+                                "skip skips and counts bad records)")
+
+
+def test_a_model_id_not_in_the_hub_cache_ends_in_one_line_with_what_to_do(config_tree, tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, as the suite runs) a Hub id with no cached snapshot fails at the model stage,
+    saying so and what to change."""
+    config_tree["model"]["name_or_path"] = "someone/a-model-never-downloaded"
+    failed = plan(config_tree, tmp_path)
+    ends_with_the_message(failed, "model.name_or_path: HF_HUB_OFFLINE=1 and no cached snapshot of")
+    assert "unset HF_HUB_OFFLINE" in failed.stderr.rstrip().splitlines()[-1]
 
 
 def test_one_far_longer_example_is_named_and_the_balanced_plan_truncates_it(config_tree, tmp_path):

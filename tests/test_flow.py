@@ -16,8 +16,10 @@ from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
-from phase1a.results import Plan, TrainResult, ValidationResult
+from phase1a.evaluate.result import ValidationResult
+from phase1a.plan.result import Plan
 from phase1a.run_report import RunReport
+from phase1a.train.result import TrainResult
 
 pytestmark = pytest.mark.prefect_server  # Prefect's embedded server runs every flow here
 
@@ -146,6 +148,7 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
 
     bad = subprocess.run(cli + ["--set", "method.batch_size=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
+    assert "Traceback" not in bad.stderr and bad.stderr.rstrip().splitlines()[-1].startswith("phase1a: method.")
 
 
 @pytest.mark.slow

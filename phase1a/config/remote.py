@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from phase1a.core.errors import UserError
 from phase1a.core.units import MIB
 
 CONFIG_URL_SCHEMES = ("s3://", "hf://")
@@ -17,7 +18,7 @@ CONFIG_URL_SCHEMES = ("s3://", "hf://")
 MAX_CONFIG_BYTES = MIB
 
 
-class ConfigUrlError(ValueError):
+class ConfigUrlError(UserError, ValueError):
     """A config URL that cannot be read; the message names the URL and what went wrong."""
 
 

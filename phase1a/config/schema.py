@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from phase1a.core.errors import UserError
 from phase1a.core.hardware import CATALOGUE, HARDWARE_KINDS
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.core.logs import run_logger
@@ -16,7 +17,7 @@ from phase1a.core.units import AUTO, parse_duration_seconds, parse_interval
 from phase1a.data.templates import CHAT_TEMPLATES
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem, worded as `field: what was wrong`."""
 
 

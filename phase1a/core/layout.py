@@ -4,6 +4,7 @@ a training directory (work_dir/<job>/train-<key>/, the train stage's), for what 
 # A run directory
 REPORT_JSON = "report.json"  # phase1a/run_report.py: RunReport
 REPORT_MD = "report.md"
+ERROR_LOG = "error.log"  # flows/cli.py: the traceback of an input error, printed as one line
 PLAN_JSON = "plan.json"
 CANDIDATE_METRICS = "candidate_metrics.json"  # usable as another run's validation.baseline_file
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from phase1a.config.schema import LoraSettings
+from phase1a.core.errors import UserError
 from phase1a.core.fingerprint import sha256_tree
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -21,7 +22,7 @@ _PLAIN_LORA: dict[str, Any] = {"use_dora": False, "use_rslora": False, "bias": "
                                "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
 
 
-class AdapterError(ValueError):
+class AdapterError(UserError, ValueError):
     """An adapter that cannot start this run, worded as `method.init_from: <path>: what is wrong`."""
 
 

@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel
 
 from phase1a.config.schema import ConfigError, ModelConfig, Phase1aConfig
+from phase1a.core.errors import UserError
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_dtype
 from phase1a.core.locators import looks_like_hub_id
@@ -41,8 +42,8 @@ PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.j
 _SUBFOLDERS = ["*/*"]
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+class ModelNotFoundError(UserError, FileNotFoundError):
+    """A model directory or Hub id that does not resolve; the message names model.name_or_path."""
 
 
 class ResolvedModel(BaseModel):

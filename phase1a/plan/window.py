@@ -22,14 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel
 
+from phase1a.core.errors import UserError
 from phase1a.data.lengths import right_size
 
 FAST_PERCENTILE = 99.9
 TRUNCATION_PERCENTILES = (99.0, 95.0, 90.0)
 
 
-class WindowError(RuntimeError):
-    pass
+class WindowError(UserError, RuntimeError):
+    """Nothing the plan can run fits the time window; the message names the window and what would fit."""
 
 
 class Adjustment(BaseModel):
