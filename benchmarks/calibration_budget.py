@@ -78,7 +78,7 @@ def measure(name: str, budget: str, train: bool, work: Path) -> dict:
     from phase1a.model.loading import load_tokenizer, prepare_model
     from phase1a.plan.planner import make_plan
     from phase1a.plan.present import format_plan
-    from phase1a.results import record_run
+    from phase1a.plan.training import record_run
     from phase1a.start.warmstart import resolve_start
     from phase1a.train.history import history_path
     from tasks.train import train as train_stage, train_settings

@@ -46,7 +46,7 @@ def main() -> None:
     from phase1a.model.loading import load_tokenizer, prepare_model, resolve_model
     from phase1a.plan.planner import make_plan
     from phase1a.plan.present import format_plan
-    from phase1a.results import record_run
+    from phase1a.plan.training import record_run
     from phase1a.start.warmstart import resolve_start
     from phase1a.train.history import history_path
     from tasks.train import train, train_settings

@@ -22,8 +22,9 @@ from phase1a.config.stores import open_store
 from phase1a.core.meter import configure as configure_progress
 from phase1a.model_card import RunFacts
 from phase1a.plan.present import present_plan
-from phase1a.results import Plan, TrainResult, interruptions_vs_actual
-from phase1a.run_report import Lineage, ValidationSection, promoted_line
+from phase1a.plan.result import Plan
+from phase1a.run_report import Lineage, ValidationSection, interruptions_vs_actual, promoted_line
+from phase1a.train.result import TrainResult
 from tasks.caching import kept_in, store_records, with_retries
 from tasks.model import model_task
 from tasks.plan import plan_task

@@ -21,8 +21,7 @@ from phase1a.config.stores import open_store
 from phase1a.core.layout import REPORT_JSON
 from phase1a.core.logs import run_logger
 from phase1a.core.redaction import redact, redacted
-from phase1a.results import RunOutcome
-from phase1a.run_report import FlowRunLink, RunReport, StageEstimate, StageRecord
+from phase1a.run_report import FlowRunLink, RunOutcome, RunReport, StageEstimate, StageRecord
 from phase1a.train.preemption import Preempted
 
 

@@ -28,11 +28,12 @@ from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.plan.options import ranged
-from phase1a.results import Plan, StoreTraining, TrainResult
+from phase1a.plan.result import Plan
 from phase1a.run_report import FlowRunLink, RunReport
 from phase1a.store.promoted import POINTER
 from phase1a.train import run_files
 from phase1a.train.history import ESTIMATE_BAND, history_path
+from phase1a.train.result import StoreTraining, TrainResult
 
 ARTIFACT_KEY = "run-report"
 

@@ -14,9 +14,11 @@ from phase1a.core.locators import looks_like_hub_id
 from phase1a.core.markdown import markdown_table
 from phase1a.core.units import format_seconds
 from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.result import ValidationResult
 from phase1a.model.loading import BUILTIN_GGUF, builtin_origin
-from phase1a.results import Plan, TrainResult, ValidationResult
+from phase1a.plan.result import Plan
 from phase1a.run_report import FlowRunLink, ValidationSection
+from phase1a.train.result import TrainResult
 
 CARD = "README.md"
 Artifact = Literal["adapter", "merged", "gguf"]

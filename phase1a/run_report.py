@@ -1,5 +1,6 @@
 """report.json as a type: what a run's report holds, written by the flow (flows/report.py) and read through this
-model by the CLI, `phase1a runs`, report.md and the trackers (file names: phase1a/core/layout.py)."""
+model by the CLI, `phase1a runs`, report.md and the trackers (file names: phase1a/core/layout.py); how the run
+ended (RunOutcome) and the interruptions the plan expected against what training met (interruptions_vs_actual)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,14 +11,20 @@ from pydantic import BaseModel, Field
 from phase1a.core.atomic import write_atomically
 from phase1a.evaluate.gate import GateCheck
 from phase1a.evaluate.metrics import Answer
+from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
+from phase1a.plan.result import Plan
 from phase1a.promote.promotion import PromotionOutcome
-from phase1a.results import RunOutcome, ValidationResult
 from phase1a.start.warmstart import StartPoint
 from phase1a.train.history import RunRecord
+from phase1a.train.result import TrainResult
 
 T = TypeVar("T", bound=BaseModel)
+# How a flow run ended (report.json `status`): passed the gate (and promoted when asked), stopped after the plan,
+# failed (an error or a failed gate), or preempted (a signal stopped training at a checkpoint the next run
+# resumes from).
+RunOutcome = Literal["passed", "planned", "failed", "preempted"]
 
 
 class StageRecord(BaseModel):
@@ -157,3 +164,26 @@ class RunReport(BaseModel):
     def save(self, path: Path) -> Path:
         write_atomically(path, self.model_dump_json(indent=2) + "\n")
         return path
+
+
+def interruptions_vs_actual(plan: Plan, trained: TrainResult) -> InterruptionOutcome | None:
+    """report.json's `interruptions_vs_actual`; None where the plan expected none and the run had no store."""
+    if plan.interruptions is None and trained.store is None:
+        return None
+    return interruptions_outcome(plan, trained)
+
+
+def interruptions_outcome(plan: Plan, trained: TrainResult) -> InterruptionOutcome:
+    estimate, store = plan.interruptions, trained.store
+    resumed = store is not None and store.pulled.what == "checkpoint"
+    lost = store.lost_steps if store is not None else None
+    own_steps = trained.steps - (trained.resumed_from_step or 0)
+    per_step = trained.wall_seconds / own_steps if own_steps > 0 else None
+    taken = (store.taken_over_from or {}).get("step") if store is not None else None
+    return InterruptionOutcome(
+        expected_interruptions=estimate.expected.interruptions if estimate else None,
+        expected_lost_seconds=estimate.expected.lost_seconds if estimate else None,
+        resumed_after_interruption=resumed, resumed_from_step=trained.resumed_from_step,
+        taken_over_from_step=taken, lost_steps=lost,
+        taken_over_silent_seconds=store.taken_over_silent_seconds if store is not None else None,
+        lost_seconds=None if lost is None or per_step is None else lost * per_step)

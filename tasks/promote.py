@@ -17,12 +17,13 @@ import torch
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.templates import apply_chat_template_setting
+from phase1a.evaluate.result import ValidationResult
 from phase1a.model.gguf import write_gguf
 from phase1a.model.loading import ResolvedModel, is_adapter, load_model, load_tokenizer, peft_wrapping
 from phase1a.model_card import BaseModelFacts, CardFacts, RunFacts, write_card
 from phase1a.promote.promotion import Promotion, PromotionOutcome, promote
-from phase1a.results import TrainResult, ValidationResult
 from phase1a.store.promoted import PromotionError, PromotionRecord
+from phase1a.train.result import TrainResult
 from tasks.caching import task
 
 

@@ -48,7 +48,8 @@ from phase1a.evaluate.during_training import EvalSettings, Evaluator
 from phase1a.model.build import Compilation, build_model, make_optimizer, make_scheduler
 from phase1a.model.cost_model import significant
 from phase1a.model.loading import ResolvedModel
-from phase1a.results import Plan, StoreTraining, TrainResult, record_run
+from phase1a.plan.result import Plan
+from phase1a.plan.training import record_run
 from phase1a.start.replay import write_trained_on
 from phase1a.start.warmstart import StartPoint
 from phase1a.store.base import Store
@@ -81,6 +82,7 @@ from phase1a.train.packing import (
 )
 from phase1a.train.preemption import Preempted, StopRequest, StopSignals
 from phase1a.train.progress import ProgressReporter, StepStats, Yardstick, append_event
+from phase1a.train.result import StoreTraining, TrainResult
 from phase1a.train.spot_notice import SpotNotices
 from phase1a.train.steps import StepOutcome, optimizer_step
 from phase1a.train.train_store import CheckpointMirror, RemoteRun, job_prefix

@@ -41,12 +41,13 @@ from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchma
 from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.serving import check_vllm_adapter
 from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
-from phase1a.results import TrainResult, ValidationResult
 from phase1a.run_report import ValidationSection
 from phase1a.store.promoted import PromotedPointer, read_pointer
 from phase1a.train.packing import TokenRows
+from phase1a.train.result import TrainResult
 from tasks.caching import StageCache, task
 
 T = TypeVar("T", bound=BaseModel)

@@ -105,7 +105,7 @@ def test_the_task_tests_and_the_unmoved_stages_are_still_needed():
 
 
 # The library's packages, lowest first: each imports only from those before it (and itself). The modules above
-# them, results.py (what stages hand each other), plots.py and tracking/, may import any.
+# them, run_report.py (report.json), model_card.py, plots.py and tracking/, may import any.
 PACKAGES = ("core", "store", "data", "config", "model", "start", "train", "evaluate", "plan", "promote")
 
 

@@ -63,8 +63,8 @@ def test_the_import_graph_is_walked_from_the_source(tmp_path):
             "phase1a.evaluate.metrics", "phase1a.evaluate.answers"} <= set(plan)
     assert "phase1a.model.build" in plan  # imported inside a function
     assert not {"flows.phase1a", "tasks.train", "tasks.tokenize"} & set(plan)  # the flow and other stages
-    # Under TYPE_CHECKING an import never runs: phase1a.train.history names phase1a.results only there.
-    assert "phase1a.results" not in project_imports("phase1a.train.history", code)
+    # Under TYPE_CHECKING an import never runs: phase1a.train.history names phase1a.store.base only there.
+    assert "phase1a.store.base" not in project_imports("phase1a.train.history", code)
     # tokenize's key does not move with the plan's or validation's code
     tokenize = set(project_imports("tasks.tokenize", code))
     assert not {"phase1a.plan.calibration", "phase1a.evaluate.metrics", "phase1a.evaluate.answers"} & tokenize

@@ -17,9 +17,9 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.during_training import EvalSettings
-from phase1a.results import TrainResult
 from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.launch import Launch, torchrun_command
+from phase1a.train.result import TrainResult
 from tasks.train import TrainSettings, run
 
 # On CUDA the ranks join with NCCL, which takes one GPU a rank: a one-GPU host runs this on neither backend.

@@ -17,8 +17,8 @@ from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import load_config
 from phase1a.model.loading import prepare_model
 from phase1a.plan.planner import make_plan
-from phase1a.results import TrainResult
 from phase1a.start.warmstart import resolve_start
+from phase1a.train.result import TrainResult
 from tasks.plan import plan_fingerprint, plan_task
 from tasks.stage import stage_task, staged_copy, staged_fingerprint
 from tasks.tokenize import tokenize_task, tokenized_fingerprint

@@ -13,8 +13,8 @@ from helpers.servers import s3_client
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.adapters import adapter_fingerprint
-from phase1a.results import TrainResult
 from phase1a.start.warmstart import resolve_start
+from phase1a.train.result import TrainResult
 from tasks.promote import promote_candidate
 from tasks.validate import baseline_identity, validate
 

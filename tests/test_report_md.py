@@ -22,8 +22,8 @@ from phase1a.data.tokenized import TokenizedData
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.gate import GateCheck
 from phase1a.plan.planner import make_plan
+from phase1a.plan.result import Plan
 from phase1a.plots import by_step, smoothed, step_rates
-from phase1a.results import Plan, TrainResult
 from phase1a.run_report import (
     FlowRunLink,
     Lineage,
@@ -35,6 +35,7 @@ from phase1a.run_report import (
     ValidationSection,
 )
 from phase1a.train.history import RunRecord, append_run, history_path
+from phase1a.train.result import TrainResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CURVES = ("loss.png", "throughput.png", "estimate_vs_actual.png")

@@ -21,10 +21,11 @@ from phase1a.plan.interruptions import (
 from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
 from phase1a.plan.planner import make_plan
 from phase1a.plan.window import WindowError
-from phase1a.results import StoreTraining, TrainResult, interruptions_outcome
+from phase1a.run_report import interruptions_outcome
 from phase1a.start.warmstart import StartPoint
 from phase1a.store.base import LocalStore
 from phase1a.train.history import RunRecord, append_run, history_path
+from phase1a.train.result import StoreTraining, TrainResult
 from phase1a.train.train_store import Pulled
 from tasks.train import train_settings
 

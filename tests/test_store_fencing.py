@@ -207,7 +207,7 @@ def test_a_pointer_write_whose_answer_was_lost_is_taken_as_committed(aws_env, en
 
 
 def test_lost_work_is_counted_to_the_holders_last_renewal_and_said_to_be_at_least_that(tmp_path):
-    from phase1a.results import StoreTraining
+    from phase1a.train.result import StoreTraining
     from phase1a.train.train_store import Pulled
 
     store = LocalStore(tmp_path / "mount")

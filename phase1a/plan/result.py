@@ -1,5 +1,5 @@
 """The plan stage's result: the knobs training runs with, the estimate and its range, the options table and the
-notes (what phase1a/plan/planner.py makes and phase1a/results.py hands the next stages)."""
+notes (what phase1a/plan/planner.py makes and the flow hands the train stage)."""
 from __future__ import annotations
 
 from pydantic import BaseModel

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from phase1a.results import RunOutcome
+    from phase1a.run_report import RunOutcome
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:

@@ -19,7 +19,7 @@ from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH,
 
 from phase1a.config.schema import MlflowSettings
 from phase1a.core.redaction import redact
-from phase1a.results import RunOutcome
+from phase1a.run_report import RunOutcome
 from phase1a.tracking.base import TrackedRun, Tracker, flatten
 
 

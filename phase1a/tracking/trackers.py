@@ -13,7 +13,7 @@ from typing import Callable
 from phase1a.config.schema import ConfigError, TrackingConfig
 from phase1a.core.logs import run_logger
 from phase1a.core.redaction import redact
-from phase1a.results import RunOutcome
+from phase1a.run_report import RunOutcome
 from phase1a.tracking.base import TrackedRun, Tracker, metric_values
 
 INSTALL = "pip install 'phase1a[tracking]' (in this project: make setup, which installs the dev group)"

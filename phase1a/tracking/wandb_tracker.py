@@ -12,7 +12,7 @@ from pathlib import Path
 import wandb
 
 from phase1a.config.schema import WandbSettings
-from phase1a.results import RunOutcome
+from phase1a.run_report import RunOutcome
 from phase1a.tracking.base import TrackedRun, Tracker
 
 STEP = "train/global_step"
