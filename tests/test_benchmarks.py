@@ -1,5 +1,6 @@
 """Benchmarks through lm-evaluation-harness in the validate stage: custom task YAMLs over local JSONL, offline,
 scored on the base and the candidate, cached for the base, gated, and counted in the plan's work."""
+import logging
 from pathlib import Path
 
 import pytest
@@ -151,12 +152,17 @@ def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, sp
     assert work(specs(date_tasks), "promoted") == work([], "promoted") + one * 3  # and the promoted model
 
 
-def test_a_metric_the_task_does_not_report_is_named_with_the_ones_it_does(tiny_model_dir, date_tasks):
+def test_a_metric_the_task_does_not_report_is_named_with_the_ones_it_does(tiny_model_dir, date_tasks, caplog):
     from transformers import AutoModelForCausalLM
 
     from phase1a.evaluate.benchmarks import score_benchmark
 
+    caplog.set_level("WARNING")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     spec = BenchmarkConfig(task=str(date_tasks["dates_choice"]), metric="f1", limit=2)
     with pytest.raises(BenchmarkError, match=r"metric 'f1' is not one of its metrics \(acc,none\)"):
         score_benchmark(model, make_tokenizer(), load_benchmark(spec), 4, "cpu/float32")
+    # lm-eval's warnings about being handed a loaded model are dropped; its other warnings are not.
+    assert not [r for r in caplog.records if "`pretrained`" in r.getMessage()]
+    logging.getLogger("lm_eval.models.huggingface").warning("another warning")
+    assert [r.getMessage() for r in caplog.records if r.name == "lm_eval.models.huggingface"] == ["another warning"]
