@@ -645,8 +645,8 @@ def _validated(job: ServeJob) -> dict:
                                   gradient_checkpointing=False, show_progress=False))
     adapter = Path(trained.adapter_dir)
     try:
+        from phase1a.evaluate.validation import validate
         from tasks.promote import promote_candidate
-        from tasks.validate import validate
     except ImportError as missing:
         model = for_scoring(load_for_eval(Path(job.model.path), adapter, _device()))
         metrics = evaluate(model, load_tokenizer(Path(job.model.path)), *_sample(job), job.config.validation)

@@ -35,7 +35,7 @@ def _summary(report_path: Path) -> str:
                      f"{validation.estimated_seconds:.1f} s")
     verdict = report.result("validate", ValidationResult)
     if verdict:
-        from tasks.validate import format_table
+        from phase1a.evaluate.present import format_table
 
         lines += ["", "validation (held-out):", format_table(verdict)]
         promotion = report.validation.promotion if report.validation else None

@@ -20,6 +20,7 @@ from flows.tracking import RunTracking
 from phase1a.config.schema import Phase1aConfig, config_from
 from phase1a.config.stores import open_store
 from phase1a.core.meter import configure as configure_progress
+from phase1a.evaluate.present import present_validation
 from phase1a.model_card import RunFacts
 from phase1a.plan.present import present_plan
 from phase1a.plan.result import Plan
@@ -33,7 +34,7 @@ from tasks.stage import stage_task
 from tasks.start import replay_task, start_task
 from tasks.tokenize import tokenize_task
 from tasks.train import train_task
-from tasks.validate import present_validation, validate_task
+from tasks.validate import validate_task
 
 
 class GateFailed(RuntimeError):

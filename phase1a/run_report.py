@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from phase1a.core.atomic import write_atomically
 from phase1a.evaluate.gate import GateCheck
 from phase1a.evaluate.metrics import Answer
+from phase1a.evaluate.present import MetricRow, metric_rows, validation_table
 from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
@@ -52,13 +53,6 @@ class StageEstimate(BaseModel):
     base_cached: bool | None = None  # validation: the base model's metrics came from the cache
 
 
-class MetricRow(BaseModel):
-    base: float | None
-    baseline: float | None
-    candidate: float | None
-    delta: float | None  # candidate - baseline
-
-
 class PromotionSummary(BaseModel):
     promoted: bool  # False: the pointer already named this adapter
     version: str
@@ -86,37 +80,17 @@ class ValidationSection(BaseModel):
 
     @classmethod
     def of(cls, verdict: ValidationResult, promotion: PromotionOutcome | None = None) -> ValidationSection:
-        rows = {}
-        for name in verdict.candidate.names():
-            candidate, baseline = verdict.candidate.value(name), verdict.baseline.metrics.get(name)
-            rows[name] = MetricRow(base=verdict.base.value(name), baseline=baseline, candidate=candidate,
-                                   delta=None if candidate is None or baseline is None else candidate - baseline)
         summary = None if promotion is None else PromotionSummary(
             promoted=promotion.promoted, version=promotion.pointer.version, path=promotion.pointer.path,
             artifacts=sorted(promotion.pointer.artifacts))
         return cls(verdict="pass" if verdict.passed else "fail", reasons=verdict.reasons,
-                   baseline=verdict.baseline.source, examples=verdict.candidate.examples, metrics=rows,
+                   baseline=verdict.baseline.source, examples=verdict.candidate.examples, metrics=metric_rows(verdict),
                    checks=verdict.checks, answers=verdict.candidate.answers, serving=verdict.serving,
                    promotion=summary)
 
     def table(self) -> list[tuple[str, ...]]:
-        """The validation table as text, its header first: metric, base, baseline, candidate, delta and gate, for
-        each metric some model has a value of. The printed table, report.md and the model card lay it out."""
-        checks = {check.metric: check for check in self.checks}
-        cell = lambda value, spec=".4f": "-" if value is None else format(value, spec)  # noqa: E731
-        rows = [("metric", "base", "baseline", "candidate", "delta", "gate")]
-        for name, row in self.metrics.items():
-            if any(value is not None for value in (row.base, row.baseline, row.candidate)):
-                rows.append((name, cell(row.base), cell(row.baseline), cell(row.candidate), cell(row.delta, "+.4f"),
-                             _gate_cell(checks.get(name))))
-        return rows
-
-
-def _gate_cell(check: GateCheck | None) -> str:
-    if check is None:
-        return "-"
-    bound = ">= baseline -" if check.higher_is_better else "<= baseline +"
-    return f"{'pass' if check.passed else 'FAIL'} ({bound} {check.tolerance:g})"
+        """The validation table as text, its header first (phase1a/evaluate/present.py: validation_table)."""
+        return validation_table(self.metrics, self.checks)
 
 
 class Lineage(StartPoint):

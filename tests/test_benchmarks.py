@@ -19,8 +19,9 @@ from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
 from phase1a.evaluate.gate import Baseline, BaselineError, gate
 from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork, Metrics
+from phase1a.evaluate.present import format_table
+from phase1a.evaluate.validation import validate
 from tasks.train import TrainSettings, train
-from tasks.validate import format_table, validate
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ import pytest
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import DataConfig, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
+from phase1a.evaluate.validation import validate
 from phase1a.plan.calibration import CalibrationJob, Candidate, calibrate
 from tasks.train import TrainSettings, train
-from tasks.validate import validate
 
 OURS = {"phase1a", "tasks", "flows"}
 LORA = {"r": 4, "alpha": 8}

@@ -14,13 +14,14 @@ from helpers.servers import s3_client
 from phase1a.config.schema import ValidationConfig
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
+from phase1a.evaluate.baseline import PromotedSource, promoted_baseline
 from phase1a.evaluate.metrics import evaluate
+from phase1a.evaluate.scoring import Scoring
 from phase1a.model.loading import load_for_eval
 from phase1a.promote.promotion import Promotion, PromotionConflict, promote
 from phase1a.store.promoted import POINTER, PromotionError, PromotionRecord, read_pointer, version_chain
 from phase1a.train.packing import TokenRows
 from tasks.promote import merge_adapter
-from tasks.validate import PromotedSource, Scoring, promoted_baseline
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 
