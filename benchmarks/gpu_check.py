@@ -646,7 +646,7 @@ def _validated(job: ServeJob) -> dict:
     adapter = Path(trained.adapter_dir)
     try:
         from phase1a.evaluate.validation import validate
-        from tasks.promote import promote_candidate
+        from phase1a.promote.candidate import promote_candidate
     except ImportError as missing:
         model = for_scoring(load_for_eval(Path(job.model.path), adapter, _device()))
         metrics = evaluate(model, load_tokenizer(Path(job.model.path)), *_sample(job), job.config.validation)

@@ -21,9 +21,9 @@ from phase1a.config.schema import Phase1aConfig, config_from
 from phase1a.config.stores import open_store
 from phase1a.core.meter import configure as configure_progress
 from phase1a.evaluate.present import present_validation
-from phase1a.model_card import RunFacts
 from phase1a.plan.present import present_plan
 from phase1a.plan.result import Plan
+from phase1a.promote.card import RunFacts
 from phase1a.run_report import Lineage, ValidationSection, interruptions_vs_actual, promoted_line
 from phase1a.train.result import TrainResult
 from tasks.caching import kept_in, store_records, with_retries

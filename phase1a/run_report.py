@@ -16,6 +16,7 @@ from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.plan.result import Plan
+from phase1a.promote.card import FlowRunLink
 from phase1a.promote.promotion import PromotionOutcome
 from phase1a.start.warmstart import StartPoint
 from phase1a.train.history import RunRecord
@@ -36,12 +37,6 @@ class StageRecord(BaseModel):
     retries: int = 0
     error: str | None = None
     result: Any = None  # the stage's result as JSON; `RunReport.result` reads it as its type
-
-
-class FlowRunLink(BaseModel):
-    id: str | None = None
-    name: str | None = None
-    url: str | None = None  # only where PREFECT_UI_URL names a UI
 
 
 class StageEstimate(BaseModel):

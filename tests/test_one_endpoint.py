@@ -15,9 +15,9 @@ from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.baseline import baseline_identity
 from phase1a.evaluate.validation import validate
 from phase1a.model.adapters import adapter_fingerprint
+from phase1a.promote.candidate import promote_candidate
 from phase1a.start.warmstart import resolve_start
 from phase1a.train.result import TrainResult
-from tasks.promote import promote_candidate
 
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing answers, so a request that goes anywhere but the store fails
 

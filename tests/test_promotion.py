@@ -18,10 +18,10 @@ from phase1a.evaluate.baseline import PromotedSource, promoted_baseline
 from phase1a.evaluate.metrics import evaluate
 from phase1a.evaluate.scoring import Scoring
 from phase1a.model.loading import load_for_eval
+from phase1a.promote.artifacts import merge_adapter
 from phase1a.promote.promotion import Promotion, PromotionConflict, promote
 from phase1a.store.promoted import POINTER, PromotionError, PromotionRecord, read_pointer, version_chain
 from phase1a.train.packing import TokenRows
-from tasks.promote import merge_adapter
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 

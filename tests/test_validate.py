@@ -29,9 +29,9 @@ from phase1a.evaluate.present import format_table
 from phase1a.evaluate.scoring import Scoring, base_model_metrics
 from phase1a.evaluate.validation import validate
 from phase1a.model.loading import for_scoring, load_for_eval
+from phase1a.promote.candidate import promote_candidate
 from phase1a.store.promoted import PromotionError, read_pointer
 from phase1a.train.packing import TokenRows
-from tasks.promote import promote_candidate
 from tasks.train import TrainSettings, train
 
 SPECIALS = ["<|im_end|>", "</s>"]

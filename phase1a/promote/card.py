@@ -14,10 +14,10 @@ from phase1a.core.locators import looks_like_hub_id
 from phase1a.core.markdown import markdown_table
 from phase1a.core.units import format_seconds
 from phase1a.data.tokenized import TokenizedData
+from phase1a.evaluate.present import metric_rows, validation_table
 from phase1a.evaluate.result import ValidationResult
 from phase1a.model.loading import BUILTIN_GGUF, builtin_origin
 from phase1a.plan.result import Plan
-from phase1a.run_report import FlowRunLink, ValidationSection
 from phase1a.train.result import TrainResult
 
 CARD = "README.md"
@@ -77,6 +77,14 @@ class BaseModelFacts(BaseModel):
         card = Path(model_dir) / CARD
         data = ModelCard.load(card).data.to_dict() if card.is_file() else {}
         return cls(hub_id=name_or_path if looks_like_hub_id(name_or_path) else None, license=data.get("license"))
+
+
+class FlowRunLink(BaseModel):
+    """The Prefect flow run a version came from (the card's lineage, report.json's `flow_run`)."""
+
+    id: str | None = None
+    name: str | None = None
+    url: str | None = None  # only where PREFECT_UI_URL names a UI
 
 
 class RunFacts(BaseModel):
@@ -139,16 +147,15 @@ def _eval_results(facts: CardFacts):
     """The candidate's held-out metrics and benchmark scores as model-index entries: what the Hub shows."""
     from huggingface_hub import EvalResult
 
-    section = ValidationSection.of(facts.verdict)
-    results = []
-    for name, row in section.metrics.items():
+    results, examples = [], facts.verdict.candidate.examples
+    for name, row in metric_rows(facts.verdict).items():
         if row.candidate is None:
             continue
         task, _, metric = name.rpartition("/")
         results.append(EvalResult(
             task_type="text-generation", metric_type=metric, metric_value=row.candidate,
             dataset_type=task or f"phase1a-held-out-{facts.verdict.sample_fingerprint[:12]}",
-            dataset_name=f"lm-eval {task}" if task else f"held-out sample ({section.examples} examples)"))
+            dataset_name=f"lm-eval {task}" if task else f"held-out sample ({examples} examples)"))
     return results
 
 
@@ -191,9 +198,8 @@ def _training(facts: CardFacts) -> str:
 
 def _validation(facts: CardFacts) -> str:
     verdict = facts.verdict
-    section = ValidationSection.of(verdict)
-    header, *rows = section.table()
-    return "\n".join([f"Baseline: {verdict.baseline.source}; {section.examples} held-out examples. "
+    header, *rows = validation_table(metric_rows(verdict), verdict.checks)
+    return "\n".join([f"Baseline: {verdict.baseline.source}; {verdict.candidate.examples} held-out examples. "
                       f"Gate: {'PASS' if verdict.passed else 'FAIL'}.", "", *markdown_table(header, rows)])
 
 
