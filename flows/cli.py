@@ -15,9 +15,11 @@ from flows.processes import Terminated, own_processes
 from phase1a.config.schema import ConfigError, config_from
 from phase1a.core import layout
 from phase1a.core.errors import DataError, UserError
-from phase1a.results import Plan, TrainResult, ValidationResult
+from phase1a.evaluate.result import ValidationResult
+from phase1a.plan.result import Plan
 from phase1a.run_report import RunReport, promoted_line
 from phase1a.train.preemption import Preempted
+from phase1a.train.result import TrainResult
 
 
 def _summary(report_path: Path) -> str:
