@@ -3,6 +3,7 @@ promotion, the promoted pointer a warm start and the gate read, and a warm start
 Elsewhere `data.s3_endpoint_url` (or AWS) still serves."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,9 @@ def test_promotion_and_warm_start_use_the_stores_endpoint_set_once(tiny_model_di
         update={"to": "s3://another-bucket/models/"})})
     with pytest.raises(Exception, match="127.0.0.1:9"):
         promote_candidate(elsewhere, model, verdict, trained, tmp_path / "v2")
+
+    # The same adapter again (a second `make demo`): the pointer already names it, so nothing is built or copied;
+    # the candidate's files are not even read.
+    shutil.rmtree(adapter)
+    again = promote_candidate(config, model, verdict, trained, tmp_path / "v1-again")
+    assert not again.promoted and again.pointer.version == "v1" and not (tmp_path / "v1-again").exists()

@@ -15,7 +15,7 @@ from phase1a.model.loading import ResolvedModel
 from phase1a.promote.artifacts import VersionArtifacts
 from phase1a.promote.card import BaseModelFacts, CardFacts, RunFacts, write_card
 from phase1a.promote.promotion import Promotion, PromotionOutcome, promote
-from phase1a.store.promoted import PromotionError, PromotionRecord
+from phase1a.store.promoted import PromotionError, PromotionRecord, read_pointer
 from phase1a.train.result import TrainResult
 
 
@@ -29,6 +29,10 @@ def promote_candidate(config: Phase1aConfig, model: ResolvedModel, verdict: Vali
         raise PromotionError("refusing to promote a model that failed the gate: " + "; ".join(verdict.reasons))
     if not destination:
         raise PromotionError("promotion.to is not set: nowhere to promote to")
+    # The adapter the pointer names already (a second run of the same job): nothing to build, export or copy.
+    current = read_pointer(destination, endpoint_url=config.endpoint_for(destination))
+    if current and current.adapter_sha256 == verdict.adapter_sha256:
+        return PromotionOutcome(pointer=current, promoted=False)
     run_dir = Path(run_dir)
     building = VersionArtifacts(config, Path(model.path), Path(trained.adapter_dir), run_dir / "promote.tmp",
                                 run_dir.name)
