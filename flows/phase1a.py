@@ -103,7 +103,7 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
                     if config.data.validation_source else None)
         data = report.run("tokenize", stages.tokenize, present=publish_length_report, config=config, model=model,
                           staged=staged, held_out=held_out)
-        if config.data.replay_fraction is not None and start.kind != "base":
+        if config.method.replay_fraction is not None and start.kind != "base":
             data = report.run("replay", stages.replay, config=config, data=data, start=start)
             report.data.replay = data.replay
 

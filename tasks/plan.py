@@ -27,9 +27,10 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
     """The plan stage's key, from its own inputs: the sections it reads, the model, the data, and the device it
     would calibrate on. No host path enters, so a host with another checkout or work directory takes the plan a
     host before it measured (a calibration is minutes on a GPU, and may choose other knobs): the benchmarks by
-    their content, the warm start's adapter and promotion.to, which the plan never reads, not at all."""
+    their content, the warm start's adapter and promotion.to, which the plan never reads, not at all; the replay
+    share as the data it made (its fingerprint)."""
     sections = config.model_dump(mode="json", include={"method", "plan", "hardware", "window", "checkpoint"},
-                                 exclude={"method": {"init_from"}})
+                                 exclude={"method": {"init_from", "replay_fraction"}})
     try:
         sections["validation"] = validation_key(config.validation)
     except BenchmarkError as error:  # no key: the stage runs and fails on it in its own words

@@ -1,6 +1,6 @@
 """Start: where training starts (`method.init_from`): fresh adapters on the base model, the promoted version's
 adapter, or a given one, fetched and checked against the model (phase1a/start/warmstart.py); and, for a warm
-start with `data.replay_fraction`, the training data as the new shards plus old examples replayed
+start with `method.replay_fraction`, the training data as the new shards plus old examples replayed
 (phase1a/start/replay.py).
 
 The start runs before any long stage, so a missing or mismatched adapter fails in seconds; it may fetch from S3
@@ -24,4 +24,4 @@ def start_task(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:
 
 @task(name="replay")
 def replay_task(config: Phase1aConfig, data: TokenizedData, start: StartPoint) -> TokenizedData:
-    return warm_start_data(data, start, config.data.replay_fraction, config.method.seed)
+    return warm_start_data(data, start, config.method.replay_fraction, config.method.seed)

@@ -44,7 +44,7 @@ from phase1a.core.logs import run_logger
 from phase1a.core.meter import MeterSettings, current_settings
 from phase1a.core.units import AUTO, Clock, parse_duration_seconds, parse_interval
 from phase1a.data.tokenized import TokenizedData
-from phase1a.evaluate.during_training import EvalSettings, Evaluator
+from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS, EvalSettings, Evaluator
 from phase1a.model.build import Compilation, build_model, make_optimizer, make_scheduler
 from phase1a.model.cost_model import significant
 from phase1a.model.loading import ResolvedModel
@@ -129,8 +129,9 @@ def _display(settings: TrainSettings) -> MeterSettings | None:
     return MeterSettings.of(settings.progress) if settings.progress is not None else current_settings()
 
 
-# init_from enters as the start's content; early stopping as `EvalSettings.key`, beside where it looks.
-_NOT_IN_METHOD_KEY = {"init_from", "early_stopping_patience", "early_stopping_threshold"}
+# init_from enters as the start's content, replay_fraction as the data's; evaluation during training changes no
+# weight, and early stopping enters as `EvalSettings.key`, beside where it looks.
+_NOT_IN_METHOD_KEY = {"init_from", "replay_fraction", *DURING_TRAINING_FIELDS}
 
 
 def training_key(tokenized_fingerprint: str, model_fingerprint: str, method: MethodConfig, max_seq_length: int,

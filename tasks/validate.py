@@ -22,7 +22,6 @@ from phase1a.core.fingerprint import hash_json, sha256_tree
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.baseline import baseline_identity
 from phase1a.evaluate.benchmarks import validation_key
-from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.validation import ADAPTER_FILES, validate
 from phase1a.model.loading import ResolvedModel
@@ -35,7 +34,7 @@ def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Token
     the same baseline give the same verdict."""
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
     # No path enters (validation_key): the verdict is found from any checkout or host.
-    settings = validation_key(config.validation, exclude=DURING_TRAINING_FIELDS)
+    settings = validation_key(config.validation)
     return hash_json({"model": model.fingerprint, "adapter": sha256_tree(Path(trained.adapter_dir), ADAPTER_FILES),
                       "data": data.fingerprint, "settings": settings,
                       "baseline": baseline_identity(config)})

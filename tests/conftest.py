@@ -96,7 +96,8 @@ def config_tree(tmp_path, tiny_model_dir, dataset) -> dict:
         "data": {"source": str(dataset), "staging_dir": str(tmp_path / "staging"), "validation_fraction": 0.2},
         "model": {"name_or_path": str(tiny_model_dir)},
         "method": {"learning_rate": 5e-3, "batch_size": 8, "epochs": 1, "lora": {"r": 4, "alpha": 8}},
-        "hardware": {"target": "cpu", "calibration_steps": 1},
+        "hardware": {"target": "cpu"},
+        "plan": {"calibration_steps": 1},
         "checkpoint": {"interval": "3steps", "keep_last": 2},
         "validation": {"max_examples": 16, "tolerances": {"loss": 0.05}},
     }

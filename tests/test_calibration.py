@@ -21,8 +21,7 @@ def train_path(tmp_path_factory) -> str:
 def config(tmp_path, tiny_model_dir, **plan) -> Phase1aConfig:
     return Phase1aConfig.model_validate({
         "work_dir": str(tmp_path), "data": {"source": "unused"}, "model": {"name_or_path": str(tiny_model_dir)},
-        "method": {"batch_size": 8, "lora": {"r": 4, "alpha": 8}}, "hardware": {"calibration_steps": 3},
-        "plan": plan,
+        "method": {"batch_size": 8, "lora": {"r": 4, "alpha": 8}}, "plan": {"calibration_steps": 3, **plan},
     })
 
 

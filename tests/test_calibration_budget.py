@@ -57,10 +57,11 @@ def job_config(tmp_path: Path, budget: int, validation_examples: int) -> Phase1a
     return Phase1aConfig.model_validate({
         "name": "budget", "work_dir": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache"),
         "data": {"source": "unused"}, "model": {"name_or_path": "smollm2-135m-instruct"},
-        "method": {"kind": "lora", "lora": {"r": 16, "alpha": 32}, "learning_rate": 1e-3, "batch_size": 8},
+        "method": {"kind": "lora", "lora": {"r": 16, "alpha": 32}, "learning_rate": 1e-3, "batch_size": 8,
+                   "eval_interval": "10steps"},
         "hardware": {"target": "cpu"}, "checkpoint": {"interval": "2m"},
         "plan": {"calibration_budget": f"{budget}s"},
-        "validation": {"during_training": "10steps", "max_examples": validation_examples,
+        "validation": {"max_examples": validation_examples,
                        "generation_batch_size": validation_examples, "extractor": "whole"},
     })
 

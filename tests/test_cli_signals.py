@@ -99,8 +99,7 @@ ONE_WORKER = {"profile": "custom", "micro_batch_size": 8, "gradient_checkpointin
 def test_sigterm_mid_calibration_stops_every_process(config_tree, tmp_path):
     """`plan`, stopped in the middle of its calibration trial (before the fix, the CLI died of the signal without
     a summary, and the embedded server, the fork server, its worker and the resource tracker outlived it)."""
-    config_tree["hardware"]["calibration_steps"] = 40  # a trial long enough to be stopped in the middle
-    config_tree["plan"] = ONE_WORKER
+    config_tree["plan"] |= {**ONE_WORKER, "calibration_steps": 40}  # a trial long enough to be stopped in the middle
     cli, descendants, output = start("plan", config_tree, tmp_path)
     # The trial's worker has started: the fork server and its child (both named after the fork server).
     wait_for(lambda: "calibration: trial 1 of" in output.read_text()
@@ -124,7 +123,7 @@ def test_sigterm_mid_training_uploads_its_checkpoint_within_the_grace_period_and
     `checkpoint.grace_period` and stops (phase1a/train/preemption.py, tasks/train.py), the report says `preempted`, and
     no process of the run is left."""
     config_tree["method"]["epochs"] = 40  # long enough to be stopped in the middle
-    config_tree["plan"] = ONE_WORKER
+    config_tree["plan"] |= ONE_WORKER
     config_tree["checkpoint"] = {"interval": "1000steps", "keep_last": 2, "grace_period": "30s"}  # only the stop's
     config_tree["store"] = {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint}
     cli, descendants, output = start("run", config_tree, tmp_path)

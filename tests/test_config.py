@@ -143,14 +143,25 @@ def test_schema_is_shared_and_serialisable():
 # ---- keys that moved to their stage's section (MOVED_KEYS) -----------------------------------------------------
 
 OLD_KEYS = {"validation": {"max_examples": 8, "promote_to": "promoted", "export": ["gguf", "merged"],
-                           "early_stopping": 2, "early_stopping_min_delta": 0.01}}
+                           "early_stopping": 2, "early_stopping_min_delta": 0.01,
+                           "during_training": "5steps", "during_training_examples": 4},
+            "hardware": {"target": "cpu", "memory_headroom": 0.2, "calibration_steps": 2},
+            "data": {"replay_fraction": 0.25}, "model": {"max_seq_length": 512},
+            "method": {"init_from": "adapter"}}
 NEW_KEYS = {"validation": {"max_examples": 8}, "promotion": {"to": "promoted", "export": ["merged", "gguf"]},
-            "method": {"early_stopping_patience": 2, "early_stopping_threshold": 0.01}}
+            "method": {"early_stopping_patience": 2, "early_stopping_threshold": 0.01, "eval_interval": "5steps",
+                       "eval_examples": 4, "init_from": "adapter", "replay_fraction": 0.25},
+            "hardware": {"target": "cpu"}, "plan": {"memory_headroom": 0.2, "calibration_steps": 2},
+            "data": {"max_seq_length": 512}}
+# A value for each key, old or new, where one is given alone.
+MOVED_VALUES = {"promote_to": "p", "export": ["gguf"], "early_stopping": 2, "early_stopping_min_delta": 0.1,
+                "during_training": "5steps", "during_training_examples": 4, "memory_headroom": 0.2,
+                "calibration_steps": 2, "replay_fraction": 0.25, "max_seq_length": 512}
 
 
 def job_file(tmp_path: Path, name: str, tree: dict) -> Path:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"data": {"source": "d.jsonl"}, **tree}))
+    path.write_text(yaml.safe_dump({**tree, "data": {"source": "d.jsonl", **tree.get("data", {})}}))
     return path
 
 
@@ -170,7 +181,7 @@ def test_old_keys_load_as_the_new_ones_each_said_in_one_line(tmp_path, caplog):
 @pytest.mark.parametrize("old_key, new_key", MOVED_KEYS.items())
 def test_an_old_key_beside_its_new_key_is_an_error_naming_both(tmp_path, old_key, new_key):
     (old_section, old_leaf), (new_section, new_leaf) = old_key.split("."), new_key.split(".")
-    value = {"promote_to": "p", "export": ["gguf"], "early_stopping": 2, "early_stopping_min_delta": 0.1}[old_leaf]
+    value = MOVED_VALUES[old_leaf]
     tree = {old_section: {old_leaf: value}, new_section: {new_leaf: value}}
     with pytest.raises(ConfigError) as error:
         load_config(job_file(tmp_path, "both", tree))
@@ -185,9 +196,15 @@ def test_a_set_of_an_old_key_works_on_a_file_with_either_key(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="phase1a"):
             config = config_from(config_file=job_file(tmp_path, name, tree), base=tmp_path,
-                                 overrides=["validation.promote_to=s3://models/p/", "validation.early_stopping=5"])
+                                 overrides=["validation.promote_to=s3://models/p/", "validation.early_stopping=5",
+                                            "hardware.calibration_steps=7", "validation.during_training=20steps",
+                                            "model.max_seq_length=256"])
         assert (config.promotion.to, config.method.early_stopping_patience) == ("s3://models/p/", 5)
+        assert (config.plan.calibration_steps, config.method.eval_interval, config.data.max_seq_length) == (
+            7, "20steps", 256)
         assert config.promotion.export == ["merged", "gguf"] and config.method.early_stopping_threshold == 0.01
+        assert (config.plan.memory_headroom, config.method.eval_examples, config.method.replay_fraction) == (
+            0.2, 4, 0.25)
         assert "validation.promote_to is now promotion.to; it still loads, for one release" in moved_key_lines(caplog)
     old_file = job_file(tmp_path, "old", OLD_KEYS)
     assert config_from(config_file=old_file, overrides=["promotion.to=s3://models/q/"]).promotion.to == "s3://models/q/"

@@ -48,7 +48,7 @@ RETRY_AFTER = timedelta(seconds=30)  # deployments/ops.py: how long a run stays 
 def job(aws, endpoint, tmp_path_factory) -> dict:
     """The tiny job of tests/test_resume_anywhere.py: two shards on S3, checkpoints every 10 steps into the store."""
     tree = store_job(tmp_path_factory.mktemp("job"), "comeback", endpoint, "crash-retry")
-    return {**tree, "hardware": {**tree["hardware"], "calibration_steps": 1}}
+    return {**tree, "plan": {**tree["plan"], "calibration_steps": 1}}
 
 
 @pytest.fixture(scope="module")

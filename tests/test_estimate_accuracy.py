@@ -34,13 +34,13 @@ def plan_and_train(root: Path) -> tuple[float, float, str]:
         "name": "accuracy", "work_dir": str(root / "runs"), "cache_dir": str(root / "cache"),
         "data": {"source": "unused"},
         "model": {"name_or_path": str(model_dir)},
-        "method": {"batch_size": 8, "epochs": 1, "learning_rate": 1e-3, "lora": {"r": 8, "alpha": 16}},
-        "hardware": {"target": "cpu", "calibration_steps": 10},
-        # Workers and compile are left out: forking and compiling would dominate a run this short.
-        "plan": {"sweep": ["micro_batch", "gradient_checkpointing"], "calibration_share": 1.0},
-        "checkpoint": {"interval": "20steps"},
         # Evaluations during training are in the train stage's wall time, and so in the estimate.
-        "validation": {"during_training": "10steps"},
+        "method": {"batch_size": 8, "epochs": 1, "learning_rate": 1e-3, "lora": {"r": 8, "alpha": 16},
+                   "eval_interval": "10steps"},
+        "hardware": {"target": "cpu"},
+        # Workers and compile are left out: forking and compiling would dominate a run this short.
+        "plan": {"sweep": ["micro_batch", "gradient_checkpointing"], "calibration_share": 1.0, "calibration_steps": 10},
+        "checkpoint": {"interval": "20steps"},
     })
     plan = make_plan(config, resolved(config), data)
     assert plan.calibrated and plan.calibration is not None and plan.estimate.checkpoints == (plan.steps - 1) // 20

@@ -291,21 +291,20 @@ def test_a_resume_goes_back_to_the_best_its_checkpoint_names(cadence, tiny_model
 
 def test_config_errors_name_the_field(config_tree):
     config = validate_config(config_tree)
-    assert config.validation.during_training == "checkpoint" and config.method.early_stopping_patience is None
-    for validation, patience, words in [
-        ({"during_training": "5 parsecs"}, None, ["validation.during_training", "'checkpoint'"]),
-        ({"during_training": "never"}, 3, ["method.early_stopping_patience 3", "validation.during_training is"]),
-        ({}, 0, ["method.early_stopping_patience", "greater than or equal to 1"]),
+    assert config.method.eval_interval == "checkpoint" and config.method.early_stopping_patience is None
+    for method, words in [
+        ({"eval_interval": "5 parsecs"}, ["method.eval_interval", "'checkpoint'"]),
+        ({"eval_interval": "never", "early_stopping_patience": 3},
+         ["method.early_stopping_patience 3", "method.eval_interval is"]),
+        ({"early_stopping_patience": 0}, ["method.early_stopping_patience", "greater than or equal to 1"]),
     ]:
         with pytest.raises(ConfigError) as error:
-            validate_config({**config_tree, "validation": {**config_tree["validation"], **validation},
-                             "method": {**config_tree["method"], "early_stopping_patience": patience}})
+            validate_config({**config_tree, "method": {**config_tree["method"], **method}})
         assert all(word in str(error.value) for word in words), str(error.value)
     with pytest.raises(ConfigError, match="checkpoint.interval is never"):
         validate_config({**config_tree, "checkpoint": {"interval": "never"},
                          "method": {"early_stopping_patience": 2}})
-    assert validate_config({**config_tree, "validation": {"during_training": None}}).validation.during_training == \
-        "never"
+    assert validate_config({**config_tree, "method": {"eval_interval": None}}).method.eval_interval == "never"
 
 
 def test_only_early_stopping_enters_the_training_key():
@@ -316,6 +315,11 @@ def test_only_early_stopping_enters_the_training_key():
     plain = training_key("data", "model", MethodConfig(), 256)
     assert key(cadence="checkpoint") == key(cadence="100steps") == plain  # evaluating changes no weight
     stopping = key(cadence="checkpoint", patience=3)
+    # Their config fields neither: evaluation during training, and early stopping (it enters as EvalSettings.key);
+    # a replay share enters as the replayed data's fingerprint.
+    configured = MethodConfig(eval_interval="100steps", eval_examples=8, early_stopping_patience=3,
+                              early_stopping_threshold=0.01, init_from="/adapter", replay_fraction=0.2)
+    assert training_key("data", "model", configured, 256) == plain
     assert stopping != plain and stopping != key(cadence="checkpoint", patience=4)
     assert stopping == key(cadence="30m", patience=3)  # 'checkpoint' is the checkpoint's interval
     assert stopping != key(cadence="checkpoint", patience=3, min_delta=0.01)
@@ -325,37 +329,36 @@ def test_the_plan_estimates_the_evaluations(config_tree, data):
     config_tree["hardware"] = {"target": "h100"}  # not present: no calibration, the assumed speed
     config_tree["method"]["early_stopping_patience"] = 2
 
-    def estimate(patience: int | None = 2, **validation):
-        tree = {**config_tree, "validation": {**config_tree["validation"], **validation},
-                "method": {**config_tree["method"], "early_stopping_patience": patience}}
+    def estimate(patience: int | None = 2, **method):
+        tree = {**config_tree, "method": {**config_tree["method"], "early_stopping_patience": patience, **method}}
         config = Phase1aConfig.model_validate(tree)
         return make_plan(config, resolved(config), data).estimate
 
-    at_checkpoints, never = estimate(), estimate(during_training="never", patience=None)
+    at_checkpoints, never = estimate(), estimate(eval_interval="never", patience=None)
     assert at_checkpoints.checkpoints == 1 and at_checkpoints.evaluations_during_training == 2  # step 3 and the end
     assert at_checkpoints.eval_during_training_seconds > 0 and never.evaluations_during_training == 0
     assert at_checkpoints.train_seconds == pytest.approx(
         never.train_seconds + at_checkpoints.eval_during_training_seconds)
     assert at_checkpoints.total_seconds > never.total_seconds
-    every_step = estimate(during_training="1steps")
+    every_step = estimate(eval_interval="1steps")
     assert every_step.evaluations_during_training == 6  # every step of six: five before the end, and the end
     assert every_step.eval_during_training_seconds == pytest.approx(at_checkpoints.eval_during_training_seconds * 3)
 
 
 def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_validate_sample():
-    """Changing only the fields `DURING_TRAINING_FIELDS` names (and early stopping, in method) changes
-    EvalSettings and never the validate stage's key; the sample is at most `max_examples`, the first examples the
-    validate stage scores."""
-    from phase1a.config.schema import ValidationConfig
+    """Changing only the fields `DURING_TRAINING_FIELDS` names, all of them training's (method), changes
+    EvalSettings and nothing of the validate stage's section; the sample is at most `validation.max_examples`, the
+    first examples the validate stage scores."""
     from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
 
-    assert DURING_TRAINING_FIELDS <= set(ValidationConfig.model_fields)
+    assert DURING_TRAINING_FIELDS <= set(MethodConfig.model_fields)
     base = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}, "validation": {"max_examples": 16}})
     assert EvalSettings.of(base, "v.json", 100).examples == 16  # 64 asked, 16 validated
-    changed = base.model_copy(update={
-        "validation": base.validation.model_copy(update={"during_training": "5steps", "during_training_examples": 8}),
-        "method": base.method.model_copy(update={"early_stopping_patience": 2, "early_stopping_threshold": 0.01})})
+    changed = base.model_copy(update={"method": base.method.model_copy(update={
+        "eval_interval": "5steps", "eval_examples": 8, "early_stopping_patience": 2,
+        "early_stopping_threshold": 0.01})})
     settings = EvalSettings.of(changed, "v.json", 100)
     assert (settings.cadence, settings.examples, settings.patience, settings.min_delta) == ("5steps", 8, 2, 0.01)
-    assert (base.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS)
-            == changed.validation.model_dump(mode="json", exclude=DURING_TRAINING_FIELDS))
+    assert base.validation == changed.validation
+    assert (base.method.model_dump(exclude=DURING_TRAINING_FIELDS)
+            == changed.method.model_dump(exclude=DURING_TRAINING_FIELDS))

@@ -111,8 +111,8 @@ def _job(tiny_model_dir: Path, cache: Path) -> Phase1aConfig:
     return Phase1aConfig.model_validate({
         "work_dir": str(cache / "runs"), "cache_dir": str(cache), "data": {"source": "unused"},
         "model": {"name_or_path": str(tiny_model_dir)},
-        "method": {"batch_size": 8, "lora": LORA}, "hardware": {"calibration_steps": 2},
-        "plan": {"sweep": ["gradient_checkpointing"], "calibration_share": 1.0},
+        "method": {"batch_size": 8, "lora": LORA},
+        "plan": {"sweep": ["gradient_checkpointing"], "calibration_share": 1.0, "calibration_steps": 2},
     })
 
 

@@ -59,10 +59,10 @@ def test_plan_calibrates_on_the_present_cpu_and_fits_the_window(tiny_model_dir, 
         planned(config_tree, data)
 
     config_tree["window"] = {}
-    config_tree["plan"] = {"profile": "memory_efficient"}
+    config_tree["plan"] |= {"profile": "memory_efficient"}
     lean = planned(config_tree, data)
     assert (lean.micro_batch_size, lean.gradient_checkpointing, lean.gradient_accumulation) == (1, True, 8)
-    config_tree["plan"] = {"profile": "custom", "micro_batch_size": 3, "gradient_checkpointing": False}
+    config_tree["plan"] |= {"profile": "custom", "micro_batch_size": 3, "gradient_checkpointing": False}
     with pytest.raises(ValueError, match="must divide method.batch_size 8"):
         planned(config_tree, data)
 
@@ -139,6 +139,6 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
                              tmp_path / "cache" / "fq")
     assert any("truncated, 1 of them left with no trained token" in note for note in planned(config_tree, moved).notes)
 
-    config_tree["plan"] = {"profile": "quality"}
+    config_tree["plan"] |= {"profile": "quality"}
     quality = planned(config_tree, data)
     assert quality.max_seq_length == 256 and not any(note.startswith("balanced:") for note in quality.notes)

@@ -56,8 +56,8 @@ def results(tmp_path_factory, tiny_model_dir) -> tuple[StagedData, TokenizedData
         "name": "tiny", "work_dir": str(root / "runs"), "cache_dir": str(root / "cache"),
         "data": {"source": str(source)}, "model": {"name_or_path": str(tiny_model_dir)},
         "method": {"batch_size": 8, "lora": {"r": 4, "alpha": 8}},
-        "hardware": {"target": "cpu", "calibration_steps": 1},
-        "plan": {"calibration_budget": "10s"}})
+        "hardware": {"target": "cpu"},
+        "plan": {"calibration_budget": "10s", "calibration_steps": 1}})
     staged = StagedData(source=str(source), path=str(source), fingerprint="f", size_bytes=source.stat().st_size,
                         copied=False)
     data = tokenize_dataset(source, make_tokenizer(), 256, TokenizeOptions(), root / "cache" / "fp")

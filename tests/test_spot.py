@@ -54,7 +54,7 @@ def remember(config_tree: dict, write: float, upload: float | None, startup: flo
 
 
 def spot_tree(config_tree: dict, tmp_path, rate: float, store: bool = True) -> dict:
-    config_tree["hardware"] = {"target": "cpu", "calibration_steps": 1, "spot": True, "interruptions_per_hour": rate}
+    config_tree["hardware"] = {"target": "cpu", "spot": True, "interruptions_per_hour": rate}
     config_tree["checkpoint"] = {"interval": "auto", "keep_last": 2}
     if store:
         config_tree["store"] = {"url": str(tmp_path / "store"), "lease_ttl": "20s"}
@@ -105,7 +105,7 @@ def test_every_catalogue_kind_has_a_spot_price_and_rate():
 
 def test_config_takes_auto_and_needs_a_rate_for_spot_without_a_catalogue_figure():
     tree = {"data": {"source": "d.jsonl"}, "checkpoint": {"interval": " Auto "},
-            "method": {"early_stopping_patience": 2}, "validation": {"during_training": "checkpoint"}}
+            "method": {"early_stopping_patience": 2, "eval_interval": "checkpoint"}}
     assert validate_config(tree).checkpoint.interval == "auto"  # early stopping's check reads auto as an interval
     with pytest.raises(ConfigError, match="hardware: Value error, spot on target 'cpu'.*interruptions_per_hour"):
         validate_config({"data": {"source": "d.jsonl"}, "hardware": {"spot": True}})
@@ -153,8 +153,7 @@ def test_the_training_key_holds_auto_not_the_interval_it_chose(tmp_path, config_
     """Two hosts measure checkpoints a few seconds apart and choose different intervals; with early stopping at
     each checkpoint the interval enters the training key, and a resume must still find the same directory."""
     tree = spot_tree(config_tree, tmp_path, rate=2.0)
-    tree["validation"] |= {"during_training": "checkpoint"}
-    tree["method"] |= {"early_stopping_patience": 2}
+    tree["method"] |= {"eval_interval": "checkpoint", "early_stopping_patience": 2}
     config = Phase1aConfig.model_validate(tree)
     start = StartPoint(init_from="base", kind="base", base_model=config.model.name_or_path)
     settings = []
@@ -186,7 +185,7 @@ def test_the_plan_prices_spot_and_its_options_table_agrees(tmp_path, config_tree
 
 
 def test_a_window_that_fits_on_demand_but_not_spots_interruptions_fails_before_training(tmp_path, config_tree, data):
-    config_tree["plan"] = {"profile": "quality"}  # nothing to cut: one epoch, never truncated
+    config_tree["plan"] |= {"profile": "quality"}  # nothing to cut: one epoch, never truncated
     remember(config_tree, write=1.0, upload=1.0)
     on_demand = planned(config_tree, data)
     spot = planned(spot_tree(config_tree, tmp_path, rate=20.0), data)
@@ -196,7 +195,7 @@ def test_a_window_that_fits_on_demand_but_not_spots_interruptions_fails_before_t
     config_tree["window"] = {"max_duration": f"{window}s", "safety_margin": "0s"}
     with pytest.raises(WindowError, match=r"h of it the lost work and restarts expected from interruptions"):
         planned(config_tree, data)
-    config_tree["hardware"] = {"target": "cpu", "calibration_steps": 1}
+    config_tree["hardware"] = {"target": "cpu"}
     assert planned(config_tree, data).fits_in_window is True  # the same window, on demand
 
     # Where epochs may be cut, the spot run is cut until its expected interruptions fit too: a promise kept.

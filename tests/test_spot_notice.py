@@ -228,11 +228,11 @@ def test_a_notice_mid_training_puts_a_checkpoint_in_the_store_and_a_fresh_host_r
     monkeypatch.setenv(AWS_URL, fake.url)
     # 12 epochs of 7 steps: seconds of training on two idle cores, so the notice (asked for every second) lands
     # in the middle of it.
-    tree = {**config_tree, "method": {**config_tree["method"], "epochs": 12},
-            "plan": {"profile": "custom", "micro_batch_size": 4, "gradient_checkpointing": False, "compile": False,
-                     "dataloader_workers": 0},
+    tree = {**config_tree, "method": {**config_tree["method"], "epochs": 12, "eval_interval": "never"},
+            "plan": {**config_tree["plan"], "profile": "custom", "micro_batch_size": 4,
+                     "gradient_checkpointing": False, "compile": False, "dataloader_workers": 0},
             "checkpoint": {"interval": "1000steps", "keep_last": 2, "grace_period": "30s"},  # only the stop's
-            "validation": {"max_examples": 8, "during_training": "never",
+            "validation": {"max_examples": 8,
                            "tolerances": {"loss": None, "token_accuracy": None, "exact_match": None}},
             "progress": {"display": "lines", "interval": "5s"},
             "store": {"url": f"s3://{bucket}/store/", "endpoint_url": endpoint, "lease_ttl": "4s"}}

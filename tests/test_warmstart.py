@@ -234,8 +234,8 @@ def test_a_nightly_replay_trains_on_the_new_shard_and_a_share_of_the_old(config_
     shards.mkdir()
     for number in range(2):
         write_jsonl(shards / f"part-{number}.jsonl", date_records(48, seed=200 + number))
-    config_tree["data"] |= {"source": str(shards), "replay_fraction": 0.5}
-    config_tree["method"] |= {"init_from": "promoted", "epochs": 1}
+    config_tree["data"] |= {"source": str(shards)}
+    config_tree["method"] |= {"init_from": "promoted", "epochs": 1, "replay_fraction": 0.5}
     config_tree["promotion"] = {"to": str(promoted)}
     # the gate is not what this test is about
     config_tree["validation"] |= {"tolerances": {"loss": 1.0, "token_accuracy": 1.0, "exact_match": None}}

@@ -68,7 +68,10 @@ class DataConfig(_Section):
     drop_duplicates: bool = Field(False, description="Exact duplicates are always counted; optionally dropped.")
     length_percentile: float = Field(100.0, gt=0.0, le=100.0, description=(
         "Right-size max_seq_length to the next multiple of 64 at this percentile of the example lengths (100: the "
-        "longest), capped by the model and model.max_seq_length."))
+        "longest), capped by the model and `max_seq_length`."))
+    max_seq_length: int | None = Field(None, ge=8, description=(
+        "A cap on tokens per example (longer ones follow `overlong`); None: right-size from the data "
+        "(`length_percentile`), capped by the model's positions."))
     staging_dir: Path = Field(Path("/tmp/phase1a/staging"), description=(
         "Local disk the stage task copies the dataset to (under `<fingerprint>/`); S3 and `model.stage_local` "
         "model directories go under `models/` here."))
@@ -84,10 +87,6 @@ class DataConfig(_Section):
     tokenize_workers: int | None = Field(None, ge=1, description=(
         "Processes that tokenize (records are parsed and templated in Python, so one process holds one core); "
         "None: one per 8 MiB of input, up to the usable cores. The output is the same for any count."))
-    replay_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
-        "Warm starts only (`method.init_from` not base): train on the shards that are new since the starting "
-        "adapter was trained, plus old examples replayed at random to make up this share of the training set "
-        "(0: the new data alone). None: train on all the data."))
 
     @field_validator("format")
     @classmethod
@@ -129,9 +128,6 @@ class ModelConfig(_Section):
         "Where the built-in model is converted to safetensors once. Hub models use huggingface_hub's cache "
         "under HF_HOME."))
     stage_local: bool = Field(False, description="Copy a local model directory (on slow storage) to staging first.")
-    max_seq_length: int | None = Field(None, ge=8, description=(
-        "A cap on tokens per example (longer ones follow data.overlong); None: right-size from the data "
-        "(data.length_percentile), capped by the model's positions."))
     trust_remote_code: bool = Field(False, description=(
         "Let transformers run the model repository's own Python code when it loads the tokenizer and the model. "
         "Only for repositories you trust."))
@@ -159,8 +155,16 @@ class MethodConfig(_Section):
     epochs: float = Field(1.0, gt=0.0, description=(
         "Passes over the training split, fractions allowed (1.5: one and a half). Fitting a time window may "
         "lower it, never below plan.min_epochs."))
+    eval_interval: str | None = Field("checkpoint", description=(
+        "Evaluate eval loss and token accuracy on a fixed held-out sample while training, written to `eval.jsonl` "
+        "beside `metrics.jsonl`: 'checkpoint' (at each checkpoint: every eval point has weights to go back to), "
+        "an interval in checkpoint.interval's units ('500steps', '30m', '0.25ep'), or 'never'/null; and once "
+        "more on the final weights. Its cost is in the plan's estimate."))
+    eval_examples: int = Field(64, ge=1, description=(
+        "The sample evaluated during training: the first N examples of the validation split, at most "
+        "`validation.max_examples` (a part of the validate stage's sample)."))
     early_stopping_patience: int | None = Field(None, ge=1, description=(
-        "Stop training after this many evaluations during training (`validation.during_training`) without an "
+        "Stop training after this many evaluations during training (`eval_interval`) without an "
         "improvement of the eval loss; the best weights are kept as `best/` and become the final adapter that "
         "validation scores. None: train every step, the final adapter is the last weights."))
     early_stopping_threshold: float = Field(0.0, ge=0.0, description=(
@@ -187,6 +191,24 @@ class MethodConfig(_Section):
         "LoRA adapter directory (local, file:// or s3://) whose r, alpha and target_modules are `lora`'s. Not "
         "base: the gate's baseline defaults to promoted, and the training key includes the adapter's content. "
         "kind full starts from model.name_or_path."))
+    replay_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
+        "Warm starts only (`init_from` not base): train on the shards that are new since the starting adapter was "
+        "trained, plus old examples replayed at random to make up this share of the training set (0: the new data "
+        "alone). None: train on all the data."))
+
+    @field_validator("eval_interval")
+    @classmethod
+    def _eval_interval(cls, value: str | None) -> str:
+        """Normalised: 'never', 'checkpoint' or an interval that parses."""
+        if value is None or value.strip().lower() in ("never", "none", "off"):
+            return "never"
+        if value.strip().lower() == "checkpoint":
+            return "checkpoint"
+        try:
+            parse_interval(value)
+        except ValueError as error:
+            raise ValueError(f"{error}; or 'checkpoint' (at each checkpoint), or 'never'") from None
+        return value
 
     @model_validator(mode="after")
     def _quantised_base_is_lora(self) -> "MethodConfig":
@@ -199,6 +221,13 @@ class MethodConfig(_Section):
         if self.init_from != "base" and self.kind != "lora":
             raise ValueError(f"init_from {self.init_from!r} continues a LoRA adapter; kind full starts from "
                              "model.name_or_path: point that at the full weights to continue from")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_is_a_warm_start(self) -> "MethodConfig":
+        if self.replay_fraction is not None and self.init_from == "base":
+            raise ValueError("replay_fraction mixes new data with old for a warm start: set init_from to promoted "
+                             "or an adapter, or leave replay_fraction unset")
         return self
 
 
@@ -269,8 +298,6 @@ class HardwareConfig(_Section):
         "Expected interruptions per hour of a host. None: the catalogue's typical spot rate with `spot` "
         "(phase1a/core/hardware.py: the AWS Spot Instance Advisor's bands), 0 on demand (no interruption cost, and "
         "`checkpoint.interval: auto` takes its bounded default)."))
-    memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description="Share of device memory kept free.")
-    calibration_steps: int = Field(4, ge=0, description="Measured steps per candidate (after two warm-up steps).")
 
     @property
     def world_size(self) -> int:
@@ -315,6 +342,12 @@ class PlanConfig(_Section):
         Field(["micro_batch", "gradient_checkpointing", "dataloader_workers", "compile", "cuda_graphs"],
         description="Knobs the calibration tries beyond the memory model's pick, in this order, keeping the global "
                     "batch; cuda_graphs only on CUDA, after compile."))
+    memory_headroom: float = Field(0.1, ge=0.0, lt=1.0, description=(
+        "Share of each GPU's memory the plan keeps free when it fits the model, the micro-batch and the options "
+        "table's rows."))
+    calibration_steps: int = Field(4, ge=0, description=(
+        "Measured steps per candidate (after the warm-up steps); 0: no calibration, the throughput is modelled or "
+        "assumed."))
     calibration_budget: Duration = Field("10m", description=(
         "Most wall time calibration may spend: loading the model, the trials, and timing a checkpoint and "
         "validation. Steps that do not fit are shortened; the plan says what a whole measurement needs."))
@@ -449,28 +482,6 @@ class ValidationConfig(_Section):
     benchmarks: list[BenchmarkConfig] = Field([], description=(
         "lm-evaluation-harness tasks scored on the baseline and the candidate (did the fine-tune forget?), each "
         "gated with its own tolerance: [{task: arc_easy, metric: acc_norm, limit: 500, tolerance: 0.01}]."))
-    during_training: str | None = Field("checkpoint", description=(
-        "Evaluate eval loss and token accuracy on a fixed held-out sample while training, written to `eval.jsonl` "
-        "beside `metrics.jsonl`: 'checkpoint' (at each checkpoint: every eval point has weights to go back to), "
-        "an interval in checkpoint.interval's units ('500steps', '30m', '0.25ep'), or 'never'/null; and once "
-        "more on the final weights. Its cost is in the plan's estimate."))
-    during_training_examples: int = Field(64, ge=1, description=(
-        "The sample evaluated during training: the first N examples of the validation split, at most "
-        "`max_examples` (a part of the validate stage's sample)."))
-
-    @field_validator("during_training")
-    @classmethod
-    def _during_training(cls, value: str | None) -> str:
-        """Normalised: 'never', 'checkpoint' or an interval that parses."""
-        if value is None or value.strip().lower() in ("never", "none", "off"):
-            return "never"
-        if value.strip().lower() == "checkpoint":
-            return "checkpoint"
-        try:
-            parse_interval(value)
-        except ValueError as error:
-            raise ValueError(f"{error}; or 'checkpoint' (at each checkpoint), or 'never'") from None
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "ValidationConfig":
@@ -590,6 +601,12 @@ MOVED_KEYS = {
     "validation.export": "promotion.export",
     "validation.early_stopping": "method.early_stopping_patience",
     "validation.early_stopping_min_delta": "method.early_stopping_threshold",
+    "validation.during_training": "method.eval_interval",
+    "validation.during_training_examples": "method.eval_examples",
+    "hardware.memory_headroom": "plan.memory_headroom",
+    "hardware.calibration_steps": "plan.calibration_steps",
+    "data.replay_fraction": "method.replay_fraction",
+    "model.max_seq_length": "data.max_seq_length",
 }
 _MOVED_NOTE = "%s is now %s; it still loads, for one release"
 
@@ -638,9 +655,10 @@ class Phase1aConfig(_Section):
     data: DataConfig = Field(description="The dataset: where it comes from, how records are read and tokenized.")
     model: ModelConfig = Field(ModelConfig(), description="The base model.")
     method: MethodConfig = Field(MethodConfig(), description=(
-        "How it is trained: LoRA or full, optimizer, learning rate, batch, precision, attention."))
+        "How it is trained: LoRA or full, optimizer, learning rate, batch, precision, attention, evaluation during "
+        "training and early stopping, where the weights start."))
     hardware: HardwareConfig = Field(HardwareConfig(), description=(
-        "What the plan sizes, prices and calibrates for, and how many GPUs train."))
+        "The machine: what the plan sizes, prices and calibrates for, and how many GPUs train."))
     plan: PlanConfig = Field(PlanConfig(), description="How the plan picks its knobs and calibrates them.")
     window: WindowConfig = Field(WindowConfig(), description="The time window the run must fit.")
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="When checkpoints are written, how many kept.")
@@ -648,7 +666,7 @@ class Phase1aConfig(_Section):
         "Where what outlives the host goes: `store: s3://bucket/prefix/` (or `store: {url: ..., endpoint_url: "
         "...}`) or a directory on a network mount. None: local disk only."))
     validation: ValidationConfig = Field(ValidationConfig(), description=(
-        "The held-out evaluation, during training and after it, and the gate against a baseline."))
+        "The validate stage: the held-out evaluation after training, and the gate against a baseline."))
     promotion: PromotionConfig = Field(PromotionConfig(), description=(
         "Where a model that passed the gate is promoted, and the exports promoted with it."))
     retries: RetryConfig = Field(RetryConfig(), description=(
@@ -681,17 +699,17 @@ class Phase1aConfig(_Section):
 
     @model_validator(mode="after")
     def _early_stopping_has_evaluations(self) -> "Phase1aConfig":
-        patience, during = self.method.early_stopping_patience, self.validation.during_training
+        patience, during = self.method.early_stopping_patience, self.method.eval_interval
         if patience is None:
             return self
         if during != "checkpoint" and str(parse_interval(during)) == "never":
             raise ValueError(f"method.early_stopping_patience {patience} counts evaluations during training, and "
-                             f"validation.during_training is {during!r}: set it to 'checkpoint' or an interval")
+                             f"method.eval_interval is {during!r}: set it to 'checkpoint' or an interval")
         if during == "checkpoint" and self.checkpoint.interval != AUTO \
                 and str(parse_interval(self.checkpoint.interval)) == "never":
             raise ValueError(f"method.early_stopping_patience {patience} counts evaluations at checkpoints "
-                             "(validation.during_training: checkpoint), and checkpoint.interval is never: give "
-                             "validation.during_training an interval of its own, e.g. '500steps'")
+                             "(method.eval_interval: checkpoint), and checkpoint.interval is never: give "
+                             "method.eval_interval an interval of its own, e.g. '500steps'")
         return self
 
     @model_validator(mode="after")
@@ -704,9 +722,6 @@ class Phase1aConfig(_Section):
     def _warm_start_baseline(self) -> "Phase1aConfig":
         """A warm start is gated against the model it continues: baseline promoted unless one was chosen."""
         init_from, validation, promote_to = self.method.init_from, self.validation, self.promotion.to
-        if self.data.replay_fraction is not None and init_from == "base":
-            raise ValueError("data.replay_fraction mixes new data with old for a warm start: set method.init_from "
-                             "to promoted or an adapter, or leave replay_fraction unset")
         if init_from == "promoted" and not promote_to:
             raise ValueError("method.init_from promoted needs promotion.to, where the promoted pointer lives")
         if init_from != "base" and promote_to and "baseline" not in validation.model_fields_set:

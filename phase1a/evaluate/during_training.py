@@ -25,9 +25,9 @@ from phase1a.train.checkpoints import load_trainable, trainable_state_dict
 from phase1a.train.packing import TokenRows
 
 EVERY_CHECKPOINT = "checkpoint"
-# The `validation` fields that only evaluation during training reads (`EvalSettings.of`): the validate stage's
-# cache key leaves them out, since they reach its verdict only through the trained weights.
-DURING_TRAINING_FIELDS = {"during_training", "during_training_examples"}
+# The `method` fields that only evaluation during training reads (`EvalSettings.of`): the training key leaves them
+# out, since evaluating changes no weight; with early stopping they enter as `EvalSettings.key`.
+DURING_TRAINING_FIELDS = {"eval_interval", "eval_examples", "early_stopping_patience", "early_stopping_threshold"}
 
 
 class EvalSettings(BaseModel):
@@ -42,16 +42,16 @@ class EvalSettings(BaseModel):
     @classmethod
     def of(cls, config: Phase1aConfig, validation_path: str | None,
            validation_examples: int) -> EvalSettings | None:
-        """From the config (`validation.during_training*`, `method.early_stopping_*`); None when it is off or there
-        is no validation split to take the sample from."""
-        validation = config.validation
-        if validation.during_training == "never" or not validation_path or validation_examples == 0:
+        """From the config (`method.eval_*`, `method.early_stopping_*`); None when it is off or there is no
+        validation split to take the sample from."""
+        method = config.method
+        if method.eval_interval == "never" or not validation_path or validation_examples == 0:
             return None
-        return cls(validation_path=validation_path, cadence=validation.during_training,
+        return cls(validation_path=validation_path, cadence=method.eval_interval,
                    # The validate stage scores the first max_examples: this sample stays a part of that one.
-                   examples=min(validation.during_training_examples, validation.max_examples),
-                   patience=config.method.early_stopping_patience,
-                   min_delta=config.method.early_stopping_threshold)
+                   examples=min(method.eval_examples, config.validation.max_examples),
+                   patience=method.early_stopping_patience,
+                   min_delta=method.early_stopping_threshold)
 
     @property
     def at_checkpoints(self) -> bool:

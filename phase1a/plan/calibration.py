@@ -10,7 +10,7 @@ steps of the same data, spread evenly over the run so that their lengths are the
 The budget covers everything calibration does: loading the model, the trials, and timing a checkpoint and the
 validate stage. A trial warms up on every shape the run's rows take (two probes of one example in the smallest
 row, one in each other row length a static row allows, then one step of the trial's own rows: compilation and
-kernel set-up happen there, not in the measured steps) and then measures up to `calibration_steps` steps not seen
+kernel set-up happen there, not in the measured steps) and then measures up to `plan.calibration_steps` steps not seen
 before; no step starts that is predicted to end past the trial's deadline. A step
 too long for the budget is shortened to fewer of its micro-batches (each of the run's shape, so attention over
 a packed row costs what it will). A step's forward and backward and its update are timed apart, so a shortened
@@ -231,7 +231,7 @@ class _Session:
         batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size, budget)
         self._announce(candidate, deadline)
         trial = _trial(self.model, self.optimizer, batches, candidate,
-                       _Steps(self.config.hardware.calibration_steps, deadline, self.step_tokens, self.step_cap))
+                       _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap))
         if len(self.trials) == 0:
             self.step_cap = trial.step_cap
         self.trials.append(trial)
@@ -347,11 +347,11 @@ class _Session:
     def _needed(self, first: Trial, per_token: float, validation: ValidationSpeed | None) -> float | None:
         """What a whole calibration of the first candidate would take, when this one was cut short: loading, the
         probe and the whole steps, and the unhurried checkpoint and validation timing."""
-        whole = first.measured_steps >= self.config.hardware.calibration_steps and (
+        whole = first.measured_steps >= self.config.plan.calibration_steps and (
             first.micro_batches >= first.step_micro_batches)
         if whole and not self.notes and (validation is None or validation.source == "measured"):
             return None
-        steps = (1 + self.config.hardware.calibration_steps) * self.step_tokens * per_token
+        steps = (1 + self.config.plan.calibration_steps) * self.step_tokens * per_token
         return self.startup + (first.warmup_excess_seconds or 0.0) + steps + self._final_seconds(per_token)
 
 

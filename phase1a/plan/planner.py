@@ -195,7 +195,7 @@ class _Planner:
         trainable = (self.facts.parameters if self.shape.full
                      else lora_parameters(self.facts, self.method.lora.r, self.method.lora.target_modules))
         self.memory = MemoryModel(self.facts, self.shape, trainable,
-                                  int(self.target.memory_bytes * (1 - config.hardware.memory_headroom)))
+                                  int(self.target.memory_bytes * (1 - config.plan.memory_headroom)))
         self.lengths = TokenRows.load(data.train_path).lengths()
         self.eval_settings = EvalSettings.of(config, data.validation_path, data.validation_examples)
         self.rate_per_hour, self.rate_source = interruption_rate(config, self.target)
@@ -235,7 +235,7 @@ class _Planner:
                 sweeps or candidate == start):
             self.notes.append(history_note(past, self.hardware_kind))
             return self._from_history(past, candidate)  # a run on as many GPUs: its whole speed
-        if self.present and config.hardware.calibration_steps > 0:
+        if self.present and config.plan.calibration_steps > 0:
             return self._on_every_rank(self._calibrated(start, max_seq_length, sweeps), max_seq_length)
         flops = flops_per_token(self.facts, self.shape.full, start.gradient_checkpointing,
                                 _mean(self.lengths, max_seq_length))
@@ -660,7 +660,7 @@ class _Planner:
         options = with_option(own_option(hardware), DEFAULT_OPTIONS) if own else DEFAULT_OPTIONS
         return option_rows(job, OptionsPolicy(
             options=options, scaling_efficiency=policy.scaling_efficiency, lr_rule=policy.lr_rule,
-            memory_headroom=hardware.memory_headroom, **own_overrides(hardware)))
+            memory_headroom=policy.memory_headroom, **own_overrides(hardware)))
 
     def _gpu_step(self, chosen: Candidate, max_seq_length: int, flops: float) -> GpuStep:
         """One optimizer step as a GPU runs it, for the GPU model: the batch at the data's mean length, in

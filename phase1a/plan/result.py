@@ -19,7 +19,7 @@ class Estimate(BaseModel):
     checkpoints: int
     checkpoint_seconds: float  # all checkpoints together
     evaluation_seconds: float  # the validate stage
-    evaluations_during_training: int = 0  # validation.during_training's, the final weights' included
+    evaluations_during_training: int = 0  # method.eval_interval's, the final weights' included
     eval_during_training_seconds: float = 0.0  # all of them, with early stopping's writes of best/
     train_seconds: float  # steady + warm-up + checkpoints + evaluations during training: the train stage's loop
     # Expected lost work and restarts of interruptions (Plan.interruptions); 0 on demand. Kept out of

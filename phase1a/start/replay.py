@@ -1,4 +1,4 @@
-"""Replay for warm starts (`data.replay_fraction`): a night that continues an adapter trains on the shards that
+"""Replay for warm starts (`method.replay_fraction`): a night that continues an adapter trains on the shards that
 adapter has not seen, plus a random share of the old examples, so it learns the new data without drifting from
 the old.
 
@@ -41,7 +41,7 @@ def write_trained_on(adapter_dir: Path, train_path: str) -> None:
 def read_trained_on(adapter_dir: Path, what: str) -> set[str]:
     path = Path(adapter_dir) / TRAINED_ON
     if not path.is_file():
-        raise DataError(f"data.replay_fraction: {what} has no {TRAINED_ON} (it was not trained by phase1a), so "
+        raise DataError(f"method.replay_fraction: {what} has no {TRAINED_ON} (it was not trained by phase1a), so "
                         "which data is new is unknown; leave replay_fraction unset to train on all the data")
     return set(json.loads(path.read_text())["shards"])
 
@@ -67,7 +67,7 @@ def replay_mix(data: TokenizedData, seen: set[str], fraction: float, seed: int, 
     old = np.isin(np.array([part_key(part) for part in view.parts])[part_of_row], list(seen))
     fresh, previous = rows[~old], rows[old]
     if not fresh.size:
-        raise DataError(f"data.replay_fraction: no training example is new since {what} was trained "
+        raise DataError(f"method.replay_fraction: no training example is new since {what} was trained "
                         f"({len(view.parts)} shards, all seen): nothing to continue on")
     count = min(previous.size, round(fraction / (1 - fraction) * fresh.size))
     replayed = np.random.default_rng(seed).choice(previous, size=count, replace=False)
