@@ -70,12 +70,12 @@ def load_benchmark(spec: BenchmarkConfig) -> Benchmark:
     return Benchmark(spec, config["task"], config, definition)
 
 
-def validation_key(settings: ValidationConfig, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+def validation_key(settings: ValidationConfig) -> dict[str, Any]:
     """The validation section as a cache key reads it, the same from any checkout, work directory or host: where
     a file lies never enters. A benchmark YAML enters as its definition (its bytes and its data files'), a
     baseline file by its bytes where the verdict reads it (baseline.py: baseline_identity). Where a model is
     promoted is another section's (promotion.to): a promoted baseline enters as the version its pointer names."""
-    key = settings.model_dump(mode="json", exclude={"baseline_file", "benchmarks", *exclude})
+    key = settings.model_dump(mode="json", exclude={"baseline_file", "benchmarks"})
     key["benchmarks"] = [{**spec.model_dump(mode="json", exclude={"task"} if spec.is_file else None),
                           "definition": load_benchmark(spec).definition} for spec in settings.benchmarks]
     return key
