@@ -121,5 +121,19 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     assert re.search(r"calibration: trial 1 of \d+: micro 8, checkpointing off, compile off, workers 0 \(until \d+ s "
                      r"of the 1 s budget\)", caplog.text)
     assert re.search(rf"calibration: {len(result.trials)} trials in ", caplog.text)
-    assert all(t.note.startswith("not tried: ") and "of the 1 s calibration budget" in t.note
-               for t in result.trials if t.status == "skipped")
+    assert all(t.note.startswith("not tried: ") and t.note.endswith(
+        "plan.calibration_budget 1 s, less the checkpoint and validation timings; a larger plan.calibration_budget "
+        "lets it run") for t in result.trials if t.status == "skipped")
+
+
+def test_a_candidate_the_share_of_training_time_leaves_out_names_that_share(tmp_path, tiny_model_dir, train_path):
+    """Where `plan.calibration_share` of the estimated training time, not the budget, ends the sweep, the skipped
+    candidate's note names it, with its seconds, and the setting that would let the candidate run."""
+    settings = config(tmp_path, tiny_model_dir, calibration_budget="600s", calibration_share=0.0)
+    start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**6, work_dir=tmp_path / "run",
+                         alternatives=lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})])
+    skipped = [t for t in calibrate(settings, tiny_model_dir, job).trials if t.status == "skipped"]
+    named = (r"not tried: a trial takes ~\d+ s and 0 s were left of the sweep's limit, plan.calibration_share 0 of "
+             r"the estimated \d+ s of training \(0 s\); a larger plan.calibration_share lets it run")
+    assert skipped and all(re.fullmatch(named, t.note) for t in skipped), [t.note for t in skipped]

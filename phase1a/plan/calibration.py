@@ -203,6 +203,7 @@ class _Session:
         steps = -(-len(self.order) // method.batch_size)
         self.step_tokens = job.train_tokens / max(1, steps)  # a whole step's tokens, on average
         self.step_cap: int | None = None  # the first trial's, so that all trials compare alike
+        self.sweep_limit = f"plan.calibration_budget {self.budget:.0f} s"  # sweep_deadline names the one that binds
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -216,8 +217,17 @@ class _Session:
     def sweep_deadline(self, first: Trial) -> float:
         """The other trials end in time for a checkpoint and validation to be timed unhurried, and within
         `plan.calibration_share` of the first estimate of training time."""
-        share = self.config.plan.calibration_share * self.job.train_tokens / first.tokens_per_second
-        return min(self.end - self._final_seconds(1.0 / first.tokens_per_second), time.perf_counter() + share)
+        training = self.job.train_tokens / first.tokens_per_second
+        share = self.config.plan.calibration_share * training
+        by_budget = self.end - self._final_seconds(1.0 / first.tokens_per_second)
+        by_share = time.perf_counter() + share
+        # What a skipped candidate's note names: the limit that ended the sweep, and the setting that moves it.
+        self.sweep_limit = (f"plan.calibration_share {self.config.plan.calibration_share:g} of the estimated "
+                            f"{training:.0f} s of training ({share:.0f} s); "
+                            "a larger plan.calibration_share lets it run" if by_share < by_budget else
+                            f"plan.calibration_budget {self.budget:.0f} s, less the checkpoint and validation "
+                            "timings; a larger plan.calibration_budget lets it run")
+        return min(by_budget, by_share)
 
     def run(self, candidate: Candidate, deadline: float) -> Trial:
         from phase1a.model.build import Compilation, set_compiled, set_gradient_checkpointing
@@ -268,8 +278,8 @@ class _Session:
     def _skip(self, candidate: Candidate, deadline: float, expected: float) -> None:
         left = max(0.0, deadline - time.perf_counter())
         self.trials.append(Trial(candidate=candidate, status="skipped", note=(
-            f"not tried: {left:.0f} s left for trials of the {self.budget:.0f} s calibration budget, a trial takes "
-            f"~{expected:.0f} s")))
+            f"not tried: a trial takes ~{expected:.0f} s and {left:.0f} s were left of the sweep's limit, "
+            f"{self.sweep_limit}")))
         self.meter.advance(1)
 
     def confirm(self, best: Trial, deadline: float) -> Trial:
