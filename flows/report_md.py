@@ -140,6 +140,14 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     return [*markdown_table(header, rows), ""]  # a blank line ends it
 
 
+def _stated(stated: tuple[float, float] | None) -> str:
+    return "-" if stated is None else f"{format_seconds(stated[0])} to {format_seconds(stated[1])}"
+
+
+def _holds(stated: tuple[float, float] | None, actual: float) -> str:
+    return "-" if stated is None else ("inside" if stated[0] <= actual <= stated[1] else "outside")
+
+
 def _ratio(estimated: float | None, actual: float | None) -> str:
     if not estimated or not actual:
         return "-"
@@ -266,17 +274,20 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
     if plan.window_seconds:
         rows.append(("window", f"{format_seconds(plan.window_seconds)}; fits: {plan.fits_in_window}"))
     train, validation = report.estimate_vs_actual, report.validation_estimate_vs_actual
-    pairs = (("training", train and train.estimated_train_seconds, train and train.actual_train_seconds),
-             ("validation", validation and validation.estimated_seconds, validation and validation.actual_seconds))
-    compared = [(what, format_seconds(estimated), format_seconds(actual), _ratio(estimated, actual))
-                for what, estimated, actual in pairs if actual]
+    pairs = (("training", train and train.estimated_train_seconds, train and train.actual_train_seconds,
+              plan.estimate.train_range()),
+             ("validation", validation and validation.estimated_seconds, validation and validation.actual_seconds,
+              plan.estimate.evaluation_range()))
+    compared = [(what, format_seconds(estimated), _stated(stated), format_seconds(actual), _ratio(estimated, actual),
+                 _holds(stated, actual)) for what, estimated, actual, stated in pairs if actual]
     lines = ["## Plan", "", *_table(("knob", "value"), rows)]
     notes = [f"- {a.step}: {a.before} -> {a.after} (~{a.estimated_hours:.2f} h)" for a in plan.adjustments] \
         + [f"- {note}" for note in plan.notes]
     lines += [*notes, ""] if notes else []
     if compared:
-        lines += ["Estimate against actual (a stage that was cached is not compared):", "",
-                  *_table(("stage", "estimated", "actual", "estimated / actual"), compared)]
+        lines += ["Estimate against actual (a stage that was cached is not compared; the range is the plan's own):",
+                  "", *_table(("stage", "estimated", "range", "actual", "estimated / actual", "actual in range"),
+                              compared)]
     return lines + _options(plan) + _interruptions(plan, report.interruptions_vs_actual)
 
 

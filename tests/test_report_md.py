@@ -82,8 +82,9 @@ def _plan(plan: Plan) -> Plan:
         train_tokens=26_880, tokens_per_second=900.0, throughput_source="measured", estimated_train_seconds=31.0,
         estimated_total_seconds=45.0, estimated_cost_usd=None, window_seconds=None, fits_in_window=None,
         adjustments=[], notes=[], interruptions=None,
-        estimate=plan.estimate.model_copy(update=dict(low_total_seconds=40.0, high_total_seconds=52.0,
-                                                      footing=footing)),
+        estimate=plan.estimate.model_copy(update=dict(
+            low_total_seconds=40.0, high_total_seconds=52.0, steady_seconds=30.0, eval_during_training_seconds=2.0,
+            train_seconds=36.0, evaluation_seconds=6.3, footing=footing.model_copy(update=dict(low=0.85, high=1.15)))),
         calibration=plan.calibration.model_copy(update=dict(seconds=12.4, budget_seconds=10.0,
                                                             needed_seconds=55.0, footing=footing))))
 
@@ -172,8 +173,9 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path, results):
     assert "| micro-batch x accumulation | 8 x 2 |" in text
     assert "| estimated total, range | 40.0 s to 52.0 s (2 measured steps, ±14%) |" in text
     assert "| calibration | 12 s of a 10 s budget; a whole measurement needs ~55 s |" in text
-    assert "| training | 36.0 s | 29.5 s | 1.22x (+22%, outside ±10%) |" in text
-    assert "| validation | 6.3 s | 6.0 s | 1.05x (+5%, within ±10%) |" in text
+    # The plan's own range for each stage (the footing's ±15 % of what moves with the speed), and whether it held.
+    assert "| training | 36.0 s | 31.2 s to 40.8 s | 29.5 s | 1.22x (+22%, outside ±10%) | outside |" in text
+    assert "| validation | 6.3 s | 5.4 s to 7.2 s | 6.0 s | 1.05x (+5%, within ±10%) | inside |" in text
     assert "| tokens/s | 911 |" in text and "| MFU | 12.3% |" in text and "| peak memory | 1.25 GiB |" in text
     assert "3, the last at step 30: eval loss 0.7200" in text
     assert "| best evaluation | step 20: eval loss 0.7000 |" in text

@@ -34,6 +34,20 @@ class Estimate(BaseModel):
         """What moves with the training speed: the steady steps, and the evaluations derived from it."""
         return self.steady_seconds + self.eval_during_training_seconds + self.evaluation_seconds
 
+    def train_range(self) -> tuple[float, float] | None:
+        """The train stage's loop at the footing's multiples of what moves with the speed (None: no footing)."""
+        if self.footing is None:
+            return None
+        bound = self.steady_seconds + self.eval_during_training_seconds
+        return (self.train_seconds - bound * (1 - self.footing.low),
+                self.train_seconds + bound * (self.footing.high - 1))
+
+    def evaluation_range(self) -> tuple[float, float] | None:
+        """The validate stage at the footing's multiples (None: no footing)."""
+        if self.footing is None:
+            return None
+        return self.evaluation_seconds * self.footing.low, self.evaluation_seconds * self.footing.high
+
     def with_range(self, footing: Footing) -> "Estimate":
         bound = self.speed_bound_seconds()
         return self.model_copy(update={"footing": footing,
