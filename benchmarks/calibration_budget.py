@@ -78,10 +78,10 @@ def measure(name: str, budget: str, train: bool, work: Path) -> dict:
     from phase1a.model.loading import load_tokenizer, prepare_model
     from phase1a.plan.planner import make_plan
     from phase1a.plan.present import format_plan
-    from phase1a.plan.training import record_run
+    from phase1a.plan.training import record_run, train_settings
     from phase1a.start.warmstart import resolve_start
     from phase1a.train.history import history_path
-    from tasks.train import train as train_stage, train_settings
+    from phase1a.train.loop import train as train_stage
 
     config = job_config(name, work, budget)
     model = prepare_model(config)

@@ -4,7 +4,7 @@ without it, the same run alternated and repeated.
     uv run python benchmarks/checkpoint_upload_overhead.py [--model smollm2|tiny] [--steps 20]
         [--interval 5steps] [--repeat 3] [--out FILE]
 
-The run: the train stage's own recipe (tasks/train.py: `TrainSettings`, then `run` without a store, or
+The run: the train stage's own code (phase1a/train/: `TrainSettings`, then `run` without a store, or
 `run_with_store` as `train_task` calls it with `store:` set: a lease, the pull, `CheckpointMirror` uploading each
 checkpoint while training goes on, the final adapter), on SmolLM2-135M-Instruct (the demo's model, its real
 weights) or `--model tiny` (benchmarks/train_throughput.py's 4-layer Llama with the test suite's tokenizer: the
@@ -85,7 +85,9 @@ def measure(settings_json: str, store: dict | None, moto_pid: int | None, queue)
     """One training run, without a store (`run`) or with one (`run_with_store`); its figures and CPU split."""
     from phase1a.config.schema import Phase1aConfig
     from phase1a.config.stores import open_store
-    from tasks.train import TrainSettings, run, run_with_store
+    from phase1a.train.runner import run
+    from phase1a.train.settings import TrainSettings
+    from phase1a.train.store_run import run_with_store
 
     settings = TrainSettings.model_validate_json(settings_json)
     with _Cpu(moto_pid) as cpu:
@@ -136,7 +138,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, object]:
 def settings_for(args: argparse.Namespace, model_dir: str, data, output_dir: Path) -> str:
     """The train stage's settings for `--steps` steps of LoRA r16 (the epochs are what that many steps take)."""
     from phase1a.config.schema import MethodConfig
-    from tasks.train import TrainSettings
+    from phase1a.train.settings import TrainSettings
 
     method = MethodConfig(lora={"r": 16, "alpha": 32}, batch_size=GLOBAL_BATCH,
                           epochs=args.steps * GLOBAL_BATCH / data.train_examples)

@@ -638,7 +638,8 @@ def _validated(job: ServeJob) -> dict:
     promotion imports) the candidate is scored as the validate stage scores it (the same `evaluate`) instead."""
     from phase1a.evaluate.metrics import evaluate
     from phase1a.model.loading import for_scoring, load_for_eval, load_tokenizer
-    from tasks.train import TrainSettings, train
+    from phase1a.train.loop import train
+    from phase1a.train.settings import TrainSettings
 
     trained = train(TrainSettings(model_dir=job.model.path, train_path=job.data.train_path,
                                   output_dir=str(job.run_dir / "train"), method=job.config.method, micro_batch_size=16,

@@ -4,7 +4,7 @@
 
 SmolLM2-135M-Instruct (the demo's model), LoRA r16 on every projection, batch 16, fp32, the same generated chat
 examples, in order:
-1. one process (`tasks.train.run`);
+1. one process (`phase1a.train.runner.run`);
 2. two "nodes": two torchrun agents on 127.0.0.1 joined by a c10d rendezvous (`phase1a/train/launch.py`'s host list),
    one rank each (gloo), the same global batch; both runs' tokens/s over their steps after the first
    (metrics.jsonl), and the two runs' final losses (the same training, to float noise);
@@ -93,7 +93,8 @@ def main() -> None:
     from phase1a.model.loading import load_tokenizer, resolve_model
     from phase1a.plan.communication import ring
     from phase1a.train.launch import Launch
-    from tasks.train import TrainSettings, run
+    from phase1a.train.runner import run
+    from phase1a.train.settings import TrainSettings
 
     work = args.work / datetime.now().strftime("%Y%m%dT%H%M%S")
     work.mkdir(parents=True)

@@ -46,10 +46,10 @@ def main() -> None:
     from phase1a.model.loading import load_tokenizer, prepare_model, resolve_model
     from phase1a.plan.planner import make_plan
     from phase1a.plan.present import format_plan
-    from phase1a.plan.training import record_run
+    from phase1a.plan.training import record_run, train_settings
     from phase1a.start.warmstart import resolve_start
     from phase1a.train.history import history_path
-    from tasks.train import train, train_settings
+    from phase1a.train.loop import train
 
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = args.tokenizer

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 TRAIN = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tasks.train import TrainSettings, train
+from phase1a.train.loop import train
+from phase1a.train.settings import TrainSettings
 settings = TrainSettings.model_validate_json(sys.argv[2])
 result = train(settings)
 print("RESULT " + json.dumps({"tokens_per_second": result.tokens_per_second, "final_loss": result.final_loss,

@@ -26,10 +26,10 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.evaluate.present import format_table
 from phase1a.evaluate.result import ValidationResult
 from phase1a.plan.result import Plan
+from phase1a.plan.training import training_dir
 from phase1a.run_report import RunOutcome, ValidationSection
 from phase1a.tracking import Follower, TrackedRun, Trackers, redacted, require_packages, wanted
 from phase1a.train.result import TrainResult
-from tasks.train import training_dir
 
 # What the plan's params leave out: nested detail that is in plan.json (an artifact of the flow run).
 PLAN_DETAIL = {"model", "memory", "estimate", "calibration", "options", "adjustments", "notes"}

@@ -60,8 +60,7 @@ def test_layers_point_down():
 
 
 # A test or benchmark exercises the library; from tasks/ it takes a stage's task function (`*_task`) and nothing
-# more. The exceptions: tests of a task itself, each with why, and the stages whose library still lives in their
-# task module.
+# more. The exceptions: tests of a task itself, each with why.
 _STAGE_OUTPUT = "a staged copy is where the stage task's cache looks for it: its StageCache's output, staged_copy"
 TASK_TESTS = {
     "tests/test_keys_travel.py": "the stages' keys on two hosts: the fingerprints their StageCaches are built from",
@@ -69,7 +68,6 @@ TASK_TESTS = {
     "tests/test_stage_s3.py": _STAGE_OUTPUT,
     "tests/test_hub_datasets.py": _STAGE_OUTPUT,
 }
-NOT_YET_MOVED = ("tasks.train",)  # issue 37's later work: drop each as it moves
 
 
 def task_imports(path: Path) -> list[tuple[int, str, str]]:
@@ -85,7 +83,7 @@ def task_imports(path: Path) -> list[tuple[int, str, str]]:
 
 def beyond_the_task(path: Path) -> list[str]:
     return [f"{relative(path)}:{line} imports {name} from {module}" for line, module, name in task_imports(path)
-            if not name.endswith("_task") and module not in NOT_YET_MOVED]
+            if not name.endswith("_task")]
 
 
 def test_tests_and_benchmarks_import_the_library_not_a_stages_recipe():
@@ -96,11 +94,8 @@ def test_tests_and_benchmarks_import_the_library_not_a_stages_recipe():
     assert not wrong, "library code taken from tasks/ (import it from phase1a/):\n" + "\n".join(wrong)
 
 
-def test_the_task_tests_and_the_unmoved_stages_are_still_needed():
+def test_the_task_tests_are_still_needed():
     unneeded = [name for name in TASK_TESTS if not beyond_the_task(PROJECT_ROOT / name)]
-    taken = {module for path in sources("tests", "benchmarks") for _, module, name in task_imports(path)
-             if not name.endswith("_task")}
-    unneeded += [module for module in NOT_YET_MOVED if module not in taken]
     assert not unneeded, f"no longer needed: {unneeded}"
 
 
@@ -271,10 +266,11 @@ def test_the_config_choices_are_read_from_their_registries():
 
 
 # What runs on a bare GPU host (benchmarks/gpu_check.py's parts): the train loop, tokenizing, the plan, the benchmarks.
-GPU_HOST_MODULES = ("tasks.train", "phase1a.data.tokenizing", "phase1a.plan.planner", "phase1a.plan.present",
-                    "phase1a.train.steps", "phase1a.plan.calibration", "benchmarks.train_throughput",
-                    "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput", "benchmarks.packed_rows",
-                    "benchmarks.gpu_check", "benchmarks.attention_op", "benchmarks.step_meter")
+GPU_HOST_MODULES = ("phase1a.train.loop", "phase1a.train.rank", "phase1a.data.tokenizing", "phase1a.plan.planner",
+                    "phase1a.plan.present", "phase1a.train.steps", "phase1a.plan.calibration",
+                    "benchmarks.train_throughput", "benchmarks.plan_accuracy", "benchmarks.tokenize_throughput",
+                    "benchmarks.packed_rows", "benchmarks.gpu_check", "benchmarks.attention_op",
+                    "benchmarks.step_meter")
 
 
 def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):

@@ -21,7 +21,8 @@ from phase1a.evaluate.gate import Baseline, BaselineError, gate
 from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork, Metrics
 from phase1a.evaluate.present import format_table
 from phase1a.evaluate.validation import validate
-from tasks.train import TrainSettings, train
+from phase1a.train.loop import train
+from phase1a.train.settings import TrainSettings
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def test_the_training_key_changes_with_the_starting_adapter():
     same adapter named two ways (`promoted`, its path) is the same run, and so is a first night that found nothing
     promoted and started from the base."""
     from phase1a.config.schema import MethodConfig
-    from tasks.train import training_key
+    from phase1a.train.settings import training_key
 
     def key(init_from: str = "base", start: str | None = None) -> str:
         return training_key("data-fp", "model-fp", MethodConfig(init_from=init_from), 256, start)

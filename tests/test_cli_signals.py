@@ -120,7 +120,7 @@ def test_sigterm_mid_calibration_stops_every_process(config_tree, tmp_path):
 def test_sigterm_mid_training_uploads_its_checkpoint_within_the_grace_period_and_stops_every_process(
         config_tree, tmp_path, aws_env, endpoint, bucket):
     """`run` with a store, stopped while it trains: training writes its checkpoint, uploads it to the store within
-    `checkpoint.grace_period` and stops (phase1a/train/preemption.py, tasks/train.py), the report says `preempted`, and
+    `checkpoint.grace_period` and stops (train/preemption.py, train/loop.py), the report says `preempted`, and
     no process of the run is left."""
     config_tree["method"]["epochs"] = 40  # long enough to be stopped in the middle
     config_tree["plan"] |= ONE_WORKER

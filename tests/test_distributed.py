@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.evaluate.during_training import EvalSettings
 from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.evaluation import EvalSettings
 from phase1a.train.launch import Launch, torchrun_command
 from phase1a.train.result import TrainResult
-from tasks.train import TrainSettings, run
+from phase1a.train.runner import run
+from phase1a.train.settings import TrainSettings
 
 # On CUDA the ranks join with NCCL, which takes one GPU a rank: a one-GPU host runs this on neither backend.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
@@ -59,8 +60,8 @@ def assert_same_adapter(a: TrainResult, b: TrainResult) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(one_process, strategy):
     settings, one = one_process
-    command = torchrun_command(Launch(processes=2, entry=["-m", "tasks.train"]), Path("s.json"))
-    assert command[-5:] == ["--standalone", "--nproc_per_node=2", "-m", "tasks.train", "s.json"]
+    command = torchrun_command(Launch(processes=2, entry=["-m", "phase1a.train.rank"]), Path("s.json"))
+    assert command[-5:] == ["--standalone", "--nproc_per_node=2", "-m", "phase1a.train.rank", "s.json"]
     two = run(settings(f"two-{strategy}", 2, strategy, evaluate=True))
     assert two.steps == one.steps == 6 and two.train_tokens == one.train_tokens  # tokens summed over ranks
     assert two.checkpoints_written == one.checkpoints_written == 2

@@ -1,4 +1,4 @@
-"""Evaluation during training (phase1a/evaluate/during_training.py): eval.jsonl at the interval, the same training
+"""Evaluation during training (phase1a/train/evaluation.py): eval.jsonl at the interval, the same training
 with it on or off, on examples cut to training's max length, early stopping that keeps the best weights as the final
 adapter (a final evaluation that is not the best stops nothing) and survives a resume (at the same steps, back to the
 best its checkpoint names), the config's errors, the training key, and the plan's estimate of its cost. The tiny model
@@ -17,12 +17,13 @@ from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, validate_config
 from phase1a.core.labels import IGNORE_INDEX
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.evaluate.during_training import EvalSettings
 from phase1a.plan.planner import make_plan
 from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.evaluation import EvalSettings
+from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
 from phase1a.train.preemption import Preempted
-from tasks.train import TrainSettings, train, training_key
+from phase1a.train.settings import TrainSettings, training_key
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +350,7 @@ def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_vali
     """Changing only the fields `DURING_TRAINING_FIELDS` names, all of them training's (method), changes
     EvalSettings and nothing of the validate stage's section; the sample is at most `validation.max_examples`, the
     first examples the validate stage scores."""
-    from phase1a.evaluate.during_training import DURING_TRAINING_FIELDS
+    from phase1a.train.evaluation import DURING_TRAINING_FIELDS
 
     assert DURING_TRAINING_FIELDS <= set(MethodConfig.model_fields)
     base = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}, "validation": {"max_examples": 16}})

@@ -16,6 +16,7 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.build import Compilation, build_model, make_optimizer
+from phase1a.train.loop import train
 from phase1a.train.packing import (
     RowBudget,
     StepBatches,
@@ -25,8 +26,8 @@ from phase1a.train.packing import (
     summed_loss,
     token_budget,
 )
+from phase1a.train.settings import TrainSettings
 from phase1a.train.steps import optimizer_step
-from tasks.train import TrainSettings, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 METHOD = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8}, learning_rate=1e-2, liger="off")

@@ -24,7 +24,7 @@ from kubernetes.client import (
 from phase1a.config.schema import HardwareConfig, KubernetesNodes
 from phase1a.train import k8s_nodes
 from phase1a.train.launch import Launch, LaunchError, launch_for, on_kubernetes
-from tasks.train import ENTRY
+from phase1a.train.rank import ENTRY
 
 K8S = KubernetesNodes(image="registry.example/phase1a:cuda", namespace="training", volume_claim="phase1a-shared",
                       mount_path="/shared", gpu_product="NVIDIA-H100-80GB-HBM3")

@@ -17,12 +17,12 @@ from helpers.benchmarks import write_date_tasks
 from phase1a.config.schema import load_config
 from phase1a.model.loading import prepare_model
 from phase1a.plan.planner import make_plan
+from phase1a.plan.training import training_dir
 from phase1a.start.warmstart import resolve_start
 from phase1a.train.result import TrainResult
 from tasks.plan import plan_fingerprint, plan_task
 from tasks.stage import stage_task, staged_copy, staged_fingerprint
 from tasks.tokenize import tokenize_task, tokenized_fingerprint
-from tasks.train import training_dir
 from tasks.validate import validate_task
 
 JOB = {  # every path relative to the job's YAML, as a job kept in a repository writes them

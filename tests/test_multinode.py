@@ -18,7 +18,9 @@ from phase1a.config.schema import HardwareConfig, MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.launch import Launch, LaunchError, launch_for, slurm_command, torchrun_command
-from tasks.train import ENTRY, TrainSettings, rank_settings, run
+from phase1a.train.rank import ENTRY, rank_settings
+from phase1a.train.runner import run
+from phase1a.train.settings import TrainSettings
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on one CPU host")
 
@@ -74,7 +76,7 @@ def test_the_config_makes_the_launch_and_refuses_nodes_without_a_launcher(monkey
     command = torchrun_command(launch, Path("s.json"), "gpu-a")
     assert command[1:7] == ["--nnodes=2", "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=gpu-a:29555",
                             "--rdzv_id=train-abc", "--max_restarts=3"]
-    assert command[-3:] == ["-m", "tasks.train", "s.json"]
+    assert command[-3:] == ["-m", "phase1a.train.rank", "s.json"]
     with pytest.raises(LaunchError, match="names no program"):
         torchrun_command(launch.model_copy(update={"entry": []}), Path("s.json"), "gpu-a")
     with pytest.raises(ValueError, match="num_nodes is 3 and nodes names 2 hosts"):

@@ -23,7 +23,8 @@ from phase1a.config.schema import DataConfig, MethodConfig, ModelConfig, Phase1a
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.validation import validate
 from phase1a.plan.calibration import CalibrationJob, Candidate, calibrate
-from tasks.train import TrainSettings, train
+from phase1a.train.loop import train
+from phase1a.train.settings import TrainSettings
 
 OURS = {"phase1a", "tasks", "flows"}
 LORA = {"r": 4, "alpha": 8}

@@ -16,7 +16,8 @@ from phase1a.config.schema import MethodConfig
 from phase1a.core import layout
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import ARITHMETIC, list_checkpoints
-from tasks.train import TrainSettings, train
+from phase1a.train.loop import train
+from phase1a.train.settings import TrainSettings
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from phase1a.plan.interruptions import (
 )
 from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, SpotJob, format_options, option_rows
 from phase1a.plan.planner import make_plan
+from phase1a.plan.training import train_settings
 from phase1a.plan.window import WindowError
 from phase1a.run_report import interruptions_outcome
 from phase1a.start.warmstart import StartPoint
@@ -27,7 +28,6 @@ from phase1a.store.base import LocalStore
 from phase1a.train.history import RunRecord, append_run, history_path
 from phase1a.train.result import StoreTraining, TrainResult
 from phase1a.train.train_store import Pulled
-from tasks.train import train_settings
 
 TOKENS_PER_SECOND = 10.0  # the history's speed: a few hundred seconds of training, so intervals are seconds long
 

@@ -25,8 +25,9 @@ from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 from phase1a.train.launch import Launch
 from phase1a.train.preemption import Preempted, StopRequest
+from phase1a.train.runner import run
+from phase1a.train.settings import TrainSettings
 from phase1a.train.spot_notice import AWS_URL, GCE_URL, AwsNotices, GceNotices, SpotNotices, clients_for
-from tasks.train import TrainSettings, run
 
 
 @pytest.fixture

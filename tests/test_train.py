@@ -10,8 +10,9 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
-from tasks.train import TrainSettings, train
+from phase1a.train.settings import TrainSettings
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A training run that is killed, preempted or runs out of memory ends with the weights of one that was not.
 
-The killed and preempted runs are real processes (`python -m tasks.train SETTINGS.json`), stopped with
+The killed and preempted runs are real processes (`python -m phase1a.train.rank SETTINGS.json`), stopped with
 SIGKILL and SIGTERM mid-run; the resumed run is compared with an uninterrupted one on the same settings.
 """
 import json
@@ -19,8 +19,9 @@ from helpers import date_records, make_tiny_model_dir, make_tokenizer, write_jso
 from phase1a.config.schema import MethodConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.train.checkpoints import list_checkpoints
+from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
-from tasks.train import TrainSettings, train
+from phase1a.train.settings import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def start_training(run: TrainSettings) -> subprocess.Popen:
     path = Path(run.output_dir) / "settings.json"
     path.write_text(run.model_dump_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # slower steps, a wider window to stop the run in
-    return subprocess.Popen([sys.executable, "-m", "tasks.train", str(path)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "phase1a.train.rank", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

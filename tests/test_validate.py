@@ -31,8 +31,9 @@ from phase1a.evaluate.validation import validate
 from phase1a.model.loading import for_scoring, load_for_eval
 from phase1a.promote.candidate import promote_candidate
 from phase1a.store.promoted import PromotionError, read_pointer
+from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
-from tasks.train import TrainSettings, train
+from phase1a.train.settings import TrainSettings
 
 SPECIALS = ["<|im_end|>", "</s>"]
 

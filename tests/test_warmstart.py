@@ -176,9 +176,8 @@ def run_flow(tree: dict) -> dict:
 def first_step(report: dict, tree: dict, weights: Path | None) -> tuple[float, float]:
     """(the loss training logged at its first step, that of `weights` on the first step's examples): the first
     step's loss is the starting weights' before any update."""
-    from phase1a.evaluate.metrics import teacher_forced
     from phase1a.model.loading import load_for_eval
-    from phase1a.train.packing import TokenRows, example_stream
+    from phase1a.train.packing import TokenRows, example_stream, teacher_forced
 
     metrics = Path(report["stages"]["train"]["result"]["output_dir"]) / "metrics.jsonl"
     logged = json.loads(metrics.read_text().splitlines()[0])["loss"]

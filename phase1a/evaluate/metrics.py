@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from phase1a.config.schema import ValidationConfig
 from phase1a.core.fingerprint import code_fingerprint, hash_json
-from phase1a.core.meter import Meter, stage_meter
+from phase1a.core.meter import stage_meter
 from phase1a.evaluate.answers import extract_answer
 from phase1a.evaluate.generation import (
     Generated,
@@ -31,7 +31,7 @@ from phase1a.evaluate.generation import (
     stop_token_ids,
     time_decode_step,
 )
-from phase1a.train.packing import TokenRows, budget_rows, pack, summed_loss
+from phase1a.train.packing import TokenRows, teacher_forced
 
 # Metric name -> the direction that is better; the gate and the report read this.
 HIGHER_IS_BETTER = {"loss": False, "perplexity": False, "token_accuracy": True, "exact_match": True, "ece": False}
@@ -121,29 +121,6 @@ def expected_calibration_error(confidences: np.ndarray, correct: np.ndarray, bin
         if members.any():
             error += members.mean() * abs(correct[members].mean() - confidences[members].mean())
     return float(error)
-
-
-@torch.no_grad()
-def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
-                   batch_size: int, token_budget: int | None = None, meter: Meter | None = None
-                   ) -> tuple[float, int, int]:
-    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches of `batch_size`
-    examples, or with `token_budget` over rows of at most that many tokens (training's own rows: what is known
-    to fit on the device beside the optimizer state, when training evaluates); `meter` counts the batches and
-    their supervised tokens."""
-    device = next(model.parameters()).device
-    loss_sum, correct, tokens = 0.0, 0, 0
-    groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
-              else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
-    for group in groups:
-        row = pack(rows, group)
-        loss, right = summed_loss(model, row.to(device))
-        loss_sum += loss.item()
-        correct += int(right)
-        tokens += row.supervised
-        if meter is not None:
-            meter.advance(1, tokens=row.supervised)
-    return loss_sum, correct, tokens
 
 
 def evaluate(model: torch.nn.Module, tokenizer, rows: TokenRows, indices: np.ndarray,

@@ -36,7 +36,6 @@ from phase1a.core.hardware import training_device, usable_cores
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
 from phase1a.core.units import GIB, parse_duration_seconds
-from phase1a.evaluate.during_training import evaluating
 from phase1a.evaluate.metrics import TimingAllowance, ValidationSpeed, time_validation, validation_timing_seconds
 from phase1a.model.cost_model import MemoryModel, checkpoint_bytes
 from phase1a.plan import footing
@@ -45,6 +44,7 @@ from phase1a.plan.interruptions import ASSUMED_DISK_BYTES_PER_SECOND, ASSUMED_ST
 from phase1a.store.base import Store
 from phase1a.store.bundles import delete_bundle, upload_bundle
 from phase1a.train.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
+from phase1a.train.evaluation import evaluating
 from phase1a.train.packing import (
     RowBudget,
     StepBatch,

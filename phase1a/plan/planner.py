@@ -53,7 +53,6 @@ from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_i
 from phase1a.data.lengths import right_size
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
-from phase1a.evaluate.during_training import EvalSettings
 from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
 from phase1a.model.build import attention_implementation, release_device_memory
 from phase1a.model.cost_model import (
@@ -109,6 +108,7 @@ from phase1a.plan.result import Estimate, Plan
 from phase1a.plan.target import gpu_hour_price, interruption_rate, own_option, own_overrides, shards
 from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from phase1a.train.distributed import World
+from phase1a.train.evaluation import EvalSettings
 from phase1a.train.history import Remembered, RunRecord, history_path, remembered
 from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, static_rows, token_budget
 
@@ -478,7 +478,7 @@ class _Planner:
         return self._validation_loads() * throughput.startup_seconds + self._validation_work().seconds(speed)
 
     def _eval_during_training_work(self) -> EvaluationWork:
-        """One evaluation during training (phase1a/evaluate/during_training.py): the forward pass over its sample."""
+        """One evaluation during training (phase1a/train/evaluation.py): the forward pass over its sample."""
         settings = self.eval_settings
         if settings is None:
             return EvaluationWork()

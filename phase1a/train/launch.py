@@ -3,7 +3,7 @@
 One node: `torchrun --standalone`. Several: every agent joins a c10d rendezvous on the first node's
 `rendezvous_port` (torchrun's elastic launch, as Axolotl and LLaMA-Factory use it); the agents then number the
 ranks node by node. A rank that fails makes its agent restart the whole group from a new rendezvous round, up to
-`max_restarts` times; the ranks resume from the run's latest checkpoint (tasks/train.py). An agent that dies (its
+`max_restarts` times; the ranks resume from the run's latest checkpoint (phase1a/train/loop.py). An agent that dies (its
 host lost, kill -9) stops the others, and the train stage starts the whole group again from a new rendezvous (as a
 JobSet restarts its jobs), up to `max_restarts` times as well.
 
@@ -70,7 +70,7 @@ class Launch(BaseModel):
     rendezvous_port: int = 29400
     max_restarts: int = Field(3, ge=0)
     run_id: str = "phase1a"  # the rendezvous' name: the training key, so two runs never meet
-    # A rank's program before its settings file, e.g. ["-m", "tasks.train"]: the stage that launches sets it.
+    # A rank's program before its settings file, e.g. ["-m", "phase1a.train.rank"]: the runner that launches sets it.
     entry: list[str] = Field(default_factory=list)
 
     @property
@@ -113,7 +113,7 @@ def torchrun_command(launch: Launch, settings_path: Path, rendezvous_host: str |
 
 def run_agents(launch: Launch, settings_path: Path, cwd: Path, stop: Callable[[], bool] | None = None) -> None:
     """Every agent of the run, to its end; raises LaunchError when they did not all end with 0 (the first that
-    fails stops the others: the caller starts the whole group again, tasks/train.py), LaunchStopped when `stop()`
+    fails stops the others: the caller starts the whole group again: runner.py), LaunchStopped when `stop()`
     became true first."""
     if launch.launcher == "kubernetes" and launch.nodes > 1:
         return on_kubernetes(launch, settings_path, cwd, kubernetes_api())

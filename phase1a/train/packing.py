@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.meter import Meter
 from phase1a.data.tokenized import SplitView, read_mapped
 from phase1a.model.attention import NAME as VARLEN, packed_forward
 from phase1a.model.chunked_loss import TokenLoss
@@ -273,6 +274,29 @@ def budget_rows(rows: TokenRows, indices: np.ndarray, token_budget: int) -> list
             bins.append([int(indices[k])])
             loads.append(lengths[k])
     return [np.array(b) for b in bins]
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
+                   batch_size: int, token_budget: int | None = None, meter: Meter | None = None
+                   ) -> tuple[float, int, int]:
+    """Summed loss, correct arg-max predictions and supervised tokens, over packed batches of `batch_size`
+    examples, or with `token_budget` over rows of at most that many tokens (training's own rows: what is known
+    to fit on the device beside the optimizer state, when training evaluates); `meter` counts the batches and
+    their supervised tokens."""
+    device = next(model.parameters()).device
+    loss_sum, correct, tokens = 0.0, 0, 0
+    groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
+              else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
+    for group in groups:
+        row = pack(rows, group)
+        loss, right = summed_loss(model, row.to(device))
+        loss_sum += loss.item()
+        correct += int(right)
+        tokens += row.supervised
+        if meter is not None:
+            meter.advance(1, tokens=row.supervised)
+    return loss_sum, correct, tokens
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class ProgressReporter:
             self.artifact_at = time.monotonic()
 
     def evaluation(self, record: dict) -> None:
-        """`eval.jsonl` (phase1a/evaluate/during_training.py: EvalPoint, one line an evaluation during training),
+        """`eval.jsonl` (phase1a/train/evaluation.py: EvalPoint, one line an evaluation during training),
         TensorBoard `eval/loss` and `eval/token_accuracy`, and a line above the bar."""
         self.flush()
         if not self.enabled:

@@ -1,9 +1,11 @@
 """The curves a training run writes in its directory: the trainer writes them (phase1a/train/progress.py); a resume
-trims them (tasks/train.py); the report, the plots and the trackers read them."""
+trims them (phase1a/train/loop.py); the report, the plots and the trackers read them."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from phase1a.core.atomic import write_atomically
 
 
 def read_lines(path: Path | None) -> list[dict]:
@@ -37,3 +39,12 @@ def last_step(path: Path) -> int | None:
         except (ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def trim_to_step(path: Path, last_step: int) -> None:
+    """Keep the records up to the checkpoint a run resumes from: the curve stays continuous, without repeats. A
+    torn line (the crash that made this a resume) is dropped, not a reason to fail every resume after it."""
+    if not path.exists():
+        return
+    kept = [record for record in read_lines(path) if record.get("step", 0) <= last_step]
+    write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))  # a crash here keeps the curve

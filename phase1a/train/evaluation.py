@@ -19,10 +19,9 @@ from safetensors.torch import save_file
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.units import Clock, Interval, parse_interval
-from phase1a.evaluate.metrics import teacher_forced
 from phase1a.train import distributed
 from phase1a.train.checkpoints import load_trainable, trainable_state_dict
-from phase1a.train.packing import TokenRows
+from phase1a.train.packing import TokenRows, teacher_forced
 
 EVERY_CHECKPOINT = "checkpoint"
 # The `method` fields that only evaluation during training reads (`EvalSettings.of`): the training key leaves them
