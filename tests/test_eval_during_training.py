@@ -315,12 +315,12 @@ def test_only_early_stopping_enters_the_training_key():
 
     plain = training_key("data", "model", MethodConfig(), 256)
     assert key(cadence="checkpoint") == key(cadence="100steps") == plain  # evaluating changes no weight
-    stopping = key(cadence="checkpoint", patience=3)
     # Their config fields neither: evaluation during training, and early stopping (it enters as EvalSettings.key);
     # a replay share enters as the replayed data's fingerprint.
     configured = MethodConfig(eval_interval="100steps", eval_examples=8, early_stopping_patience=3,
                               early_stopping_threshold=0.01, init_from="/adapter", replay_fraction=0.2)
     assert training_key("data", "model", configured, 256) == plain
+    stopping = key(cadence="checkpoint", patience=3)
     assert stopping != plain and stopping != key(cadence="checkpoint", patience=4)
     assert stopping == key(cadence="30m", patience=3)  # 'checkpoint' is the checkpoint's interval
     assert stopping != key(cadence="checkpoint", patience=3, min_delta=0.01)

@@ -148,7 +148,7 @@ def test_cli_runs_the_flow_and_prints_the_report(config_tree, tmp_path):
 
     bad = subprocess.run(cli + ["--set", "method.batch_size=0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "method.batch_size: Input should be greater than or equal to 1" in bad.stderr
-    assert "Traceback" not in bad.stderr and bad.stderr.rstrip().splitlines()[-1].startswith("phase1a: method.")
+    assert "Traceback" not in bad.stderr and bad.stderr.startswith("phase1a: ")  # the message alone, its lines
 
 
 @pytest.mark.slow
