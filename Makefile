@@ -35,7 +35,7 @@ test: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image and not alone" -n $(TEST_WORKERS) --dist loadfile
 	$(UV) run $(UV_FLAGS) pytest -q -m "alone and not postgres and not image"
 
-# Prefect on a throwaway PostgreSQL server (tests/test_operations_postgres.py): two hosts, a lost host, a resume.
+# Prefect on a throwaway PostgreSQL server (tests/operations/test_operations_postgres.py): two hosts, a lost host, a resume.
 test-postgres: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m postgres
 
@@ -46,7 +46,7 @@ test-fast: setup
 lint: setup
 	$(UV) run $(UV_FLAGS) ruff check .
 
-# docs/configuration.md, generated from the config schema (phase1a/config/reference.py); tests/test_docs.py checks it.
+# docs/configuration.md, generated from the config schema (phase1a/config/reference.py); tests/project/test_docs.py checks it.
 docs: setup
 	$(UV) run $(UV_FLAGS) python -m phase1a.config.reference --write
 
@@ -92,7 +92,7 @@ image:
 	$(if $(filter docker,$(IMAGE_BUILDER)),,@$(IMAGE_BUILDER) rm \
 	  $$($(IMAGE_BUILDER) containers -q --filter name=uv-working-container) > /dev/null 2>&1 || true)
 
-# The image's test here (tests/test_image.py, CI after the other tests): buildah and debootstrap from apt if missing,
+# The image's test here (tests/operations/test_image.py, CI after the other tests): buildah and debootstrap from apt if missing,
 # a Debian base and uv's image made locally (image/local-base.sh: no registry needed), the image with the local CPU
 # torch, then the tiny job in a container. Each step reuses what exists: a second run rebuilds only what changed.
 IMAGE_TEST := localhost/phase1a:test
@@ -112,7 +112,7 @@ test-image: setup image-tools
 	  IMAGE_BASE=$(IMAGE_TEST_BASE) IMAGE_UV=$(IMAGE_TEST_UV)
 	@# The test image a rebuild replaced, untagged (2 GB each): removed, with the layers only it used.
 	$(BUILDAH) rmi --prune > /dev/null
-	PHASE1A_TEST_IMAGE=$(IMAGE_TEST) BUILDAH="$(BUILDAH)" $(UV) run $(UV_FLAGS) pytest -q -m image tests/test_image.py
+	PHASE1A_TEST_IMAGE=$(IMAGE_TEST) BUILDAH="$(BUILDAH)" $(UV) run $(UV_FLAGS) pytest -q -m image tests/operations/test_image.py
 
 # Operations (docs/operations.md): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the

@@ -82,7 +82,7 @@ OPTIONAL = {"liger-kernel": "0.8.5"}
 BITSANDBYTES = {"bitsandbytes": "0.50.2"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
-GPU_TESTS = ("tests/test_speedups.py", "tests/test_gpu_paths.py")
+GPU_TESTS = ("tests/train/test_speedups.py", "tests/train/test_gpu_paths.py")
 FAMILIES = {"smollm2": "SmolLM2-135M shape", "llama3-8b": "Llama-3-8B shape (full width, 8 layers)"}
 
 
@@ -239,9 +239,10 @@ def _tokenize(run: Run) -> list[str]:
 
 
 def _ranks(run: Run) -> list[str]:
-    """Two ranks on two GPUs with NCCL: DDP and FSDP train the steps of one process (tests/test_distributed.py)."""
+    """Two ranks on two GPUs with NCCL: DDP and FSDP train the steps of one process
+    (tests/train/test_distributed.py)."""
     return _python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={run.results / 'ranks.xml'}",
-                   "tests/test_distributed.py")
+                   "tests/train/test_distributed.py")
 
 
 def _serve(run: Run) -> list[str]:
@@ -258,7 +259,7 @@ def _vllm_missing(run: Run) -> str | None:
 
 EIGHT_B = "needs CUDA: the Llama-3-8B shape is built on the GPU (5.6 GB of bf16 weights at 8 layers)"
 GRAPHS = "needs CUDA: CUDA graphs"
-COMPILE_ON_CPU = ("compiling every row length on a 2-core CPU takes minutes; tests/test_speedups.py compiles a "
+COMPILE_ON_CPU = ("compiling every row length on a 2-core CPU takes minutes; tests/train/test_speedups.py compiles a "
                   "layer whole on a CPU (no graph breaks, no recompiles)")
 # Expected seconds on an H100: estimates, conservative (process start, model build, Liger's and the compiler's
 # first kernels and CUPTI's start included; the H200 run of 2026-11-26 took 2 to 3.5 times the estimates then).

@@ -35,7 +35,7 @@ def pytest_collection_finish(session):
     """Where any selected test runs a flow, one real `prefect server` for the session: every `phase1a` command a
     test starts, and the flows run in this process, talk to it (PREFECT_API_URL), as on a machine with a server,
     instead of each starting a temporary server of its own (8 s a command on two cores). What is about the
-    temporary server (tests/test_cli_signals.py, one test_flow.py command) or about hosts with servers of their
+    temporary server (tests/flows/test_cli_signals.py, one test_flow.py command) or about hosts with servers of their
     own (helpers/hosts.py) leaves the variable out: `without_session_server`."""
     if not any(item.get_closest_marker("prefect_server") for item in session.items):
         return

@@ -2,7 +2,7 @@
 
 The schema is the one place a config key is defined: its type, default, constraints and description. A
 hand-written table beside it drifts the day a field is added or a default changes, so the reference is built
-from `Phase1aConfig.model_fields` instead, and tests/test_docs.py fails when the committed page differs from
+from `Phase1aConfig.model_fields` instead, and tests/project/test_docs.py fails when the committed page differs from
 what `render()` gives. After editing the schema:
 
     python -m phase1a.config.reference --write     # or: make docs

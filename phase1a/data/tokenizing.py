@@ -81,8 +81,8 @@ def tokenize_fingerprint(data: str | list[str], tokenizer_fp: str, model_max_len
     """The tokenized dataset's identity (its directory's name): `data` is the content fingerprint of the source
     (and of the validation source, when there is one); the code is this module's and all it imports."""
     # The worker count and the store are left out: any count, and a shard from the store, give the same bytes
-    # (tests/test_encoding.py, tests/test_resume_anywhere.py check). A chat template enters as its text, not its
-    # file's path: this fingerprint is the data's in every later key, and those travel between hosts.
+    # (tests/data/test_encoding.py, tests/flows/test_resume_anywhere.py check). A chat template enters as its text,
+    # not its file's path: this fingerprint is the data's in every later key, and those travel between hosts.
     return hash_json({"data": data, "tokenizer": tokenizer_fp, "model_max_length": model_max_length,
                       "options": options.model_dump(exclude={"tokenize_workers", "store", "s3_endpoint_url",
                                                              "chat_template"}),

@@ -34,7 +34,7 @@ class StepArithmetic:
     (it decides which examples share a row, the accumulation, the order of the sums and which dropout mask each
     example draws) and compiled layers (fused kernels round otherwise), on a kind of device. A resume computes
     with its checkpoint's, so that its weights are those of an uninterrupted run whatever a new host's plan
-    chose. Gradient checkpointing recomputes the same values (tests/test_resume_knobs.py), and the data loader's
+    chose. Gradient checkpointing recomputes the same values (tests/train/test_resume_knobs.py), and the data loader's
     workers and CUDA graphs replay the same kernels: those stay the plan's."""
 
     micro_batch_size: int

@@ -1,6 +1,6 @@
 """Data edge cases a user meets (issue 26): one far longer record among a few dozen, an empty answer in any record
 format, exact duplicates and the held-out split, a file beside the shards that is not data. The rules are tested
-on their own first, then each case through the CLI's real entry point (`phase1a plan`, as tests/test_bad_input.py
+on their own first, then each case through the CLI's real entry point (`phase1a plan`, as tests/data/test_bad_input.py
 runs it)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from phase1a.data.lengths import find_outliers, right_size
 from phase1a.data.tokenized import split_table
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_MAX = 8192  # a model's positions, for the rule's own tests (the tiny test model has 256)
 LONG_TOKENS = 20_000  # the planted record of the issue
 

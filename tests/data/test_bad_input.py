@@ -13,7 +13,7 @@ from helpers import date_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]  # the CLI runs the flow in a process of its own
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan(config_tree: dict, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from phase1a.config.stores import open_store
 from phase1a.store.base import PROBE_PREFIX, LocalStore, StoreConflict, StoreUnsafe, local_only_locks
 from phase1a.store.lease import Lease
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def s3_store(endpoint: str, bucket: str, lease: bool = True):

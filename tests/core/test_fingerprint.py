@@ -1,5 +1,5 @@
 """The code a cache key covers (phase1a/core/fingerprint.py): a module's code without its prose, parsed from two
-versions of a source. The keys these make, stage by stage, are tests/test_cache_keys.py's."""
+versions of a source. The keys these make, stage by stage, are tests/core/test_cache_keys.py's."""
 from __future__ import annotations
 
 import textwrap

@@ -12,7 +12,7 @@ from phase1a.config.reference import PAGE, _section_model, render
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.records import RECORD_FORMATS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]

@@ -7,7 +7,7 @@ import yaml
 from phase1a.config.schema import MOVED_KEYS, ConfigError, Phase1aConfig, apply_overrides, config_from, load_config
 from phase1a.core.units import Interval, parse_interval
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def write(tmp_path: Path, tree: dict) -> Path:

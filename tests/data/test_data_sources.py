@@ -1,8 +1,8 @@
 """Every local source form tokenizes to exactly the tokens of the same records in one JSONL file.
 
 Sources are written with the libraries users write them with (pyarrow, `datasets`, csv), then staged and
-tokenized through the real stage and tokenize code. S3 sources: tests/test_stage_s3.py; Hub datasets:
-tests/test_hub_datasets.py.
+tokenized through the real stage and tokenize code. S3 sources: tests/data/test_stage_s3.py; Hub datasets:
+tests/data/test_hub_datasets.py.
 """
 from __future__ import annotations
 

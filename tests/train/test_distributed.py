@@ -124,7 +124,7 @@ def test_a_rank_exits_with_its_outcome_and_without_the_interpreter_shutdown(tmp_
         print("after run_rank", flush=True)
     ''')
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr
     assert "interpreter shutdown" not in done.stdout and "after run_rank" not in done.stdout

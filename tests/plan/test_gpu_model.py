@@ -12,7 +12,7 @@ from phase1a.model.cost_model import ModelFacts, flops_per_token
 from phase1a.plan.gpu_model import Measured, StepJob, fit, gpu_step, load_overheads, modelled_speed, step_seconds
 from phase1a.plan.options import OptionsJob, OptionSpec, OptionsPolicy, OtherWork, format_options, option_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fit_gpu_overheads  # noqa: E402

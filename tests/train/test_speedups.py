@@ -210,7 +210,7 @@ def test_workers_survive_a_parent_whose_exit_hooks_fail_in_forked_children(train
         assert len(list(step_loader(batches, range(len(batches)), workers=2, pin_memory=False))) == len(batches)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -46,7 +46,8 @@ RETRY_AFTER = timedelta(seconds=30)  # deployments/ops.py: how long a run stays 
 
 @pytest.fixture(scope="module")
 def job(aws, endpoint, tmp_path_factory) -> dict:
-    """The tiny job of tests/test_resume_anywhere.py: two shards on S3, checkpoints every 10 steps into the store."""
+    """The tiny job of tests/flows/test_resume_anywhere.py: two shards on S3, checkpoints every 10 steps into the
+    store."""
     tree = store_job(tmp_path_factory.mktemp("job"), "comeback", endpoint, "crash-retry")
     return {**tree, "plan": {**tree["plan"], "calibration_steps": 1}}
 

@@ -2,7 +2,7 @@
 
 Liger needs Triton, which this CPU environment lacks, so its entry point is stood in for by `_liger_0_8_5`, which
 does to a Llama what liger-kernel 0.8.5's `apply_liger_kernel_to_llama` does (read from its source): replace
-transformers' module globals, and bind the kernels' forwards on the instance's modules. tests/test_gpu_paths.py
+transformers' module globals, and bind the kernels' forwards on the instance's modules. tests/train/test_gpu_paths.py
 runs the real package on a GPU, compiled and eager.
 """
 import sys

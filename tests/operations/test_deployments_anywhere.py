@@ -25,7 +25,7 @@ from phase1a.core.units import GIB
 
 pytestmark = [pytest.mark.prefect_server]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "registry.example.com/ml/phase1a:2026-11-28"
 # What a worker's host holds and a pod or container must never be handed in its manifest.
 PLANTED = {"AWS_ACCESS_KEY_ID": "AKIDPLANTEDANYWHERE01", "AWS_SECRET_ACCESS_KEY": "planted-secret-anywhere-8Hq2",

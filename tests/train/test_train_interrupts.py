@@ -23,7 +23,7 @@ from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
 from phase1a.train.settings import TrainSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from phase1a.plan.present import format_plan
 
 # alone: a budget measured in seconds of a real model, kept while no other test shares the cores (make test).
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _WORDS = ("the model reads a long passage about rivers mountains cities trains weather markets music history and "
           "answers with a careful summary of what it found").split()
 

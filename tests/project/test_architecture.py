@@ -63,10 +63,11 @@ def test_layers_point_down():
 # more. The exceptions: tests of a task itself, each with why.
 _STAGE_OUTPUT = "a staged copy is where the stage task's cache looks for it: its StageCache's output, staged_copy"
 TASK_TESTS = {
-    "tests/test_keys_travel.py": "the stages' keys on two hosts: the fingerprints their StageCaches are built from",
-    "tests/test_stage.py": _STAGE_OUTPUT,
-    "tests/test_stage_s3.py": _STAGE_OUTPUT,
-    "tests/test_hub_datasets.py": _STAGE_OUTPUT,
+    "tests/flows/test_keys_travel.py":
+        "the stages' keys on two hosts: the fingerprints their StageCaches are built from",
+    "tests/data/test_stage.py": _STAGE_OUTPUT,
+    "tests/data/test_stage_s3.py": _STAGE_OUTPUT,
+    "tests/data/test_hub_datasets.py": _STAGE_OUTPUT,
 }
 
 
@@ -138,6 +139,21 @@ def test_library_packages_point_down():
     wrong = [f"{module} imports {target}" for module, targets in import_graph().items() if module.startswith("phase1a.")
              for target in sorted(targets) if package_level(target) > package_level(module)]
     assert not wrong, "imports against the package order:\n" + "\n".join(wrong)
+
+
+# Test folders beside the library's packages: what sits above them (the flow, its operation, the project itself,
+# the benchmark tools).
+ABOVE_THE_LIBRARY = {"flows": "the flow, its CLI and reports, runs across hosts",
+                     "operations": "deployments, workers, launchers, Kubernetes, the image, the lock",
+                     "project": "the architecture, the docs, deprecations", "benchmarks": "the GPU check's tools"}
+
+
+def test_a_modules_tests_are_found_by_its_package():
+    """tests/<package>/ holds the tests of phase1a/<package>/; only the shared helpers and conftest sit above."""
+    tests = PROJECT_ROOT / "tests"
+    groups = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("helpers", "__pycache__")}
+    assert groups <= set(PACKAGES) | {"tracking"} | set(ABOVE_THE_LIBRARY), groups
+    assert not sorted(tests.glob("test_*.py")), "a test file outside its package's folder"
 
 
 def test_no_import_cycles():

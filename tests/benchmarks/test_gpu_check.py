@@ -19,7 +19,7 @@ import pytest
 
 from helpers import bare_gpu_host_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402 - after its folder is on the path

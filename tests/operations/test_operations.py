@@ -293,7 +293,7 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
     with worker(ops, "worker-b"):
         # One after the other: two at once race to promote (the later one's gate saw the pointer before the first
         # moved it, and promotion refuses it: PromotionConflict, by design); the lock between two runs at once
-        # is tested in tests/test_operations_postgres.py and tests/test_locks.py.
+        # is tested in tests/operations/test_operations_postgres.py and tests/core/test_locks.py.
         again = [_submit(ops, tracked)]
         finals = [_wait_final(ops, again[0])]
         again.append(_submit(ops, tracked))
@@ -318,7 +318,7 @@ def test_crash_recovery_and_a_duplicate_run_leak_no_credentials(ops, config_tree
     waiter_logs = "\n".join(flow_run_logs(ops, again[waited].id))
     # Whether the other run reaches its train stage before the first one's training ends is the scheduler's and
     # the load's: one that started it while the other trained waited on the lock and says so; one that started
-    # after found the finished run (the lock alone: tests/test_locks.py).
+    # after found the finished run (the lock alone: tests/core/test_locks.py).
     if task_window(ops, again[waited].id, "train")[0] < task_window(ops, again[trained].id, "train")[1]:
         assert f"is in use by flow run {again[trained].name}" in waiter_logs, waiter_logs  # they overlapped
 

@@ -2,7 +2,7 @@
 empty one, a torn upload is never the one a resume takes, two hosts started at once never train into one
 directory, and a fresh host tokenizes only what the store lacks. Each host has its own HOME, Prefect server and
 local directories (tests/helpers/hosts.py). A SIGTERM's checkpoint reaching the store within the grace period is
-in tests/test_cli_signals.py."""
+in tests/flows/test_cli_signals.py."""
 from __future__ import annotations
 
 import json

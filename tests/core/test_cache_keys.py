@@ -1,6 +1,6 @@
 """Cache keys that cannot go stale: each stage's key covers the code of every project module it imports, found
 from the import graph (phase1a/core/fingerprint.py), so an edit anywhere in the code a stage runs re-runs it, and
-rewording its prose (docstrings, comments, a setting's description) does not (tests/test_fingerprint.py)."""
+rewording its prose (docstrings, comments, a setting's description) does not (tests/core/test_fingerprint.py)."""
 from __future__ import annotations
 
 import ast

@@ -227,7 +227,7 @@ def test_a_flow_run_in_mlflow_and_wandb_with_links_and_no_credentials(mlflow_ser
 def test_a_preempted_flow_run_ends_killed_in_mlflow_and_preempted_in_its_report(mlflow_server, config_tree, tmp_path):
     """SIGTERM to the CLI's process while it trains (a spot instance reclaimed): training writes a checkpoint
     and stops, report.json's status is `preempted`, report.md says where, and the MLflow run ends KILLED, not
-    FAILED; the next run resumes (tests/test_train_interrupts.py)."""
+    FAILED; the next run resumes (tests/train/test_train_interrupts.py)."""
     import signal
     import time
 

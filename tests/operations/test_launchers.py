@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UV = shutil.which("uv") or str(ROOT / ".tools" / "bin" / "uv")
 SKYPILOT = "skypilot==0.14.1"
 

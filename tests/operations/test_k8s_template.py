@@ -2,8 +2,9 @@
 from prefect-kubernetes' default) rendered as Prefect's worker renders it, then read by the official Kubernetes
 client's models: a manifest the API server would accept, whose pod keeps nothing on the node (a scratch emptyDir;
 what outlives it is in the job's store) and gives training time to upload its last checkpoint after SIGTERM. No
-cluster runs here; tests/test_deployments_anywhere.py submits a deployment's job through prefect-kubernetes' worker
-to a fake API server, and tests/test_operations.py reads the pool `make pools` made back from a real server."""
+cluster runs here; tests/operations/test_deployments_anywhere.py submits a deployment's job through
+prefect-kubernetes' worker to a fake API server, and tests/operations/test_operations.py reads the pool
+`make pools` made back from a real server."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,7 @@ from prefect.utilities.templating import apply_values
 from phase1a.config.schema import load_config
 from phase1a.core.units import parse_duration_seconds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def as_job(manifest: dict):
