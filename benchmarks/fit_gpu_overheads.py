@@ -8,10 +8,10 @@ with the measurements they rest on, to phase1a/plan/gpu_overheads.json.
 
 A GPU check (benchmarks/gpu_check.py) leaves `benchmarks/results/gpu-check-<slug>/`: `environment.json` (the device,
 the commit, the date) and one JSON per train measurement under `train-<model>/`. By default the fit takes the train
-results of the newest check (by its date): the code the plan runs is the newest measured, and a newer code path's
-results replace the old ones. `--all` fits every check's results together (a wider range), `--results` the checks
-named. `--configs` keeps only some configurations (ours, before, after, ...); all by default: the range then spans
-every code path measured on the device.
+results of the newest check (by its date, of those NOT_YET_FITTED leaves in): the code the plan runs is the newest
+measured, and a newer code path's results replace the old ones. `--all` fits every check's results together (a
+wider range), `--results` the checks named. `--configs` keeps only some configurations (ours, before, after, ...);
+all by default: the range then spans every code path measured on the device.
 
 A result records its knobs and raw numbers; the step the GPU model counts is built from them:
 
@@ -66,14 +66,23 @@ def shape_facts(model: str, layers: int | None = None, parameters: int | None = 
                       max_positions=8192, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
 
 
+# Checks the default fit leaves out, and why. The model counts launches and host syncs of an eager step; it does not
+# yet model a step replayed as CUDA graphs, which the newest check measured (with the 8B shape and the Trainer's
+# path): refitted on it, the per-kernel cost falls from 33 to 8.4 us and the older eager measurements fall outside
+# their rows' range. Until the model knows graph replay, the fit rests on the newest check of eager steps.
+NOT_YET_FITTED = {"gpu-check-h200-2026-11-27-s2": "CUDA-graph steps, which the GPU model does not model yet"}
+
+
 def checks(names: list[Path] | None = None, every: bool = False) -> list[Path]:
-    """The GPU check directories to fit on: those named, every one, or the newest with train results."""
+    """The GPU check directories to fit on: those named, every one, or the newest with train results (of those
+    NOT_YET_FITTED leaves in)."""
     if names:
         return [Path(name) for name in names]
     found = [d for d in sorted(RESULTS.glob("gpu-check-*")) if list(d.glob("train-*/*.json"))]
     if every or not found:
         return found
-    return [max(found, key=lambda d: _environment(d).get("date", ""))]
+    fitted_ones = [d for d in found if d.name not in NOT_YET_FITTED]
+    return [max(fitted_ones, key=lambda d: _environment(d).get("date", ""))]
 
 
 def read_check(check: Path, configs: list[str] | None = None) -> list[Measured]:

@@ -635,8 +635,8 @@ def _lookup_data(path: Path, count: int) -> Path:
 
 
 def _validated(job: ServeJob) -> dict:
-    """Train, then the validate stage and promotion where they import; on a bare GPU host (no botocore, which
-    promotion imports) the candidate is scored as the validate stage scores it (the same `evaluate`) instead."""
+    """Train, then the validate stage and promotion where they import; on a bare GPU host (no boto3 or botocore,
+    which promotion imports) the candidate is scored as the validate stage scores it (the same `evaluate`) instead."""
     from phase1a.evaluate.metrics import evaluate
     from phase1a.model.loading import for_scoring, load_for_eval, load_tokenizer
     from phase1a.train.loop import train

@@ -1,5 +1,7 @@
 """Bad input as a user meets it, through the CLI's real entry point (`phase1a plan`, Prefect in-process): each
 message names the user's own file (not the staged copy), the line, and the user's field name."""
+import csv
+import io
 import json
 import re
 import subprocess
@@ -68,6 +70,24 @@ def test_an_invalid_utf8_byte_names_the_users_file_and_line_and_can_be_skipped(c
     assert tokenized["skipped"] == {"invalid_utf8": 1}
     assert tokenized["skipped_examples"][0].startswith(f"{data}:41: invalid UTF-8 at byte {byte}")
     assert tokenized["train_examples"] + tokenized["validation_examples"] == 63
+
+
+def test_an_invalid_utf8_byte_in_a_csv_names_its_row_and_line(config_tree, tmp_path):
+    """A CSV is read by columns, so the byte stops the file: where it is, by row and by line (a cell may hold
+    newlines), and what to do."""
+    table = tmp_path / "mine" / "qa.csv"
+    table.parent.mkdir()
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["prompt", "completion"])
+    for record in date_records(40):
+        writer.writerow([record["messages"][1]["content"] + "\n(two lines)", record["messages"][2]["content"]])
+    data = text.getvalue().encode()
+    at = data.index(b"(two lines)", data.index(b"(two lines)") + 1)  # in the second row's prompt
+    table.write_bytes(data[:at] + b"\xff" + data[at:])
+    config_tree["data"]["source"] = str(table)
+    ends_with_the_message(plan(config_tree, tmp_path), f"{table}:row 1 (line 5): invalid UTF-8 at byte 1 of the line "
+                                                       "(0xff); save the file as UTF-8")
 
 
 def test_a_leading_byte_order_mark_is_accepted(config_tree, tmp_path):
