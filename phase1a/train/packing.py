@@ -285,18 +285,21 @@ def teacher_forced(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray,
     to fit on the device beside the optimizer state, when training evaluates); `meter` counts the batches and
     their supervised tokens."""
     device = next(model.parameters()).device
-    loss_sum, correct, tokens = 0.0, 0, 0
+    # Summed on the device and read once at the end: a read per batch would wait for each batch in turn.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    tokens = 0
     groups = (budget_rows(rows, indices, token_budget) if token_budget is not None
               else [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)])
     for group in groups:
         row = pack(rows, group)
         loss, right = summed_loss(model, row.to(device))
-        loss_sum += loss.item()
-        correct += int(right)
+        loss_sum += loss.double()
+        correct += right
         tokens += row.supervised
         if meter is not None:
             meter.advance(1, tokens=row.supervised)
-    return loss_sum, correct, tokens
+    return float(loss_sum), int(correct), tokens
 
 
 @dataclass(frozen=True)
