@@ -36,23 +36,22 @@ class Estimate(BaseModel):
 
     def train_range(self) -> tuple[float, float] | None:
         """The train stage's loop at the footing's multiples of what moves with the speed (None: no footing)."""
-        if self.footing is None:
-            return None
         bound = self.steady_seconds + self.eval_during_training_seconds
-        return (self.train_seconds - bound * (1 - self.footing.low),
-                self.train_seconds + bound * (self.footing.high - 1))
+        return None if self.footing is None else _ranged(self.train_seconds, bound, self.footing)
 
     def evaluation_range(self) -> tuple[float, float] | None:
         """The validate stage at the footing's multiples (None: no footing)."""
-        if self.footing is None:
-            return None
-        return self.evaluation_seconds * self.footing.low, self.evaluation_seconds * self.footing.high
+        return None if self.footing is None else _ranged(self.evaluation_seconds, self.evaluation_seconds,
+                                                          self.footing)
 
     def with_range(self, footing: Footing) -> "Estimate":
-        bound = self.speed_bound_seconds()
-        return self.model_copy(update={"footing": footing,
-                                       "low_total_seconds": self.total_seconds - bound * (1 - footing.low),
-                                       "high_total_seconds": self.total_seconds + bound * (footing.high - 1)})
+        low, high = _ranged(self.total_seconds, self.speed_bound_seconds(), footing)
+        return self.model_copy(update={"footing": footing, "low_total_seconds": low, "high_total_seconds": high})
+
+
+def _ranged(seconds: float, bound: float, footing: Footing) -> tuple[float, float]:
+    """`seconds` with the part of it that moves with the speed, `bound`, at the footing's low and high multiples."""
+    return seconds - bound * (1 - footing.low), seconds + bound * (footing.high - 1)
 
 
 class Plan(BaseModel):
