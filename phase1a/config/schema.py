@@ -14,6 +14,7 @@ from phase1a.core.hardware import CATALOGUE, HARDWARE_KINDS
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, parse_duration_seconds, parse_interval
+from phase1a.data.records import BadRecords
 from phase1a.data.templates import CHAT_TEMPLATES
 
 
@@ -56,7 +57,7 @@ class DataConfig(_Section):
     chat_template: str | None = Field(None, description="Override the tokenizer's chat template: a named one "
                                                         "(phase1a.data.templates.CHAT_TEMPLATES) or a Jinja file.")
     train_on_inputs: bool = Field(False, description="Train on prompt tokens too, not only the responses.")
-    bad_records: Literal["fail", "skip_empty", "skip"] = Field(
+    bad_records: BadRecords = Field(
         "skip_empty", description="skip_empty: records with nothing to train (an empty answer, as public datasets "
                                   "have a few) are skipped, counted in one warning and the report; a malformed "
                                   "record stops the run, named as `file:line: field: what is wrong`. fail: every "

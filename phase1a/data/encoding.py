@@ -34,7 +34,7 @@ import numpy as np
 from phase1a.core.hardware import usable_cores
 from phase1a.core.units import MIB
 from phase1a.data.datasource import RecordRun, Shard, SourceRecord, describe, record_runs
-from phase1a.data.records import NOTHING_TO_TRAIN, RecordError, parse_json_record, to_conversation
+from phase1a.data.records import NOTHING_TO_TRAIN, BadRecords, RecordError, parse_json_record, to_conversation
 from phase1a.data.render import Renderer, TokenizedChunk, tokenize_conversations
 
 CHUNK = 4096  # records per batched tokenizer call, per task of a worker, and per record batch of a shard's tokens
@@ -58,7 +58,7 @@ class EncodeSettings:
     field_map: dict[str, str] = field(default_factory=dict)
     role_map: dict[str, str] = field(default_factory=dict)
     train_on_inputs: bool = False
-    bad_records: str = "skip_empty"  # a key of phase1a.data.records.BAD_RECORDS
+    bad_records: BadRecords = "skip_empty"
 
 
 @dataclass
@@ -113,8 +113,8 @@ class ChunkEncoder:
                             keys=np.asarray(keys, dtype=np.uint64), skipped=skipped, shown=shown)
 
 
-def skips(policy: str, reason: str) -> bool:
-    """Whether `data.bad_records: policy` skips a record that is bad for `reason` (records.BAD_RECORDS)."""
+def skips(policy: BadRecords, reason: str) -> bool:
+    """Whether `data.bad_records: policy` skips a record that is bad for `reason`."""
     return policy == "skip" or (policy == "skip_empty" and reason in NOTHING_TO_TRAIN)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Literal, NamedTuple, Protocol
 
 from phase1a.core.errors import DataError
 
@@ -23,10 +23,8 @@ ROLES = ("system", "user", "assistant", "tool")
 # Reasons of records that are well-formed but have nothing to train: `data.bad_records: skip_empty` (the default)
 # skips and counts them; every other reason is a malformed record, which fails the run unless `skip`.
 NOTHING_TO_TRAIN = frozenset({"empty_answer"})
-BAD_RECORDS = {"fail": "every bad record stops the run",
-               "skip_empty": "records with nothing to train (an empty answer) are skipped and counted; a malformed "
-                             "record stops the run",
-               "skip": "every bad record is skipped and counted"}
+# data.bad_records: fail stops at every bad record, skip_empty skips only NOTHING_TO_TRAIN's, skip skips them all.
+BadRecords = Literal["fail", "skip_empty", "skip"]
 # Role names used by ShareGPT-style datasets (FastChat, Axolotl, LLaMA-Factory) and chat exports; data.role_map
 # adds more (and wins where it names one of these). ShareGPT's `function_call` is not here: it becomes an
 # assistant turn with tool calls.

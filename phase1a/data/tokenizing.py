@@ -42,6 +42,7 @@ from phase1a.data.lengths import (
     right_size,
     waste_table,
 )
+from phase1a.data.records import BadRecords
 from phase1a.data.shards import EncodedShard, ShardStore
 from phase1a.data.shared_shards import SharedShards
 from phase1a.data.templates import template_fingerprint
@@ -60,7 +61,7 @@ class TokenizeOptions(BaseModel):
     role_map: dict[str, str] = {}
     chat_template: str | None = None  # a name in phase1a.data.templates.CHAT_TEMPLATES or a Jinja file's path
     train_on_inputs: bool = False
-    bad_records: Literal["fail", "skip_empty", "skip"] = "skip_empty"  # phase1a.data.records.BAD_RECORDS
+    bad_records: BadRecords = "skip_empty"
     overlong: Literal["truncate", "drop", "fail"] = "truncate"
     drop_duplicates: bool = False
     length_percentile: float = 100.0
