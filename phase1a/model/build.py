@@ -22,7 +22,7 @@ from phase1a.core.hardware import training_device, training_dtype
 from phase1a.model import chunked_loss, liger
 from phase1a.model.adapters import load_adapter_weights
 from phase1a.model.attention import NAME as VARLEN  # importing it registers it: transformers finds it by name
-from phase1a.model.loading import load_model, peft_wrapping
+from phase1a.model.loading import adapters_compute_in_input_dtype, load_model, peft_wrapping
 
 # Set before this process first compiles; where the user set it, theirs stands.
 _USER_COMPILE_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -73,7 +73,7 @@ def build_model(model_dir: Path, method: MethodConfig, gradient_checkpointing: b
         if init_adapter is not None:  # before compiling: the state-dict keys are the eager model's
             load_adapter_weights(model, Path(init_adapter), lora)
         if adapter_autocast is not None:
-            adapters_compute_in_input_dtype(model)
+            adapters_compute_in_input_dtype(model)  # chunked_loss.install above gave the forward its autocast
     elif init_adapter is not None:
         raise ValueError(f"{init_adapter}: a warm start continues a LoRA adapter; method.kind is {method.kind}")
     set_gradient_checkpointing(model, gradient_checkpointing)
@@ -119,15 +119,6 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(f"{type(base).__name__}: no decoder layers to compile (get_decoder().layers)")
     return layers
-
-
-def adapters_compute_in_input_dtype(model) -> None:
-    """peft's adapted layers stop casting their input to the adapter's float32 (see the module docstring)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = False
 
 
 def attention_implementation(method: MethodConfig, device: torch.device, dtype: torch.dtype) -> str:

@@ -155,11 +155,14 @@ def install(causal_lm: torch.nn.Module, liger: bool = False, autocast: torch.dty
     transform = LogitTransform.of(causal_lm.config)
 
     def forward(self, *args, loss_targets: torch.Tensor | None = None, **kwargs):
-        if loss_targets is None:
-            return original(*args, **kwargs)
-        kwargs.pop("labels", None)
         device = self.get_output_embeddings().weight.device
-        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        # Generation too: a float32 adapter that does not cast its input meets bf16 activations there.
+        computing = torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+        if loss_targets is None:
+            with computing:
+                return original(*args, **kwargs)
+        kwargs.pop("labels", None)
+        with computing:
             hidden = self.get_decoder()(*args, **kwargs).last_hidden_state[:, :-1]
         head = self.get_output_embeddings()
         hidden, targets = hidden.reshape(-1, hidden.size(-1)), loss_targets.reshape(-1)

@@ -215,8 +215,25 @@ def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.devic
         return model
     from peft import PeftModel
 
+    from phase1a.model import chunked_loss
+
     with peft_wrapping():
-        return PeftModel.from_pretrained(model, weights_dir).eval()
+        model = PeftModel.from_pretrained(model, weights_dir).eval()
+    if dtype != torch.float32:  # the adapter computes as it trained and as calibration timed it (model/build.py)
+        chunked_loss.install(model.get_base_model(), autocast=dtype)
+        adapters_compute_in_input_dtype(model)
+    return model
+
+
+def adapters_compute_in_input_dtype(model) -> None:
+    """peft's adapted layers stop casting their input to the adapter's float32: on a 16-bit base they compute in
+    its dtype under the forward's autocast (chunked_loss.install), without an activation-sized float32 copy per
+    projection (phase1a/model/build.py)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
 
 
 @contextmanager

@@ -136,3 +136,32 @@ def test_a_pass_far_slower_than_guessed_is_cut_at_the_allowance(rows, model):
     # The hooks are gone: the model runs and is timed as before.
     with torch.no_grad():
         assert time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(600, 1e-4)) is not None
+
+
+def test_float32_adapters_on_a_bf16_base_generate_as_they_train(rows, tiny_model_dir):
+    """On a GPU the base is bf16 and the LoRA adapters float32, computing in bf16 under autocast without peft's
+    input cast (phase1a/model/build.py; the validate stage loads them the same way, model/loading.py). Greedy
+    decoding runs the forward without loss targets: it must compute the same way, not meet a bf16 activation
+    with a float32 weight (calibration's validation timing failed so on an H200). Its logits match peft's default
+    (float32 adapter compute) within bf16 noise."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from phase1a.model import chunked_loss
+    from phase1a.model.loading import adapters_compute_in_input_dtype, load_model
+
+    prompts = [e.prompt for e in generation_examples(rows, np.arange(4))]
+    logits = []
+    for as_trained in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(load_model(tiny_model_dir, torch.bfloat16),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          init_lora_weights=False)).eval()
+        if as_trained:
+            chunked_loss.install(model.get_base_model(), autocast=torch.bfloat16)
+            adapters_compute_in_input_dtype(model)
+        with torch.no_grad():
+            speed = time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(600, 1e-4))
+            logits.append(model(input_ids=torch.from_numpy(prompts[0])[None]).logits.float())
+        assert speed is not None and speed.decode_seconds_per_step > 0
+    assert (logits[1] - logits[0]).norm() <= 2e-2 * logits[0].norm()

@@ -123,8 +123,7 @@ def test_bf16_adapters_compute_without_float32_activation_copies(tiny_model_dir,
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from phase1a.model import chunked_loss
-    from phase1a.model.build import adapters_compute_in_input_dtype
-    from phase1a.model.loading import load_model
+    from phase1a.model.loading import adapters_compute_in_input_dtype, load_model
 
     batch = packed_batch(train_path, count=8)
     activation = batch.length * 64  # the tiny model's hidden size
