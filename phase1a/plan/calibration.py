@@ -52,6 +52,7 @@ from phase1a.train.packing import (
     TokenRows,
     example_stream,
     pack,
+    start_fork_server,
     static_rows,
     step_loader,
     token_budget,
@@ -164,6 +165,8 @@ def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Ca
     with stage_meter("calibration", planned_trials(config, job), "trials",
                      what=f"budget {config.plan.calibration_budget}") as meter:
         meter.ends_by = meter.clock() + parse_duration_seconds(config.plan.calibration_budget)
+        if job.start.dataloader_workers or job.alternatives(job.start, "dataloader_workers"):
+            start_fork_server()  # while the model loads: a trial with workers then times steps, not imports
         session = _Session(config, model_dir, job, meter)  # 1. the model and optimizer as training builds them
         first = session.run(job.start, session.first_deadline())  # 2. the memory model's pick
         if first.status != "measured":

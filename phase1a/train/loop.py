@@ -58,6 +58,7 @@ from phase1a.train.packing import (
     StepBatches,
     TokenRows,
     example_stream,
+    start_fork_server,
     static_rows,
     step_loader,
     token_budget,
@@ -156,6 +157,8 @@ class TrainRecipe:
         init_adapter = Path(settings.init_adapter) if settings.init_adapter else None
         compile = Compilation(settings.cuda_graphs, Path(settings.compile_cache) if settings.compile_cache else None)
         compiled = self.arithmetic.compile and not self.sharded
+        if settings.dataloader_workers:
+            start_fork_server()
         model = build_model(Path(settings.model_dir), method, settings.gradient_checkpointing,
                             settings.trust_remote_code, compile if compiled else None, init_adapter)
         if on_model is not None:
