@@ -315,7 +315,9 @@ def _footing(plan: Plan) -> list[tuple[str, str]]:
     rows = []
     if estimate.footing:
         low, high = format_seconds(estimate.low_total_seconds), format_seconds(estimate.high_total_seconds)
-        rows.append(("estimated total, range", f"{low} to {high} ({estimate.footing.words})"))
+        evaluation = estimate.evaluation_footing
+        rows.append(("estimated total, range", f"{low} to {high} (training: {estimate.footing.words}"
+                     + (f"; evaluation: {evaluation.words}" if evaluation else "") + ")"))
     if calibration is not None:
         needed = calibration.needed_seconds
         rows.append(("calibration", f"{calibration.seconds:.0f} s of a {calibration.budget_seconds:.0f} s budget"

@@ -189,6 +189,10 @@ class ValidationSpeed(BaseModel):
     source: str = "measured"  # how the two were found: measured, or measured on fewer rows and scaled
     # A generation batch's prefill (left-padded rows, per prompt token); None: at the teacher-forced speed.
     prefill_seconds_per_token: float | None = None
+    # The teacher-forced passes timed (0: not timed, derived) and how far their seconds per token spread (half
+    # the range over the mean): what the estimate's range for evaluation rests on (phase1a/plan/footing.py).
+    passes: int = 0
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -263,10 +267,12 @@ def _timed(model, rows: TokenRows, indices: np.ndarray, settings: ValidationConf
         return None
     model.eval()
     teacher_forced(model, rows, timing.sample[:1], settings.batch_size)  # warm-up: eval mode's first pass
-    forward = _time_forward(model, rows, timing.sample, settings.batch_size, allowance.forward_guess,
-                            time.perf_counter() + (end - time.perf_counter()) / 3)
+    passes = _time_forward(model, rows, timing.sample, settings.batch_size, allowance.forward_guess,
+                           time.perf_counter() + (end - time.perf_counter()) / 3)
+    forward, spread = passes.seconds_per_token, passes.spread
     if not whole.prompts:  # no generation: exact match is reported unavailable, and its time is not spent
-        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0)
+        return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=0.0,
+                               passes=passes.count, spread=spread)
     measured = _Timing.of(rows, indices, settings, forward)  # the generation batch, sized at the measured speed
     fitting = _fitting(measured.generation_costs, (end - time.perf_counter()) / 2)
     if not fitting:  # a first call in eval mode can take most of it: no generation timing fits what is left
@@ -276,13 +282,13 @@ def _timed(model, rows: TokenRows, indices: np.ndarray, settings: ValidationConf
     step, prefill = decode.seconds_per_step, decode.prefill_seconds / sum(len(prompt) for prompt in prompts)
     if len(prompts) == len(whole.prompts):
         return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step,
-                               prefill_seconds_per_token=prefill)
+                               prefill_seconds_per_token=prefill, passes=passes.count, spread=spread)
     # Fewer rows than the generation batch: on a CPU a step's cost grows with its rows; on an accelerator a small
     # batch's step is bound by reading the weights, so the smaller batch's step stands (a lower bound).
     scale = len(whole.prompts) / len(prompts) if next(model.parameters()).device.type == "cpu" else 1.0
     timed_rows = f"greedy steps timed on {len(prompts)} of {len(whole.prompts)} rows"
     return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
-                           prefill_seconds_per_token=prefill,
+                           prefill_seconds_per_token=prefill, passes=passes.count, spread=spread,
                            source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
 
 
@@ -308,24 +314,40 @@ def _cut_at(model: torch.nn.Module, deadline: float):
             handle.remove()
 
 
+@dataclass(frozen=True)
+class _Passes:
+    """Timed teacher-forced passes: their seconds per token over all, and how far the passes spread."""
+
+    seconds_per_token: float
+    count: int
+    spread: float  # half the range of the passes' seconds per token, over their mean
+
+
 def _time_forward(model, rows: TokenRows, sample: np.ndarray, batch_size: int, guess: float,
-                  deadline: float) -> float:
+                  deadline: float) -> _Passes:
     """Seconds per token of the teacher-forced pass in packed batches as the validate stage runs them (an example
     a token costs several times more on its own), batch after batch until the next would end past the deadline
-    (one at least); the batch halved while the guessed speed says it would not end by the deadline."""
+    (one at least); the batch halved while the guessed speed says it would not end by the deadline. A sample of
+    one batch is timed twice where the deadline allows: one pass says nothing of how much the host's speed moves."""
     lengths = rows.lengths()
     while batch_size > 1 and time.perf_counter() + guess * lengths[sample[:batch_size]].sum() > deadline:
         batch_size //= 2
-    spent, tokens = 0.0, 0
-    for start in range(0, len(sample), batch_size):
-        group = sample[start : start + batch_size]
+    groups = [sample[start : start + batch_size] for start in range(0, len(sample), batch_size)]
+    if len(groups) == 1:
+        groups *= 2
+    spent, tokens, speeds = 0.0, 0, []
+    for group in groups:
         cost = int(lengths[group].sum())
         if tokens and time.perf_counter() + spent / tokens * cost > deadline:
             break
         began = time.perf_counter()
         teacher_forced(model, rows, group, len(group))
-        spent, tokens = spent + time.perf_counter() - began, tokens + cost
-    return spent / max(1, tokens)
+        seconds = time.perf_counter() - began
+        spent, tokens = spent + seconds, tokens + cost
+        speeds.append(seconds / max(1, cost))
+    mean = float(np.mean(speeds))
+    spread = (max(speeds) - min(speeds)) / 2 / mean if mean > 0 else 0.0
+    return _Passes(seconds_per_token=spent / max(1, tokens), count=len(speeds), spread=spread)
 
 
 def _fitting(costs: np.ndarray, seconds: float) -> int:

@@ -14,6 +14,9 @@ _THIN_SPREAD = 0.10  # the same for one measured step, widened by sqrt(FIRM_STEP
 _WARMUP_ONLY = (0.1, 1.0)
 _ASSUMED = (0.5, 2.0)  # a peak-FLOP/s fraction: realised MFU varies about 2x either way between models and kernels
 _HISTORY_SPREAD = 0.10  # past runs on this hardware: the upper median of the last few, which moves this much
+# Evaluation's speed derived from training's (2N of the step's FLOPs a token, a greedy step at the weights' read):
+# how far the forward pass's share of a step and the decode step's cost move between models and devices.
+_DERIVED = (0.67, 1.5)
 
 
 class Footing(BaseModel):
@@ -57,3 +60,18 @@ def modelled(value: float, low: float, high: float, words: str) -> Footing:
 def assumed(mfu: float) -> Footing:
     return Footing(source="assumed", words=f"assumed at {mfu:.0%} MFU, not measured: {_ASSUMED[0]:g}x to "
                                            f"{_ASSUMED[1]:g}x", low=_ASSUMED[0], high=_ASSUMED[1], firm=False)
+
+
+def timed_evaluation(passes: int, spread: float) -> Footing:
+    """Evaluation's speed from `passes` timed teacher-forced passes (and the greedy steps timed beside them) whose
+    seconds per token spread by `spread`: at least the thin floor, widened by sqrt(FIRM_STEPS / passes) as a
+    measurement of few steps is. On this project's CPU host the same 53-example pass took 11.2 to 15.1 s within
+    one run: one short pass says little more than that."""
+    relative = max(spread, _THIN_SPREAD) * math.sqrt(max(1.0, FIRM_STEPS / max(passes, 1)))
+    return Footing(source="measured", words=f"{passes} timed pass{'es' if passes != 1 else ''}, ±{relative:.0%}",
+                   low=1 - relative, high=1 + relative, firm=passes >= FIRM_STEPS)
+
+
+def derived_evaluation() -> Footing:
+    return Footing(source="derived", words=f"derived from the training speed, not timed: {_DERIVED[0]:g}x to "
+                                           f"{_DERIVED[1]:g}x", low=_DERIVED[0], high=_DERIVED[1], firm=False)

@@ -436,6 +436,14 @@ class _Planner:
         return self._modelled_validation_speed(throughput.seconds_per_token, self.target,
                                                throughput.chosen.gradient_checkpointing, max_seq_length)
 
+    @staticmethod
+    def _evaluation_footing(throughput: _Throughput) -> Footing:
+        """Evaluation's range: from the passes calibration timed, else derived from the training speed."""
+        timed = throughput.calibration.validation if throughput.calibration is not None else None
+        if timed is None:
+            return footing.derived_evaluation()
+        return footing.timed_evaluation(max(timed.passes, 1), timed.spread)
+
     def _modelled_validation_speed(self, seconds_per_token: float, accelerator: Accelerator, checkpointing: bool,
                                    max_seq_length: int) -> ValidationSpeed:
         """A forward pass at 2N of the step's FLOPs a token and a greedy step at the weights' read from memory (or,
@@ -534,7 +542,8 @@ class _Planner:
             checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
-            total_seconds=uninterrupted + interrupted.extra_seconds).with_range(throughput.footing)
+            total_seconds=uninterrupted + interrupted.extra_seconds).with_range(throughput.footing,
+                                                                                self._evaluation_footing(throughput))
 
     def _expected(self, throughput: _Throughput, checkpoints: _Checkpoints, fit: _Fit,
                   through_train_seconds: float) -> Expected:

@@ -29,9 +29,11 @@ def publish_plan(plan: Plan, run_dir: Path) -> Path:
     rows = [{"setting": key, "value": str(value)} for key, value in plan.model_dump(exclude=nested).items()]
     for section in ("memory", "estimate"):
         rows += [{"setting": f"{section}.{key}", "value": f"{value:.3f}" if isinstance(value, float) else str(value)}
-                 for key, value in getattr(plan, section).model_dump(exclude={"footing"}).items()]
+                 for key, value in getattr(plan, section).model_dump(exclude={"footing", "evaluation_footing"}).items()]
     if plan.estimate.footing:
         rows.append({"setting": "estimate.footing", "value": plan.estimate.footing.words})
+    if plan.estimate.evaluation_footing:
+        rows.append({"setting": "estimate.evaluation_footing", "value": plan.estimate.evaluation_footing.words})
     if plan.interruptions:
         rows += [{"setting": f"interruptions.{key}", "value": str(value)}
                  for key, value in plan.interruptions.model_dump().items()]
@@ -78,8 +80,9 @@ def format_plan(plan: Plan) -> str:
 def _range(estimate: Estimate) -> str:
     if estimate.footing is None:
         return ""
+    evaluation = estimate.evaluation_footing
     return (f" ({estimate.low_total_seconds / 3600:.3f}-{estimate.high_total_seconds / 3600:.3f} h: "
-            f"{estimate.footing.words})")
+            f"{estimate.footing.words}" + (f"; evaluation {evaluation.words}" if evaluation else "") + ")")
 
 
 def _interruption_lines(plan: Plan) -> list[str]:

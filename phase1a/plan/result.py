@@ -26,32 +26,36 @@ class Estimate(BaseModel):
     # train_seconds, which is one uninterrupted attempt's loop (what the history compares against).
     interruption_seconds: float = 0.0
     total_seconds: float  # startup + train + evaluation + interruption_seconds
-    footing: Footing | None = None  # what the speed rests on; None: a plan written before the field
-    low_total_seconds: float | None = None  # the range: the speed-bound seconds at the footing's multiples
+    footing: Footing | None = None  # what the training speed rests on; None: a plan written before the field
+    # What evaluation's speed rests on (the validate stage and the evaluations during training): timed passes, or
+    # derived from the training speed. None: the training speed's footing (a plan written before the field).
+    evaluation_footing: Footing | None = None
+    low_total_seconds: float | None = None  # the range: the speed-bound seconds at their footing's multiples
     high_total_seconds: float | None = None
 
-    def speed_bound_seconds(self) -> float:
-        """What moves with the training speed: the steady steps, and the evaluations derived from it."""
-        return self.steady_seconds + self.eval_during_training_seconds + self.evaluation_seconds
-
     def train_range(self) -> tuple[float, float] | None:
-        """The train stage's loop at the footing's multiples of what moves with the speed (None: no footing)."""
-        bound = self.steady_seconds + self.eval_during_training_seconds
-        return None if self.footing is None else _ranged(self.train_seconds, bound, self.footing)
+        """The train stage's loop: the steady steps at the training speed's footing, the evaluations during
+        training at evaluation's (None: no footing)."""
+        return self._ranged(self.train_seconds, self.steady_seconds, self.eval_during_training_seconds)
 
     def evaluation_range(self) -> tuple[float, float] | None:
-        """The validate stage at the footing's multiples (None: no footing)."""
-        return None if self.footing is None else _ranged(self.evaluation_seconds, self.evaluation_seconds,
-                                                          self.footing)
+        """The validate stage at evaluation's footing (None: no footing)."""
+        return self._ranged(self.evaluation_seconds, 0.0, self.evaluation_seconds)
 
-    def with_range(self, footing: Footing) -> "Estimate":
-        low, high = _ranged(self.total_seconds, self.speed_bound_seconds(), footing)
-        return self.model_copy(update={"footing": footing, "low_total_seconds": low, "high_total_seconds": high})
+    def with_range(self, footing: Footing, evaluation: Footing | None = None) -> "Estimate":
+        ranged = self.model_copy(update={"footing": footing, "evaluation_footing": evaluation})
+        low, high = ranged._ranged(self.total_seconds, self.steady_seconds,
+                                   self.eval_during_training_seconds + self.evaluation_seconds)
+        return ranged.model_copy(update={"low_total_seconds": low, "high_total_seconds": high})
 
-
-def _ranged(seconds: float, bound: float, footing: Footing) -> tuple[float, float]:
-    """`seconds` with the part of it that moves with the speed, `bound`, at the footing's low and high multiples."""
-    return seconds - bound * (1 - footing.low), seconds + bound * (footing.high - 1)
+    def _ranged(self, seconds: float, training: float, evaluation: float) -> tuple[float, float] | None:
+        """`seconds`, of which `training` moves with the training speed and `evaluation` with evaluation's, each
+        at its footing's low and high multiples."""
+        if self.footing is None:
+            return None
+        parts = ((training, self.footing), (evaluation, self.evaluation_footing or self.footing))
+        return (seconds - sum(bound * (1 - f.low) for bound, f in parts),
+                seconds + sum(bound * (f.high - 1) for bound, f in parts))
 
 
 class Plan(BaseModel):
