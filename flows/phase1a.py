@@ -117,8 +117,10 @@ def phase1a(config: Phase1aConfig | None = None, config_file: str | None = None,
 
         verdict = report.run("validate", stages.validate, present=present_validation, config=config, model=model,
                              data=data, trained=trained)
+        seconds, stated = plan.estimate.evaluation_for(verdict.base_cached)
         report.data.validation_estimate_vs_actual = report.estimate_of(
-            "validate", plan.estimate.evaluation_seconds, base_cached=verdict.base_cached)
+            "validate", seconds, base_cached=verdict.base_cached, low_seconds=stated and stated[0],
+            high_seconds=stated and stated[1])
         report.data.validation = ValidationSection.of(verdict)
         if not verdict.passed:
             raise GateFailed(f"validation gate failed against {verdict.baseline.source}: " + "; ".join(verdict.reasons))

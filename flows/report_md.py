@@ -277,7 +277,8 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
     pairs = (("training", train and train.estimated_train_seconds, train and train.actual_train_seconds,
               plan.estimate.train_range()),
              ("validation", validation and validation.estimated_seconds, validation and validation.actual_seconds,
-              plan.estimate.evaluation_range()))
+              (validation.low_seconds, validation.high_seconds) if validation and validation.low_seconds is not None
+              else plan.estimate.evaluation_range()))
     compared = [(what, format_seconds(estimated), _stated(stated), format_seconds(actual), _ratio(estimated, actual),
                  _holds(stated, actual)) for what, estimated, actual, stated in pairs if actual]
     lines = ["## Plan", "", *_table(("knob", "value"), rows)]

@@ -46,6 +46,9 @@ class StageEstimate(BaseModel):
     actual_seconds: float
     estimated_over_actual: float | None
     base_cached: bool | None = None  # validation: the base model's metrics came from the cache
+    # The plan's own range for the stage as it ran (None: a report written before the field; the plan's range)
+    low_seconds: float | None = None
+    high_seconds: float | None = None
 
 
 class PromotionSummary(BaseModel):

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from phase1a.config.schema import ValidationConfig
+from phase1a.config.schema import Phase1aConfig, ValidationConfig
 from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import training_dtype
-from phase1a.evaluate.benchmarks import Benchmark, score_benchmark
+from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.model.loading import ResolvedModel, load_tokenizer
 from phase1a.train.packing import TokenRows
 
 T = TypeVar("T", bound=BaseModel)
@@ -43,6 +44,25 @@ class Scoring:
 
     def key(self, device: torch.device) -> str:
         return metric_settings_key(self.settings, device, training_dtype(device))
+
+    @classmethod
+    def of(cls, config: Phase1aConfig, model: ResolvedModel, validation_path: Path) -> "Scoring":
+        """The validate stage's scoring of this run's held-out sample (its first `validation.max_examples`)."""
+        settings, rows = config.validation, TokenRows.load(validation_path)
+        return cls(load_tokenizer(Path(model.path), config.model.trust_remote_code), rows,
+                   np.arange(min(len(rows), settings.max_examples)), settings, config.cache_dir, model.fingerprint,
+                   [load_benchmark(b) for b in settings.benchmarks])
+
+    def base_cached(self, device: torch.device) -> bool:
+        """Whether the base model's metrics and each benchmark's score of it are cached: the validate stage then
+        scores the candidate only (the plan's estimate counts what it will run)."""
+        return self.cache_path("base", device).is_file() and all(
+            self.benchmark_path(b, "base", device).is_file() for b in self.benchmarks)
+
+    def benchmark_path(self, benchmark: Benchmark, weights: str, device: torch.device) -> Path:
+        key = hash_json({"model": self.model_fingerprint, "weights": weights,
+                         "benchmark": benchmark.identity(self.precision(device))})
+        return Path(self.cache_dir) / "benchmarks" / f"{key[:32]}.json"
 
     def cache_path(self, weights: str, device: torch.device) -> Path:
         """Where one model's metrics are kept; `weights` is "base" or an adapter hash."""
@@ -73,10 +93,7 @@ class Scoring:
             if weights is None:
                 scores[benchmark.key] = compute()
                 continue
-            key = hash_json({"model": self.model_fingerprint, "weights": weights,
-                             "benchmark": benchmark.identity(precision)})
-            path = Path(self.cache_dir) / "benchmarks" / f"{key[:32]}.json"
-            scores[benchmark.key], _ = cached(path, BenchmarkScore, compute)
+            scores[benchmark.key], _ = cached(self.benchmark_path(benchmark, weights, device), BenchmarkScore, compute)
         return metrics.model_copy(update={"benchmarks": {b.key: scores[b.key] for b in self.benchmarks}})
 
 

@@ -22,20 +22,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_device
 from phase1a.evaluate.baseline import PromotedSource, promoted_baseline, promoted_pointer
-from phase1a.evaluate.benchmarks import load_benchmark
 from phase1a.evaluate.gate import Baseline, gate, read_baseline_file
 from phase1a.evaluate.metrics import Metrics
 from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.scoring import Scoring, base_model_metrics
 from phase1a.evaluate.serving import check_vllm_adapter
-from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval, load_tokenizer
-from phase1a.train.packing import TokenRows
+from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
 
@@ -44,9 +40,7 @@ def validate(config: Phase1aConfig, model: ResolvedModel, validation_path: Path,
     settings, endpoint = config.validation, config.endpoint_for(config.promotion.to)
     device, trust = training_device(), config.model.trust_remote_code
     # 1. sample; the baseline read before any model loads
-    rows = TokenRows.load(validation_path)
-    scoring = Scoring(load_tokenizer(Path(model.path), trust), rows, np.arange(min(len(rows), settings.max_examples)),
-                      settings, config.cache_dir, model.fingerprint, [load_benchmark(b) for b in settings.benchmarks])
+    scoring = Scoring.of(config, model, validation_path)
     file_baseline = read_baseline_file(settings.baseline_file, scoring.sample) if settings.baseline == "file" else None
     pointer = promoted_pointer(config) if settings.baseline == "promoted" else None
     # 2. score

@@ -54,6 +54,7 @@ from phase1a.data.lengths import right_size
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
 from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
+from phase1a.evaluate.scoring import Scoring
 from phase1a.model.build import attention_implementation, release_device_memory
 from phase1a.model.cost_model import (
     OPTIMIZER_STATE_BYTES,
@@ -461,14 +462,30 @@ class _Planner:
         baseline."""
         return 1 + (self.method.kind == "full") + (self.config.validation.baseline == "promoted")
 
-    def _validation_work(self) -> EvaluationWork:
-        """The validate stage scores the trained model, a promoted baseline's, and the base (untuned: its answers
-        run to max_new_tokens)."""
+    def _validation_work(self, base_cached: bool = False) -> EvaluationWork:
+        """The validate stage scores the trained model and a promoted baseline's, and the base unless `base_cached`
+        (its metrics and benchmark scores on this device are on disk)."""
         settings = self.config.validation
-        rows = TokenRows.load(self.data.validation_path)
-        indices = np.arange(min(len(rows), settings.max_examples))
         models = 1 + (settings.baseline == "promoted")
-        return validation_work(rows, indices, settings, models, untuned=1) + self._benchmark_work * (models + 1)
+        scored = validation_work(*self._validation_sample(), settings, models) + self._benchmark_work * models
+        return scored if base_cached else scored + self._base_work()
+
+    def _base_work(self) -> EvaluationWork:
+        """The base model's share of the validate stage: the teacher-forced pass, generation (untuned: its answers
+        run to max_new_tokens) and its benchmarks."""
+        return validation_work(*self._validation_sample(), self.config.validation, 0, untuned=1) + self._benchmark_work
+
+    def _validation_sample(self) -> tuple[TokenRows, np.ndarray]:
+        rows = TokenRows.load(self.data.validation_path)
+        return rows, np.arange(min(len(rows), self.config.validation.max_examples))
+
+    @cached_property
+    def _base_cached(self) -> bool:
+        """Whether an earlier run on this device left the base model's scores of this sample (the validate stage
+        reads them instead of scoring the base again; phase1a/evaluate/scoring.py)."""
+        if not self.present or not self.data.validation_path:  # another device's scores are its own
+            return False
+        return Scoring.of(self.config, self.model, Path(self.data.validation_path)).base_cached(training_device())
 
     @cached_property
     def _benchmark_work(self) -> EvaluationWork:
@@ -483,7 +500,8 @@ class _Planner:
 
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
         """The validate stage as it will run: its loads, and its work (phase1a.evaluate.metrics.validation_work)."""
-        return self._validation_loads() * throughput.startup_seconds + self._validation_work().seconds(speed)
+        return (self._validation_loads() * throughput.startup_seconds
+                + self._validation_work(self._base_cached).seconds(speed))
 
     def _eval_during_training_work(self) -> EvaluationWork:
         """One evaluation during training (phase1a/train/evaluation.py): the forward pass over its sample."""
@@ -537,9 +555,11 @@ class _Planner:
         train_seconds = steady + throughput.warmup_seconds + checkpoint_seconds + eval_seconds
         uninterrupted = throughput.startup_seconds + train_seconds + fit.evaluation_seconds
         interrupted = self._expected(throughput, checkpoints, fit, uninterrupted - fit.evaluation_seconds)
+        speed = self._validation_speed(throughput, fit.max_seq_length)
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
             checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
+            base_cached=self._base_cached, base_evaluation_seconds=self._base_work().seconds(speed),
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
             total_seconds=uninterrupted + interrupted.extra_seconds).with_range(throughput.footing,

@@ -19,6 +19,10 @@ class Estimate(BaseModel):
     checkpoints: int
     checkpoint_seconds: float  # all checkpoints together
     evaluation_seconds: float  # the validate stage
+    # The plan found the base model's scores of the sample cached on this device: the validate stage scores the
+    # candidate only. `base_evaluation_seconds` is the base's share of the work (included unless cached).
+    base_cached: bool = False
+    base_evaluation_seconds: float = 0.0
     evaluations_during_training: int = 0  # method.eval_interval's, the final weights' included
     eval_during_training_seconds: float = 0.0  # all of them, with early stopping's writes of best/
     train_seconds: float  # steady + warm-up + checkpoints + evaluations during training: the train stage's loop
@@ -41,6 +45,14 @@ class Estimate(BaseModel):
     def evaluation_range(self) -> tuple[float, float] | None:
         """The validate stage at evaluation's footing (None: no footing)."""
         return self._ranged(self.evaluation_seconds, 0.0, self.evaluation_seconds)
+
+    def evaluation_for(self, base_cached: bool) -> tuple[float, tuple[float, float] | None]:
+        """The validate stage's seconds and range with the base model's scores cached or not, as the stage found
+        them: a cached plan may have been made before (or after) another run cached them."""
+        seconds = self.evaluation_seconds
+        if base_cached != self.base_cached:
+            seconds += -self.base_evaluation_seconds if base_cached else self.base_evaluation_seconds
+        return seconds, self._ranged(seconds, 0.0, seconds)
 
     def with_range(self, footing: Footing, evaluation: Footing | None = None) -> "Estimate":
         ranged = self.model_copy(update={"footing": footing, "evaluation_footing": evaluation})

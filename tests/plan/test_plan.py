@@ -142,3 +142,30 @@ def test_an_outlier_is_named_and_balanced_truncates_it_where_quality_keeps_it(ti
     config_tree["plan"] |= {"profile": "quality"}
     quality = planned(config_tree, data)
     assert quality.max_seq_length == 256 and not any(note.startswith("balanced:") for note in quality.notes)
+
+
+def test_the_validate_estimate_leaves_out_a_base_model_an_earlier_run_scored(tiny_model_dir, tmp_path, config_tree):
+    """The validate stage reads the base model's metrics from the cache when an earlier run on this device scored
+    the same sample: the plan's estimate counts the candidate only then, and keeps the base's share so a report
+    can compare a cached plan with the stage as it ran (Estimate.evaluation_for)."""
+    import torch
+
+    from phase1a.evaluate.scoring import Scoring, base_model_metrics
+    from phase1a.model.loading import load_for_eval
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    first = planned(config_tree, data).estimate
+    assert not first.base_cached and first.base_evaluation_seconds > 0
+
+    config = Phase1aConfig.model_validate(config_tree)
+    scoring = Scoring.of(config, resolved(config), data.validation_path)
+    with torch.no_grad():
+        base_model_metrics(load_for_eval(tiny_model_dir, None, torch.device("cpu")), scoring)
+    assert scoring.base_cached(torch.device("cpu"))
+    second = planned(config_tree, data).estimate
+    assert second.base_cached and second.base_evaluation_seconds > 0
+    seconds, (low, high) = second.evaluation_for(base_cached=False)  # a stage that scored the base after all
+    assert seconds == pytest.approx(second.evaluation_seconds + second.base_evaluation_seconds)
+    assert low < seconds < high
+    assert second.evaluation_for(base_cached=True)[0] == second.evaluation_seconds
