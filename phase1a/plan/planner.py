@@ -135,6 +135,17 @@ class _Throughput(BaseModel):
     source: str
     footing: Footing  # what the speed rests on: the estimate's range
     calibration: Calibration | None = None
+    remembered_evaluation: ValidationSpeed | None = None  # the last run's evaluation speeds (the history)
+
+
+def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
+    """The evaluation speeds a past run of this job left (None: a record written before them)."""
+    if record.eval_forward_seconds_per_token is None or record.eval_decode_seconds_per_step is None:
+        return None
+    return ValidationSpeed(forward_seconds_per_token=record.eval_forward_seconds_per_token,
+                           decode_seconds_per_step=record.eval_decode_seconds_per_step,
+                           prefill_seconds_per_token=record.eval_prefill_seconds_per_token,
+                           source="the last run's, its evaluations during training measured")
 
 
 @dataclass
@@ -357,7 +368,7 @@ class _Planner:
             chosen=candidate, seconds_per_token=1.0 / past.tokens_per_second, warmup_seconds=0.0,
             startup_seconds=record.startup_seconds if record.startup_seconds is not None else self._assumed_startup(),
             checkpoint=self._checkpoint_cost(record.checkpoint_seconds_each, record.checkpoint_upload_seconds_each),
-            source="history", footing=footing.history(past.runs))
+            source="history", footing=footing.history(past.runs), remembered_evaluation=_evaluation_of(record))
 
     def _assumed_startup(self) -> float:
         return (_ASSUMED_STARTUP_SECONDS
@@ -434,6 +445,8 @@ class _Planner:
         """Measured where the calibration timed it, else modelled from the training speed on the target."""
         if throughput.calibration is not None and throughput.calibration.validation is not None:
             return throughput.calibration.validation
+        if throughput.remembered_evaluation is not None:
+            return throughput.remembered_evaluation
         return self._modelled_validation_speed(throughput.seconds_per_token, self.target,
                                                throughput.chosen.gradient_checkpointing, max_seq_length)
 
@@ -441,9 +454,11 @@ class _Planner:
     def _evaluation_footing(throughput: _Throughput) -> Footing:
         """Evaluation's range: from the passes calibration timed, else derived from the training speed."""
         timed = throughput.calibration.validation if throughput.calibration is not None else None
-        if timed is None:
-            return footing.derived_evaluation()
-        return footing.timed_evaluation(max(timed.passes, 1), timed.spread)
+        if timed is not None:
+            return footing.timed_evaluation(max(timed.passes, 1), timed.spread)
+        if throughput.remembered_evaluation is not None:
+            return footing.remembered_evaluation()
+        return footing.derived_evaluation()
 
     def _modelled_validation_speed(self, seconds_per_token: float, accelerator: Accelerator, checkpointing: bool,
                                    max_seq_length: int) -> ValidationSpeed:
@@ -560,6 +575,7 @@ class _Planner:
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
             checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             base_cached=self._base_cached, base_evaluation_seconds=self._base_work().seconds(speed),
+            evaluation_speed=speed,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
             total_seconds=uninterrupted + interrupted.extra_seconds).with_range(throughput.footing,

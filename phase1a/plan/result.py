@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from phase1a.evaluate.metrics import ValidationSpeed
 from phase1a.model.cost_model import MemoryEstimate, ModelFacts
 from phase1a.plan.calibration import Calibration
 from phase1a.plan.footing import Footing
@@ -34,6 +35,7 @@ class Estimate(BaseModel):
     # What evaluation's speed rests on (the validate stage and the evaluations during training): timed passes, or
     # derived from the training speed. None: the training speed's footing (a plan written before the field).
     evaluation_footing: Footing | None = None
+    evaluation_speed: ValidationSpeed | None = None  # what evaluation was estimated at (the history keeps it)
     low_total_seconds: float | None = None  # the range: the speed-bound seconds at their footing's multiples
     high_total_seconds: float | None = None
 

@@ -101,6 +101,24 @@ def record_run(path: Path, config: Phase1aConfig, model: ResolvedModel, plan: Pl
         # A run that stopped early did not run what the plan estimated: it says nothing of the estimate.
         estimated_train_seconds=None if result.stopped_early else plan.estimated_train_seconds,
         actual_train_seconds=result.wall_seconds,
+        **_evaluation_speeds(plan, result),
     )
     append_run(path, record)
     return record
+
+
+def _evaluation_speeds(plan: Plan, result: TrainResult) -> dict:
+    """The evaluation speeds the plan estimated with, the forward pass's (and the prefill's, a forward pass too)
+    scaled by what this run's evaluations during training took, each, against the plan's estimate of one: a whole
+    run's evaluations are a steadier measurement than calibration's few timed passes."""
+    speed, estimate = plan.estimate.evaluation_speed, plan.estimate
+    if speed is None:
+        return {}
+    scale = 1.0
+    if result.evaluations and estimate.evaluations_during_training and estimate.eval_during_training_seconds:
+        planned_each = estimate.eval_during_training_seconds / estimate.evaluations_during_training
+        scale = (result.eval_seconds / result.evaluations) / planned_each
+    prefill = speed.prefill_seconds_per_token
+    return {"eval_forward_seconds_per_token": speed.forward_seconds_per_token * scale,
+            "eval_prefill_seconds_per_token": None if prefill is None else prefill * scale,
+            "eval_decode_seconds_per_step": speed.decode_seconds_per_step}

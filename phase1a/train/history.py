@@ -64,6 +64,11 @@ class RunRecord(BaseModel):
     checkpoint_upload_seconds_each: float | None = None  # with a store: one checkpoint's upload, in the background
     estimated_train_seconds: float | None
     actual_train_seconds: float
+    # Evaluation's speeds for the next plan of this job (phase1a/plan/planner.py): the plan's (timed in calibration,
+    # or remembered), the forward pass's corrected by this run's evaluations during training against their estimate.
+    eval_forward_seconds_per_token: float | None = None
+    eval_prefill_seconds_per_token: float | None = None
+    eval_decode_seconds_per_step: float | None = None
     time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
 
     @model_validator(mode="after")

@@ -169,3 +169,42 @@ def test_the_validate_estimate_leaves_out_a_base_model_an_earlier_run_scored(tin
     assert seconds == pytest.approx(second.evaluation_seconds + second.base_evaluation_seconds)
     assert low < seconds < high
     assert second.evaluation_for(base_cached=True)[0] == second.evaluation_seconds
+
+
+def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, config_tree):
+    """The history keeps the evaluation speeds a plan estimated with, the forward pass's scaled by what the run's
+    evaluations during training took against their estimate; the next plan of the job, from the history, estimates
+    evaluation at those speeds (a whole run's evaluations, steadier than calibration's few timed passes) and says
+    so in its range."""
+    from phase1a.plan.training import record_run
+    from phase1a.train.history import history_path
+    from phase1a.train.result import TrainResult
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    config_tree["method"] |= {"eval_interval": "2steps"}
+    first = planned(config_tree, data)
+    timed = first.estimate.evaluation_speed
+    assert first.throughput_source == "measured" and timed is not None and first.estimate.evaluations_during_training
+    assert "timed pass" in first.estimate.evaluation_footing.words
+
+    # The run's evaluations took twice their estimate, each.
+    evaluations = first.estimate.evaluations_during_training
+    config = Phase1aConfig.model_validate(config_tree)
+    result = TrainResult(output_dir=str(tmp_path / "run"), adapter_dir=str(tmp_path / "run" / "final"),
+                         steps=first.steps, resumed_from_step=None, reused_completed_run=False, wall_seconds=30.0,
+                         train_tokens=first.train_tokens, tokens_per_second=900.0, final_loss=0.5,
+                         checkpoints_written=0, checkpoint_seconds=0.0, startup_seconds=1.0, checkpoint_share=0.0,
+                         micro_batch_size=first.micro_batch_size, out_of_memory_backoffs=0, evaluations=evaluations,
+                         eval_seconds=2 * first.estimate.eval_during_training_seconds)
+    record = record_run(history_path(config.cache_dir), config, resolved(config), first, result)
+    assert record.eval_forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
+    assert record.eval_decode_seconds_per_step == timed.decode_seconds_per_step  # generation is not corrected
+
+    second = planned(config_tree, data)
+    assert second.throughput_source == "history" and second.calibration is None
+    speed = second.estimate.evaluation_speed
+    assert speed.forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
+    assert second.estimate.evaluation_footing.words == "the last run's evaluations, ±15%"
+    assert second.estimate.eval_during_training_seconds == pytest.approx(
+        2 * first.estimate.eval_during_training_seconds, rel=1e-6)
