@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from phase1a.config.schema import Phase1aConfig
     from phase1a.data.tokenized import TokenizedData
-    from phase1a.model.loading import ResolvedModel
+    from phase1a.model.result import ResolvedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -17,8 +17,8 @@ from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.plan.result import Plan
 from phase1a.promote.card import FlowRunLink
-from phase1a.promote.promotion import PromotionOutcome
-from phase1a.start.warmstart import StartPoint
+from phase1a.promote.result import PromotionOutcome
+from phase1a.start.result import StartPoint
 from phase1a.train.history import RunRecord
 from phase1a.train.result import TrainResult
 

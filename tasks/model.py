@@ -12,7 +12,8 @@ from pathlib import Path
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.model.gguf import check_gguf_export
-from phase1a.model.loading import ResolvedModel, prepare_model
+from phase1a.model.loading import prepare_model
+from phase1a.model.result import ResolvedModel
 from tasks.caching import task
 
 

@@ -16,7 +16,7 @@ from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import detect, history_kind
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import BenchmarkError, validation_key
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.plan.planner import make_plan
 from phase1a.plan.result import Plan
 from phase1a.train.history import history_path, pull_records

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.evaluate.result import ValidationResult
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.promote.candidate import promote_candidate
 from phase1a.promote.card import RunFacts
-from phase1a.promote.promotion import PromotionOutcome
+from phase1a.promote.result import PromotionOutcome
 from phase1a.train.result import TrainResult
 from tasks.caching import task
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.tokenized import TokenizedData
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.start.replay import warm_start_data
-from phase1a.start.warmstart import StartPoint, resolve_start
+from phase1a.start.result import StartPoint
+from phase1a.start.warmstart import resolve_start
 from tasks.caching import task
 
 

@@ -21,7 +21,8 @@ from phase1a.config.tokenizing import tokenize_options
 from phase1a.data.templates import apply_chat_template_setting
 from phase1a.data.tokenized import TokenizedData
 from phase1a.data.tokenizing import dataset_dir, tokenize_dataset, tokenize_fingerprint
-from phase1a.model.loading import ResolvedModel, load_tokenizer
+from phase1a.model.loading import load_tokenizer
+from phase1a.model.result import ResolvedModel
 from tasks.caching import StageCache, task
 
 if TYPE_CHECKING:  # staging imports boto3, which a bare GPU host (that tokenizes local files) lacks

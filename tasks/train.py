@@ -21,10 +21,10 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.config.stores import open_store
 from phase1a.core.locks import exclusive
 from phase1a.data.tokenized import TokenizedData
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.plan.result import Plan
 from phase1a.plan.training import record_run, train_settings
-from phase1a.start.warmstart import StartPoint
+from phase1a.start.result import StartPoint
 from phase1a.train.history import history_path, share_record
 from phase1a.train.preemption import StopRequest
 from phase1a.train.result import TrainResult

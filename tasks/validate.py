@@ -24,7 +24,7 @@ from phase1a.evaluate.baseline import baseline_identity
 from phase1a.evaluate.benchmarks import validation_key
 from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.validation import ADAPTER_FILES, validate
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.train.result import TrainResult
 from tasks.caching import StageCache, task
 

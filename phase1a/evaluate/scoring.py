@@ -19,7 +19,8 @@ from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import training_dtype
 from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
 from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
-from phase1a.model.loading import ResolvedModel, load_tokenizer
+from phase1a.model.loading import load_tokenizer
+from phase1a.model.result import ResolvedModel
 from phase1a.train.packing import TokenRows
 
 T = TypeVar("T", bound=BaseModel)

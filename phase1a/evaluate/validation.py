@@ -31,7 +31,8 @@ from phase1a.evaluate.metrics import Metrics
 from phase1a.evaluate.result import ValidationResult
 from phase1a.evaluate.scoring import Scoring, base_model_metrics
 from phase1a.evaluate.serving import check_vllm_adapter
-from phase1a.model.loading import ResolvedModel, for_scoring, is_adapter, load_for_eval
+from phase1a.model.loading import for_scoring, is_adapter, load_for_eval
+from phase1a.model.result import ResolvedModel
 
 ADAPTER_FILES = ("*.safetensors", "*.json")  # what identifies an adapter (or a full fine-tune's weights)
 

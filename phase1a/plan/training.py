@@ -12,9 +12,9 @@ from phase1a.core import layout
 from phase1a.core.hardware import detect, history_kind
 from phase1a.core.units import AUTO
 from phase1a.data.tokenized import TokenizedData
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.plan.result import Plan
-from phase1a.start.warmstart import StartPoint
+from phase1a.start.result import StartPoint
 from phase1a.train.evaluation import EvalSettings
 from phase1a.train.history import RunRecord, append_run
 from phase1a.train.launch import launch_for

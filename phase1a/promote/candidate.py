@@ -11,10 +11,11 @@ from pathlib import Path
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.evaluate.result import ValidationResult
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.promote.artifacts import VersionArtifacts
 from phase1a.promote.card import BaseModelFacts, CardFacts, RunFacts, write_card
-from phase1a.promote.promotion import Promotion, PromotionOutcome, promote
+from phase1a.promote.promotion import Promotion, promote
+from phase1a.promote.result import PromotionOutcome
 from phase1a.store.promoted import PromotionError, PromotionRecord, read_pointer
 from phase1a.train.result import TrainResult
 

@@ -27,12 +27,12 @@ from types import EllipsisType
 from typing import Any, Callable
 
 from botocore.exceptions import ClientError
-from pydantic import BaseModel
 
 from phase1a.core.atomic import atomic_path, write_atomically
 from phase1a.core.fingerprint import sha256_file
 from phase1a.core.locks import exclusive
 from phase1a.core.meter import stage_meter
+from phase1a.promote.result import PromotionOutcome
 from phase1a.store.promoted import (
     POINTER,
     PromotedPointer,
@@ -60,11 +60,6 @@ class Promotion:
     version: str
     record: PromotionRecord
     expected_version: str | None | EllipsisType = ...
-
-
-class PromotionOutcome(BaseModel):
-    pointer: PromotedPointer
-    promoted: bool  # False: the pointer already named this adapter, nothing was copied
 
 
 def _files(artifacts: dict[str, Path]) -> list[tuple[str, Path]]:

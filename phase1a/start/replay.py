@@ -20,7 +20,7 @@ from phase1a.core.fingerprint import hash_json
 from phase1a.data.tokenized import SplitView, TokenizedData, read_mapped
 
 if TYPE_CHECKING:
-    from phase1a.start.warmstart import StartPoint
+    from phase1a.start.result import StartPoint
 
 TRAINED_ON = "trained_on.json"
 

@@ -9,35 +9,13 @@ a note in the report's lineage: the nightly job needs no special first run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 from urllib.parse import urlparse
-
-from pydantic import BaseModel
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.logs import run_logger
 from phase1a.model.adapters import AdapterError, adapter_fingerprint, check_adapter
-from phase1a.model.loading import ResolvedModel
-
-
-class StartPoint(BaseModel):
-    """Where a run's trainable weights start (`method.init_from`, phase1a/start/warmstart.py): fresh adapters on
-    the base model (or the base itself, full fine-tuning), a promoted version's adapter, or a given adapter."""
-
-    init_from: str  # as configured: base, promoted, or the adapter's location
-    kind: Literal["base", "promoted", "adapter"]  # what it resolved to
-    base_model: str  # model.name_or_path
-    version: str | None = None  # the promoted version it continues
-    path: str | None = None  # where that adapter lives: the version's adapter, or the location given
-    adapter_dir: str | None = None  # its local copy, which training loads
-    fingerprint: str | None = None  # the adapter's content (phase1a/model/adapters.py): part of the training key
-    note: str | None = None  # why it is not what init_from asked for (nothing promoted yet)
-
-    def describe(self) -> str:
-        if self.kind == "base":
-            return f"base model {self.base_model}"
-        named = f"promoted {self.version}" if self.kind == "promoted" else "adapter"
-        return f"{named} at {self.path} (sha256 {(self.fingerprint or '')[:12]})"
+from phase1a.model.result import ResolvedModel
+from phase1a.start.result import StartPoint
 
 
 def resolve_start(config: Phase1aConfig, model: ResolvedModel) -> StartPoint:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from phase1a.start.warmstart import StartPoint
+from phase1a.start.result import StartPoint
 from phase1a.train.history import RunRecord
 from phase1a.train.train_store import Pulled
 

@@ -23,7 +23,7 @@ from phase1a.plan.planner import make_plan
 from phase1a.plan.training import train_settings
 from phase1a.plan.window import WindowError
 from phase1a.run_report import interruptions_outcome
-from phase1a.start.warmstart import StartPoint
+from phase1a.start.result import StartPoint
 from phase1a.store.base import LocalStore
 from phase1a.train.history import RunRecord, append_run, history_path
 from phase1a.train.result import StoreTraining, TrainResult

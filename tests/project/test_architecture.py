@@ -131,6 +131,26 @@ def package_level(module: str) -> int:
     return PACKAGES.index(parts[1]) if len(parts) >= 2 and parts[1] in PACKAGES else len(PACKAGES)
 
 
+# What a stage hands the next lives in its package's result.py; the data package's two stages hand over records
+# whose module is the format itself (the staged copy's record, the tokenized dataset's files and readers).
+RESULT_HOMES = {"StagedData": "phase1a.data.staging", "TokenizedData": "phase1a.data.tokenized"}
+
+
+def test_what_a_stage_hands_on_lives_in_its_packages_result_module():
+    wrong = []
+    for path in sources("tasks"):
+        tree = ast.parse(path.read_text())
+        homes = {alias.asname or alias.name: node.module for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_task") and isinstance(node.returns, ast.Name):
+                name, home = node.returns.id, homes.get(node.returns.id, f"{relative(path)} itself")
+                expected = RESULT_HOMES.get(name)
+                if (home != expected) if expected else not home.endswith(".result"):
+                    wrong.append(f"{relative(path)}: {node.name} returns {name}, defined in {home}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_library_packages_point_down():
     """core <- store <- data <- config <- model <- start <- train <- evaluate <- plan <- promote: a newcomer finds
     where a change belongs from the tree, and a lower package never reaches up."""

@@ -19,7 +19,7 @@ from phase1a.core.meter import MeterSettings, stage_meter
 from phase1a.core.retries import is_transient
 from phase1a.data.staging import StagedData, stage_dataset
 from phase1a.data.tokenized import TokenizedData
-from phase1a.model.loading import ResolvedModel
+from phase1a.model.result import ResolvedModel
 from phase1a.run_report import RunReport
 from phase1a.store.s3 import S3Error, download_objects, list_objects, make_client, parse_s3_url
 
