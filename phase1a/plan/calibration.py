@@ -394,6 +394,7 @@ class _Timed:
     micro_batches: int  # run
     whole: int  # in the step
     warmup: bool = False
+    probe: bool = False  # one of `_probes`' small rows
 
     @property
     def seconds(self) -> float:
@@ -408,14 +409,49 @@ class _Timed:
         return self.forward_backward / max(1, self.row_tokens)
 
 
-def _probes(batches: StepBatches, example: int) -> list[StepBatch]:
-    """One example in a row of each length the run's rows take (static rows: every allowed length, so that every
-    shape is compiled and set up before a step is measured; exact rows: the example's own). The first comes twice:
-    a first call costs several steady ones, the second is the first guess of the speed."""
-    rows, shape = batches.rows, batches.shape
-    lengths = shape.lengths() or [None]
-    made = [pack(rows, np.array([example]), shape, length) for length in [lengths[0], *lengths]]
+def _probes(batches: StepBatches, position: int) -> list[StepBatch]:
+    """One example (the `position`th of the run's order) in a row of each length the run's rows take (static rows:
+    every allowed length, so that every shape is compiled and set up before a step is measured; exact rows: the
+    example's own, and a row of it and the next example where two fit, so that `_RowCost` can tell a row's fixed
+    cost from its tokens'). The first comes twice: a first call costs several steady ones."""
+    rows, shape, order = batches.rows, batches.shape, batches.order
+    example, other = int(order[position]), int(order[(position + 1) % len(order)])
+    lengths = shape.lengths()
+    if lengths:
+        made = [pack(rows, np.array([example]), shape, length) for length in [lengths[0], *lengths]]
+    else:
+        sizes = rows.lengths()
+        pair = [[example, other]] if other != example and sizes[example] + sizes[other] <= shape.tokens else []
+        made = [pack(rows, np.array(group), shape) for group in ([example], [example], *pair)]
     return [StepBatch(micro_batches=[row], supervised=row.supervised, step_tokens=row.tokens) for row in made]
+
+
+@dataclass(frozen=True)
+class _RowCost:
+    """What a step is predicted to take: each row's forward and backward (a fixed part and a part per row token),
+    and one update."""
+
+    fixed: float
+    per_row_token: float
+    update: float
+
+    @classmethod
+    def of(cls, timed: list[_Timed]) -> "_RowCost":
+        """At the last step's speed; while only probes have run, fitted over those after the first call. A probe's
+        row holds one or two examples, and its fixed cost (a call through every layer) is much of it: priced per
+        token, a full row of the run would be predicted several times too slow, and a trial cut before its first
+        measured step (a 60 s budget on this project's CPU host measured 32 tokens/s where the run made ~120)."""
+        last = timed[-1]
+        points = [t for t in timed[1:] if t.probe]
+        if not last.probe or len({t.row_tokens for t in points}) < 2:
+            return cls(0.0, last.per_row_token, last.update)
+        slope, intercept = np.polyfit([t.row_tokens for t in points], [t.forward_backward for t in points], 1)
+        if slope <= 0:  # timing noise over rows this small: the dearest probe's rate, an upper bound
+            return cls(0.0, max(t.per_row_token for t in points), last.update)
+        return cls(max(0.0, float(intercept)), float(slope), last.update)
+
+    def rows(self, sizes: np.ndarray) -> np.ndarray:
+        return self.fixed + sizes * self.per_row_token
 
 
 def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: _Steps) -> Trial:
@@ -431,20 +467,21 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
     timed: list[_Timed] = []
     try:
         last = began
-        for probe in _probes(batches, int(batches.order[sampler[0] * batches.batch_size])):
+        for probe in _probes(batches, sampler[0] * batches.batch_size):
             if timed and last + timed[-1].seconds > steps.deadline:
                 break
-            timed.append(_timed_step(model, optimizer, probe, 1, last, warmup=True))
+            timed.append(_timed_step(model, optimizer, probe, 1, last, warmup=True, probe=True))
             last = time.perf_counter()
         cap, chosen = steps.cap, steps.cap is not None  # the measured steps' cap: given, or set at the first
         for index, step_batch in enumerate(step_loader(batches, sampler[1:], candidate.dataloader_workers,
                                                        pin_memory=cuda)):
             left = count - 1 - index
+            cost = _RowCost.of(timed)
             run = cap if chosen else _micro_batches_within(
-                step_batch, timed[-1], (steps.deadline - time.perf_counter()) / left)
+                step_batch, cost, (steps.deadline - time.perf_counter()) / left)
             if index > 0 and not chosen:
                 cap, chosen = run, True
-            if time.perf_counter() + _predicted(step_batch, run, timed[-1]) > steps.deadline:
+            if time.perf_counter() + _predicted(step_batch, run, cost) > steps.deadline:
                 break
             timed.append(_timed_step(model, optimizer, step_batch, run, last, warmup=index == 0))
             last = time.perf_counter()
@@ -461,7 +498,7 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
 
 
 def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since: float,
-                warmup: bool = False) -> _Timed:
+                warmup: bool = False, probe: bool = False) -> _Timed:
     """One step, of its first `cap` micro-batches (None: all), as training runs a step (`optimizer_step`), timed
     from `since` (the end of the last step: waiting for the loader counts)."""
     rows = step_batch.micro_batches[:cap]
@@ -471,19 +508,20 @@ def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since:
     apply_update(model, optimizer)
     _sync()
     return _Timed(middle - since, time.perf_counter() - middle, sum(row.tokens for row in rows),
-                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), warmup)
+                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), warmup, probe)
 
 
-def _micro_batches_within(step_batch: StepBatch, last: _Timed, seconds: float) -> int | None:
+def _micro_batches_within(step_batch: StepBatch, cost: _RowCost, seconds: float) -> int | None:
     """The most of this step's micro-batches (one at least) whose forward and backward and one update are
-    predicted to take at most `seconds` at the last step's speed; None: all of them."""
+    predicted to take at most `seconds`; None: all of them."""
     sizes = np.array([row.length for row in step_batch.micro_batches])
-    fits = int(np.searchsorted(np.cumsum(sizes) * last.per_row_token, seconds - last.update, side="right"))
+    fits = int(np.searchsorted(np.cumsum(cost.rows(sizes)), seconds - cost.update, side="right"))
     return None if fits >= len(sizes) else max(1, fits)
 
 
-def _predicted(step_batch: StepBatch, cap: int | None, last: _Timed) -> float:
-    return sum(row.length for row in step_batch.micro_batches[:cap]) * last.per_row_token + last.update
+def _predicted(step_batch: StepBatch, cap: int | None, cost: _RowCost) -> float:
+    sizes = np.array([row.length for row in step_batch.micro_batches[:cap]])
+    return float(cost.rows(sizes).sum()) + cost.update
 
 
 def _measured(candidate: Candidate, timed: list[_Timed], steps: _Steps, seconds: float) -> Trial:

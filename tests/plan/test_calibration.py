@@ -1,6 +1,7 @@
 """The calibration sweep: real steps on this CPU, one knob at a time, the global batch fixed, within a budget."""
 import re
 
+import numpy as np
 import pytest
 
 from helpers import FACTS_8B, date_records, make_tokenizer, write_jsonl
@@ -137,3 +138,25 @@ def test_a_candidate_the_share_of_training_time_leaves_out_names_that_share(tmp_
     named = (r"not tried: a trial takes ~\d+ s and 0 s were left of the sweep's limit, plan.calibration_share 0 of "
              r"the estimated \d+ s of training \(0 s\); a larger plan.calibration_share lets it run")
     assert skipped and all(re.fullmatch(named, t.note) for t in skipped), [t.note for t in skipped]
+
+
+def test_a_full_row_is_predicted_from_the_probes_fixed_and_per_token_costs():
+    """A probe's row holds one or two examples; much of such a step is the row's fixed cost (a call through every
+    layer). Priced per token, a full row of the run is predicted several times too slow, and a trial under a short
+    budget stopped before its first measured step. The probes after the first call give the fixed cost and the
+    cost per token; once a real step has run, its own rate predicts the next."""
+    from phase1a.plan.calibration import _RowCost, _Timed
+
+    def probe(row_tokens: int, seconds: float) -> _Timed:
+        return _Timed(forward_backward=seconds, update=0.1, tokens=row_tokens, row_tokens=row_tokens,
+                      micro_batches=1, whole=1, warmup=True, probe=True)
+
+    first_call, one, two = probe(180, 9.0), probe(180, 1.5), probe(360, 2.0)
+    cost = _RowCost.of([first_call, one, two])
+    assert cost.fixed == pytest.approx(1.0) and cost.per_row_token == pytest.approx(0.5 / 180)
+    assert float(cost.rows(np.array([1170]))[0]) == pytest.approx(1.0 + 1170 * 0.5 / 180)  # 4.25 s, not 9.75 s
+    assert _RowCost.of([first_call, one]).per_row_token == pytest.approx(1.5 / 180)  # one size: its own rate
+    noisy = _RowCost.of([first_call, one, probe(360, 1.4)])  # the larger row timed faster: the dearer rate
+    assert noisy.fixed == 0.0 and noisy.per_row_token == pytest.approx(1.5 / 180)
+    real = _Timed(forward_backward=4.0, update=0.1, tokens=1000, row_tokens=1170, micro_batches=1, whole=1)
+    assert _RowCost.of([first_call, one, two, real]) == _RowCost(0.0, 4.0 / 1170, 0.1)
