@@ -93,7 +93,8 @@ class Trial(BaseModel):
     longest_step_seconds: float = 0.0
 
     def footing(self) -> Footing:
-        return footing.measured(self.measured_steps, self.micro_batches, self.step_micro_batches, self.spread)
+        return footing.measured(self.measured_steps, self.micro_batches, self.step_micro_batches, self.spread,
+                                footing.floor(training_device().type))
 
 
 class Calibration(BaseModel):

@@ -7,7 +7,10 @@ import math
 from pydantic import BaseModel
 
 FIRM_STEPS = 4  # measured steps below which an estimate says it rests on few
-_STEADY_SPREAD = 0.05  # the least relative range of a firm measurement: a shared host moves a few per cent
+_STEADY_SPREAD = 0.05  # the least relative range of a firm measurement on a GPU: its speed moves a few per cent
+# A CPU host's speed over minutes, which a calibration of seconds cannot see: on this project's 2-core VM the same
+# job's steps ran 25 % faster than its calibration measured in one run and 9 % slower in another (2026-11-27).
+_CPU_SPREAD = 0.15
 _THIN_SPREAD = 0.10  # the same for one measured step, widened by sqrt(FIRM_STEPS / steps) below FIRM_STEPS
 # Warm-up steps carry first-call costs (lazy set-up, allocator growth, kernel selection): an upper bound. On this
 # project's CPU host a first one-example step took 3-10x a steady step's time per token.
@@ -33,15 +36,22 @@ class Footing(BaseModel):
     warmup_only: bool = False  # no step was measured past the warm-up
 
 
-def measured(steps: int, micro_batches: float, step_micro_batches: float, spread: float) -> Footing:
+def floor(device_type: str) -> float:
+    """The least relative range of a measurement on this kind of device."""
+    return _CPU_SPREAD if device_type == "cpu" else _STEADY_SPREAD
+
+
+def measured(steps: int, micro_batches: float, step_micro_batches: float, spread: float,
+             least: float = _STEADY_SPREAD) -> Footing:
     """From calibration: `steps` measured steps of `micro_batches` micro-batches (a whole step has
-    `step_micro_batches` on average) whose seconds per token spread by `spread` (half range over mean)."""
+    `step_micro_batches` on average) whose seconds per token spread by `spread` (half range over mean), at least
+    `least` (the device's `floor`)."""
     if steps == 0:
         return Footing(source="measured", words="warm-up steps only: an upper bound", low=_WARMUP_ONLY[0],
                        high=_WARMUP_ONLY[1], firm=False, warmup_only=True)
     shortened = micro_batches < step_micro_batches
-    floor = _STEADY_SPREAD if steps >= FIRM_STEPS and not shortened else _THIN_SPREAD
-    relative = max(spread, floor) * math.sqrt(max(1.0, FIRM_STEPS / steps))
+    lowest = least if steps >= FIRM_STEPS and not shortened else max(least, _THIN_SPREAD)
+    relative = max(spread, lowest) * math.sqrt(max(1.0, FIRM_STEPS / steps))
     words = f"{steps} measured step{'s' if steps != 1 else ''}"
     if shortened:
         words += f" cut to {micro_batches:.3g} of ~{step_micro_batches:.3g} micro-batches"
@@ -65,12 +75,12 @@ def assumed(mfu: float) -> Footing:
                                            f"{_ASSUMED[1]:g}x", low=_ASSUMED[0], high=_ASSUMED[1], firm=False)
 
 
-def timed_evaluation(passes: int, spread: float) -> Footing:
+def timed_evaluation(passes: int, spread: float, least: float = _STEADY_SPREAD) -> Footing:
     """Evaluation's speed from `passes` timed teacher-forced passes (and the greedy steps timed beside them) whose
     seconds per token spread by `spread`: at least the thin floor, widened by sqrt(FIRM_STEPS / passes) as a
     measurement of few steps is. On this project's CPU host the same 53-example pass took 11.2 to 15.1 s within
     one run: one short pass says little more than that."""
-    relative = max(spread, _THIN_SPREAD) * math.sqrt(max(1.0, FIRM_STEPS / max(passes, 1)))
+    relative = max(spread, least, _THIN_SPREAD) * math.sqrt(max(1.0, FIRM_STEPS / max(passes, 1)))
     return Footing(source="measured", words=f"{passes} timed pass{'es' if passes != 1 else ''}, ±{relative:.0%}",
                    low=1 - relative, high=1 + relative, firm=passes >= FIRM_STEPS)
 

@@ -456,7 +456,7 @@ class _Planner:
         """Evaluation's range: from the passes calibration timed, else derived from the training speed."""
         timed = throughput.calibration.validation if throughput.calibration is not None else None
         if timed is not None:
-            return footing.timed_evaluation(max(timed.passes, 1), timed.spread)
+            return footing.timed_evaluation(max(timed.passes, 1), timed.spread, footing.floor(training_device().type))
         if throughput.remembered_evaluation is not None:
             return footing.remembered_evaluation()
         return footing.derived_evaluation()
