@@ -471,7 +471,7 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
         for probe in _probes(batches, sampler[0] * batches.batch_size):
             if timed and last + timed[-1].seconds > steps.deadline:
                 break
-            timed.append(_timed_step(model, optimizer, probe, 1, last, warmup=True, probe=True))
+            timed.append(_timed_step(model, optimizer, probe, 1, last, role="probe"))
             last = time.perf_counter()
         cap, chosen = steps.cap, steps.cap is not None  # the measured steps' cap: given, or set at the first
         for index, step_batch in enumerate(step_loader(batches, sampler[1:], candidate.dataloader_workers,
@@ -484,7 +484,7 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
                 cap, chosen = run, True
             if time.perf_counter() + _predicted(step_batch, run, cost) > steps.deadline:
                 break
-            timed.append(_timed_step(model, optimizer, step_batch, run, last, warmup=index == 0))
+            timed.append(_timed_step(model, optimizer, step_batch, run, last, "warmup" if index == 0 else "measured"))
             last = time.perf_counter()
     except torch.cuda.OutOfMemoryError as error:
         optimizer.zero_grad(set_to_none=True)
@@ -499,7 +499,7 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
 
 
 def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since: float,
-                warmup: bool = False, probe: bool = False) -> _Timed:
+                role: Literal["probe", "warmup", "measured"] = "measured") -> _Timed:
     """One step, of its first `cap` micro-batches (None: all), as training runs a step (`optimizer_step`), timed
     from `since` (the end of the last step: waiting for the loader counts)."""
     rows = step_batch.micro_batches[:cap]
@@ -509,7 +509,8 @@ def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since:
     apply_update(model, optimizer)
     _sync()
     return _Timed(middle - since, time.perf_counter() - middle, sum(row.tokens for row in rows),
-                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), warmup, probe)
+                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), role != "measured",
+                  role == "probe")
 
 
 def _micro_batches_within(step_batch: StepBatch, cost: _RowCost, seconds: float) -> int | None:
