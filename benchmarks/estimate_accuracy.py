@@ -1,6 +1,7 @@
 """The plan's estimate against the run, through the flow as a user runs it: each job run fresh (its own work and
 cache directories: no history, no cached plan, no cached base-model scores), `phase1a run` in its own process, and
-the run's report read back.
+the run's report read back. Fresh means Prefect's home too: its result storage keys a stage by content, never
+by path, so without it a second run of a job takes the first run's plan (as a user's second run should).
 
     uv run python benchmarks/estimate_accuracy.py [--jobs demo qa300 chat2000] [--repeats 3] [--out FILE]
 
@@ -86,7 +87,10 @@ def run_job(job: str, work: Path) -> dict:
     log = work / "run.log"
     with open(log, "w") as handle:
         finished = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                       # Prefect's own home too: its result storage keys the plan stage by content,
+                                       # so a second run of the same job would take the first run's plan.
+                                       "PREFECT_HOME": str(work / "prefect")})
     wall = time.perf_counter() - began
     reports = sorted((work / "runs").glob("*/*/report.json"))
     if not reports:
