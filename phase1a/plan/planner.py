@@ -483,15 +483,17 @@ class _Planner:
         (its metrics and benchmark scores on this device are on disk)."""
         settings = self.config.validation
         models = 1 + (settings.baseline == "promoted")
-        scored = validation_work(*self._validation_sample(), settings, models) + self._benchmark_work * models
+        scored = validation_work(*self._validation_sample, settings, models) + self._benchmark_work * models
         return scored if base_cached else scored + self._base_work()
 
     def _base_work(self) -> EvaluationWork:
         """The base model's share of the validate stage: the teacher-forced pass, generation (untuned: its answers
         run to max_new_tokens) and its benchmarks."""
-        return validation_work(*self._validation_sample(), self.config.validation, 0, untuned=1) + self._benchmark_work
+        return validation_work(*self._validation_sample, self.config.validation, 0, untuned=1) + self._benchmark_work
 
+    @cached_property
     def _validation_sample(self) -> tuple[TokenRows, np.ndarray]:
+        """The validate stage's sample (read once: the window, the estimate and the options table price it)."""
         rows = TokenRows.load(self.data.validation_path)
         return rows, np.arange(min(len(rows), self.config.validation.max_examples))
 

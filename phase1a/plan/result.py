@@ -46,7 +46,7 @@ class Estimate(BaseModel):
 
     def evaluation_range(self) -> tuple[float, float] | None:
         """The validate stage at evaluation's footing (None: no footing)."""
-        return self._ranged(self.evaluation_seconds, 0.0, self.evaluation_seconds)
+        return self.evaluation_for(self.base_cached)[1]
 
     def evaluation_for(self, base_cached: bool) -> tuple[float, tuple[float, float] | None]:
         """The validate stage's seconds and range with the base model's scores cached or not, as the stage found
