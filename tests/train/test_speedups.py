@@ -5,6 +5,7 @@ Packing is tested in test_packing.py, accumulation (micro-batch size) in test_tr
 """
 import copy
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -269,3 +270,16 @@ def test_optional_cuda_kernels_leave_the_packed_loss_unchanged(tiny_model_dir, t
         model.train()
         results.append(loss_and_grads(model, batch))
     assert_same(*results, tolerance=2e-2)  # bf16: the kernels round differently
+
+
+def test_the_workers_fork_server_starts_early_with_the_packing_module_loaded():
+    """Workers fork from a server that imported the packing module once (each worker importing torch and
+    transformers itself took 42 s of a 90 s calibration on an H200 host), started before the first loader."""
+    import multiprocessing.forkserver as forkserver
+
+    from phase1a.train.packing import start_fork_server
+
+    start_fork_server()
+    server = forkserver._forkserver
+    assert "phase1a.train.packing" in server._preload_modules
+    assert server._forkserver_pid is not None and os.path.exists(f"/proc/{server._forkserver_pid}")
