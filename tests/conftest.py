@@ -12,6 +12,11 @@ import pytest
 
 # Isolate every cache before Prefect or transformers are imported by any test module.
 _HOME = Path(tempfile.mkdtemp(prefix="phase1a-tests-"))
+# What a session's processes share (the migrated Prefect database, tests/helpers/prefect_stack.py): made by the
+# first process, pytest-xdist's controller, whose environment its workers inherit; removed by that process.
+_SHARED_OWNER = "PHASE1A_TESTS_SHARED" not in os.environ
+if _SHARED_OWNER:
+    os.environ["PHASE1A_TESTS_SHARED"] = tempfile.mkdtemp(prefix="phase1a-tests-shared-")
 os.environ["PREFECT_HOME"] = str(_HOME / "prefect")
 os.environ["HF_HOME"] = str(_HOME / "hf")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -52,13 +57,19 @@ def pytest_unconfigure(config):
     for stack in _SERVER:
         stack.stop()
     shutil.rmtree(_HOME, ignore_errors=True)  # a session's homes go with it: /tmp does not fill run after run
+    if _SHARED_OWNER:
+        shutil.rmtree(os.environ["PHASE1A_TESTS_SHARED"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
-    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so."""
+    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so. A test marked
+    alone is marked in its own file's text, where `make test` looks for the files its alone run collects."""
     for item in items:
         if "endpoint" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+        if item.get_closest_marker("alone") and "mark.alone" not in Path(item.path).read_text():
+            raise pytest.UsageError(f"{item.nodeid} is marked alone, but its file never says `mark.alone`: "
+                                    "`make test` would not run it (ALONE_FILES, Makefile)")
 
 
 @pytest.fixture(scope="session")

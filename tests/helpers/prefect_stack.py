@@ -5,6 +5,7 @@ session's own server (tests/conftest.py: `session_server`).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -30,15 +31,19 @@ PREFECT = Path(sys.executable).parent / "prefect"  # the venv's CLI, whatever is
 
 def migrated_database(target: Path) -> Path:
     """`target` (a fresh PREFECT_HOME's prefect.db) as an empty Prefect database with every migration applied, copied
-    from one made once a session: a new server finds nothing to migrate (15-20 s on two cores) and is otherwise as
-    new as a fresh host's."""
-    template = Path(os.environ["PREFECT_HOME"]).parent / "migrated-prefect" / "prefect.db"
-    if not template.exists():
-        template.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PREFECT_HOME": str(template.parent),
-               "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{template}"}
-        subprocess.run([str(PREFECT), "server", "database", "upgrade", "-y"], env=env, check=True,
-                       capture_output=True, timeout=300)
+    from one made once a session, by whichever of its processes (pytest-xdist's workers) asks first: a new server
+    finds nothing to migrate (15-20 s on two cores) and is otherwise as new as a fresh host's."""
+    shared = Path(os.environ["PHASE1A_TESTS_SHARED"]) / "migrated-prefect"
+    template = shared / "prefect.db"
+    shared.mkdir(parents=True, exist_ok=True)
+    with (shared / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the one migrating
+        if not template.exists():
+            env = {**os.environ, "PREFECT_HOME": str(shared),
+                   "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{shared / 'migrating.db'}"}
+            subprocess.run([str(PREFECT), "server", "database", "upgrade", "-y"], env=env, check=True,
+                           capture_output=True, timeout=300)
+            (shared / "migrating.db").rename(template)  # whole or absent
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, target)
     return target
