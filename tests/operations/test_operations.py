@@ -42,7 +42,9 @@ from helpers.prefect_stack import (
 from helpers.servers import s3_client
 from phase1a.config.schema import ConfigError, load_config, validate_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
+# alone: beside other tests, its Prefect server on SQLite lost an automation's event to "database is locked", and
+# (2026-11-28, a fresh clone) `make server` reported a server that was starting as exited.
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server, pytest.mark.alone]
 
 PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
 PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
