@@ -62,14 +62,10 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so. A test marked
-    alone is marked in its own file's text, where `make test` looks for the files its alone run collects."""
+    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so."""
     for item in items:
         if "endpoint" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
-        if item.get_closest_marker("alone") and "mark.alone" not in Path(item.path).read_text():
-            raise pytest.UsageError(f"{item.nodeid} is marked alone, but its file never says `mark.alone`: "
-                                    "`make test` would not run it (ALONE_FILES, Makefile)")
 
 
 @pytest.fixture(scope="session")
