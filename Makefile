@@ -139,7 +139,10 @@ SERVER_ALIVE = [ -f $(SERVER_PID) ] && ps -p $$(cat $(SERVER_PID)) -o args= 2>/d
 PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_API_URL=$(PREFECT_API_URL) PREFECT_SERVER_ANALYTICS_ENABLED=false
 
 # The server runs in its own session (setsid) so that server-stop can end it and its children as a group.
-# A fresh SQLite database migrates on first start, which takes a while on 2 cores: wait up to 180 s.
+# A fresh SQLite database migrates on first start, which takes a while on 2 cores: wait up to 180 s. While waiting,
+# the server is alive while its process is, and is not a zombie: its state, not its command line (SERVER_ALIVE's test
+# of a pid file that may be stale), which once said "exited" of a server that went on to start, on two loaded cores
+# (2026-11-28).
 server: setup
 	@mkdir -p $(PREFECT_HOME)
 	@if $(SERVER_ALIVE); then \
@@ -153,7 +156,8 @@ server: setup
 	@for i in $$(seq 180); do \
 	  if $(VENV_BIN)/python -c "import urllib.request as u; u.urlopen('$(SERVER_URL)/health', timeout=2)" 2>/dev/null; then \
 	    echo "prefect server ready at $(SERVER_URL)"; exit 0; fi; \
-	  $(SERVER_ALIVE) || { echo "prefect server exited:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1; }; \
+	  case "$$(ps -p $$(cat $(SERVER_PID)) -o stat= 2>/dev/null)" in ""|Z*) \
+	    echo "prefect server exited:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1;; esac; \
 	  sleep 1; \
 	done; echo "prefect server not ready after 180 s:"; tail -n 30 $(PREFECT_HOME)/server.log; exit 1
 
