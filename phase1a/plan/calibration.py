@@ -394,8 +394,16 @@ class _Timed:
     row_tokens: int  # the rows' tokens, padding included: what the time of a row follows
     micro_batches: int  # run
     whole: int  # in the step
-    warmup: bool = False
-    probe: bool = False  # one of `_probes`' small rows
+    role: Literal["probe", "warmup", "measured"] = "measured"  # probe: one of `_probes`' small rows
+
+    @property
+    def warmup(self) -> bool:
+        """Not a measured step: its first-call costs count as warm-up."""
+        return self.role != "measured"
+
+    @property
+    def probe(self) -> bool:
+        return self.role == "probe"
 
     @property
     def seconds(self) -> float:
@@ -509,8 +517,7 @@ def _timed_step(model, optimizer, step_batch: StepBatch, cap: int | None, since:
     apply_update(model, optimizer)
     _sync()
     return _Timed(middle - since, time.perf_counter() - middle, sum(row.tokens for row in rows),
-                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), role != "measured",
-                  role == "probe")
+                  sum(row.length for row in rows), len(rows), len(step_batch.micro_batches), role)
 
 
 def _micro_batches_within(step_batch: StepBatch, cost: _RowCost, seconds: float) -> int | None:

@@ -149,7 +149,7 @@ def test_a_full_row_is_predicted_from_the_probes_fixed_and_per_token_costs():
 
     def probe(row_tokens: int, seconds: float) -> _Timed:
         return _Timed(forward_backward=seconds, update=0.1, tokens=row_tokens, row_tokens=row_tokens,
-                      micro_batches=1, whole=1, warmup=True, probe=True)
+                      micro_batches=1, whole=1, role="probe")
 
     first_call, one, two = probe(180, 9.0), probe(180, 1.5), probe(360, 2.0)
     cost = _RowCost.of([first_call, one, two])
