@@ -102,6 +102,9 @@ class Calibration(BaseModel):
     seconds_per_token: float
     warmup_excess_seconds: float
     startup_seconds: float  # load the model, wrap it, build the optimizer
+    # When the first step began. One step runs whatever is left, the least that measures a speed, so the budget
+    # holds to one step past the later of itself and this (loading the model can spend a small budget).
+    first_step_at_seconds: float = 0.0
     checkpoint_seconds: float | None  # one checkpoint written, measured; None: the budget had no room for it
     checkpoint_bytes: int = 0  # its size on disk
     checkpoint_upload_seconds: float | None = None  # its upload to the store, when the job asked for one
@@ -207,6 +210,7 @@ class _Session:
         steps = -(-len(self.order) // method.batch_size)
         self.step_tokens = job.train_tokens / max(1, steps)  # a whole step's tokens, on average
         self.step_cap: int | None = None  # the first trial's, so that all trials compare alike
+        self.first_step_at = 0.0
         self.sweep_limit = f"plan.calibration_budget {self.budget:.0f} s"  # sweep_deadline names the one that binds
 
     def elapsed(self) -> float:
@@ -244,6 +248,11 @@ class _Session:
                            static_rows(training_device(), candidate.compile))
         batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size, budget)
         self._announce(candidate, deadline)
+        if not self.trials:
+            self.first_step_at = self.elapsed()
+            if self.first_step_at >= self.budget:
+                self.notes.append(f"the budget was spent before the first step ({self.startup:.0f} s loading the "
+                                  f"model); one step ran past it, the least that measures a speed")
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap))
         if len(self.trials) == 0:
@@ -309,7 +318,7 @@ class _Session:
             chosen=best.candidate, seconds_per_token=per_token,
             # The run pays its first calls as the first trial did, and its candidate's own warm-up (compilation).
             warmup_excess_seconds=max(first.warmup_excess_seconds or 0.0, best.warmup_excess_seconds or 0.0),
-            startup_seconds=self.startup,
+            startup_seconds=self.startup, first_step_at_seconds=self.first_step_at,
             checkpoint_seconds=checkpoint.write_seconds, checkpoint_bytes=checkpoint.bytes,
             checkpoint_upload_seconds=checkpoint.upload_seconds, peak_memory_gib=best.peak_memory_gib,
             trials=self.trials, budget_seconds=self.budget, seconds=self.elapsed(), validation=validation,

@@ -85,7 +85,9 @@ def test_calibration_ends_within_its_budget_and_one_step(tmp_path, jobs, two_yes
     calibration = plan.calibration
     longest_step = max(trial.longest_step_seconds for trial in calibration.trials)
     assert calibration.budget_seconds == budget
-    assert calibration.seconds <= budget + longest_step, format_plan(plan)
+    assert calibration.seconds <= max(budget, calibration.first_step_at_seconds) + longest_step, format_plan(plan)
+    assert (calibration.first_step_at_seconds < budget) != any("budget was spent before" in note
+                                                              for note in calibration.notes)
     assert f"{calibration.seconds:.0f} s of a {budget} s budget" in format_plan(plan)
     estimate = plan.estimate
     assert estimate.low_total_seconds <= estimate.total_seconds <= estimate.high_total_seconds
