@@ -18,8 +18,11 @@ TORCH ?= $(if $(and $(CPU_TORCH_WHEEL),$(if $(GPU_PRESENT),,no)),cpu,cuda)
 $(if $(filter-out cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): torch's build is cpu or cuda))
 UV_FLAGS := --frozen --extra $(TORCH)
 
+# --compile-bytecode: the venv's modules compiled once, here (72 s on two cores). Where PYTHONDONTWRITEBYTECODE is set
+# (CI, sandboxes) Python never writes them, and every process (each CLI run, flow run, rank) compiled torch,
+# transformers and prefect again on import: 32 s against 14 s measured.
 setup: $(UV)
-	$(UV) sync $(UV_FLAGS)
+	$(UV) sync $(UV_FLAGS) --compile-bytecode
 
 demo-data: setup
 	$(UV) run $(UV_FLAGS) python data/make_demo_dataset.py
