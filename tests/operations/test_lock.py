@@ -90,8 +90,8 @@ def make_setup(*args: str) -> subprocess.CompletedProcess:
 def test_makefile_picks_torch_and_takes_a_choice():
     has_gpu = subprocess.run("nvidia-smi -L 2>/dev/null | grep -q GPU", shell=True).returncode == 0
     default = "cpu" if Path(CPU_WHEEL).is_file() and not has_gpu else "cuda"
-    assert make_setup().stdout.strip() == f"/bin/true sync --frozen --extra {default}"
+    assert make_setup().stdout.strip() == f"/bin/true sync --frozen --extra {default} --compile-bytecode"
     for torch in ("cpu", "cuda"):
-        assert make_setup(f"TORCH={torch}").stdout.strip() == f"/bin/true sync --frozen --extra {torch}"
+        assert make_setup(f"TORCH={torch}").stdout.strip() == f"/bin/true sync --frozen --extra {torch} --compile-bytecode"
     wrong = make_setup("TORCH=rocm")
     assert wrong.returncode != 0 and "TORCH=rocm" in wrong.stderr and "cpu or cuda" in wrong.stderr
