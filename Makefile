@@ -31,11 +31,13 @@ demo: demo-data
 	$(UV) run $(UV_FLAGS) phase1a run --config configs/demo.yaml
 
 # The suite's files spread over the cores (pytest-xdist), a file to one worker: a file's tests share its fixtures
-# (servers, reference runs), which a finer split would start once per worker. TEST_WORKERS=0 runs them in one process.
+# (servers, reference runs), which a finer split would start once per worker; the slowest files first (tests/conftest.py).
+# TEST_WORKERS=0 runs them in one process.
 # Tests marked alone time a budget in seconds: they run afterwards, with the cores to themselves.
 TEST_WORKERS ?= auto
 test: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image and not alone" -n $(TEST_WORKERS) --dist loadfile
+	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder
 	$(UV) run $(UV_FLAGS) pytest -q -m "alone and not postgres and not image"
 
 # Prefect on a throwaway PostgreSQL server (tests/operations/test_operations_postgres.py): two hosts, a lost host, a resume.

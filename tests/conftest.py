@@ -2,6 +2,7 @@
 are in tests/helpers."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -61,11 +62,19 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["PHASE1A_TESTS_SHARED"], ignore_errors=True)
 
 
+# Each file's seconds in a `make test` (tests/file_seconds.py writes them from `--durations=0` output).
+FILE_SECONDS: dict[str, int] = json.loads((Path(__file__).with_name("file_seconds.json")).read_text())
+
+
 def pytest_collection_modifyitems(items):
-    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so."""
+    """A test that uses the moto server is an S3 test: the fixture marks it, so no test has to say so. The slowest
+    files first: pytest-xdist (`--dist loadfile --no-loadscope-reorder`, the Makefile) hands files to its workers in
+    this order, so that a run ends on short files on both workers, not on one worker's five-minute file while the
+    other idles. A file not in FILE_SECONDS (new) goes last, its tests in their order."""
     for item in items:
         if "endpoint" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0))  # stable: a file stays whole
 
 
 @pytest.fixture(scope="session")

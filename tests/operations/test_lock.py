@@ -92,6 +92,7 @@ def test_makefile_picks_torch_and_takes_a_choice():
     default = "cpu" if Path(CPU_WHEEL).is_file() and not has_gpu else "cuda"
     assert make_setup().stdout.strip() == f"/bin/true sync --frozen --extra {default} --compile-bytecode"
     for torch in ("cpu", "cuda"):
-        assert make_setup(f"TORCH={torch}").stdout.strip() == f"/bin/true sync --frozen --extra {torch} --compile-bytecode"
+        command = make_setup(f"TORCH={torch}").stdout.strip()
+        assert command == f"/bin/true sync --frozen --extra {torch} --compile-bytecode"
     wrong = make_setup("TORCH=rocm")
     assert wrong.returncode != 0 and "TORCH=rocm" in wrong.stderr and "cpu or cuda" in wrong.stderr

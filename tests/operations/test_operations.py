@@ -42,9 +42,7 @@ from helpers.prefect_stack import (
 from helpers.servers import s3_client
 from phase1a.config.schema import ConfigError, load_config, validate_config
 
-# alone: beside other tests, its Prefect server on SQLite lost an automation's event to "database is locked", and
-# (2026-11-28, a fresh clone) `make server` reported a server that was starting as exited.
-pytestmark = [pytest.mark.slow, pytest.mark.prefect_server, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.prefect_server]
 
 PLANTED_KEY_ID = "AKIDPLANTEDOPS000001"
 PLANTED_SECRET = "planted-secret-ops-5Jd8Qw3LzR"
