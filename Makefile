@@ -139,8 +139,9 @@ ZOMBIE_AFTER ?= 600
 CRASH_RETRIES ?= 3
 NOTIFY_BLOCK ?=
 SERVER_PID := $(PREFECT_HOME)/server.pid
-# True while the pid file names a live `prefect server start` (not a stale pid reused by another process).
-SERVER_ALIVE = [ -f $(SERVER_PID) ] && ps -p $$(cat $(SERVER_PID)) -o args= 2>/dev/null | grep -q "prefect server start"
+# True while the pid file names a live `prefect server start` (not a stale pid reused by another process). -ww: where
+# COLUMNS is set (pytest-xdist's workers set 80), ps cuts the command line to it, and a long venv path cut the words.
+SERVER_ALIVE = [ -f $(SERVER_PID) ] && ps -ww -p $$(cat $(SERVER_PID)) -o args= 2>/dev/null | grep -q "prefect server start"
 PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_API_URL=$(PREFECT_API_URL) PREFECT_SERVER_ANALYTICS_ENABLED=false
 
 # The server runs in its own session (setsid) so that server-stop can end it and its children as a group.
