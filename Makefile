@@ -33,7 +33,7 @@ demo: demo-data
 # The suite's files spread over the cores (pytest-xdist), a file to one worker: a file's tests share its fixtures
 # (servers, reference runs), which a finer split would start once per worker; the slowest files first (tests/conftest.py).
 # TEST_WORKERS=0 runs them in one process.
-# Tests marked alone time a budget in seconds: they run afterwards, with the cores to themselves.
+# Tests marked alone time seconds on an unloaded host: they run afterwards, with the cores to themselves.
 TEST_WORKERS ?= auto
 test: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image and not alone" -n $(TEST_WORKERS) --dist loadfile \

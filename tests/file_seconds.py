@@ -1,7 +1,6 @@
 """Writes tests/file_seconds.json, each test file's seconds (setup, call and teardown summed), from the output of
 pytest runs with `--durations=0`: `python tests/file_seconds.py make-test.log [more.log ...]` (a file in several
-logs: its largest sum). tests/conftest.py
-hands the slowest files to pytest-xdist's workers first."""
+logs: its largest sum). tests/conftest.py hands the slowest files to pytest-xdist's workers first."""
 from __future__ import annotations
 
 import collections

@@ -248,14 +248,15 @@ class _Session:
                            static_rows(training_device(), candidate.compile))
         batches = StepBatches(job.train_path, job.max_seq_length, self.order, method.batch_size, budget)
         self._announce(candidate, deadline)
-        if not self.trials:
+        first = not self.trials
+        if first:
             self.first_step_at = self.elapsed()
             if self.first_step_at >= self.budget:
                 self.notes.append(f"the budget was spent before the first step ({self.startup:.0f} s loading the "
                                   f"model); one step ran past it, the least that measures a speed")
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap))
-        if len(self.trials) == 0:
+        if first:
             self.step_cap = trial.step_cap
         self.trials.append(trial)
         self.meter.advance(1)

@@ -115,8 +115,8 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     result = calibrate(settings, tiny_model_dir, job)
     assert {t.status for t in result.trials} <= {"measured", "skipped"}
     one_step = max(t.longest_step_seconds for t in result.trials)
-    budget_from = max(1.0, result.startup_seconds)  # a start-up past the budget leaves the first trial its probe
-    assert result.seconds <= budget_from + one_step + 0.2
+    # A start-up past the budget leaves the first trial its one step; 0.2 s: what follows the last step (the notes).
+    assert result.seconds <= max(1.0, result.first_step_at_seconds) + one_step + 0.2
     assert re.search(r"calibration trial 1 \(\d+ s of the 1 s budget\): micro 8, checkpointing off",
                      capsys.readouterr().out)
     assert re.search(r"calibration: trial 1 of \d+: micro 8, checkpointing off, compile off, workers 0 \(until \d+ s "
@@ -125,6 +125,23 @@ def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train
     assert all(t.note.startswith("not tried: ") and t.note.endswith(
         "plan.calibration_budget 1 s, less the checkpoint and validation timings; a larger plan.calibration_budget "
         "lets it run") for t in result.trials if t.status == "skipped")
+
+
+def test_a_budget_spent_before_the_first_step_runs_that_step_alone_and_says_so(tmp_path, tiny_model_dir,
+                                                                                train_path):
+    """No budget at all: loading the model spends it, one step still runs (a plan needs a speed), nothing else is
+    tried or timed, and the plan's notes say why the calibration ran past its budget."""
+    settings = config(tmp_path, tiny_model_dir, calibration_budget="0s", calibration_share=1.0)
+    start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
+                         alternatives=lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})])
+    result = calibrate(settings, tiny_model_dir, job)
+    assert [t.status for t in result.trials] == ["measured", "skipped"] and result.trials[0].measured_steps == 0
+    assert result.first_step_at_seconds >= result.startup_seconds > 0
+    assert result.seconds <= result.first_step_at_seconds + result.trials[0].longest_step_seconds + 0.2
+    assert result.checkpoint_seconds is None
+    assert any(note.startswith("the budget was spent before the first step (") and note.endswith(
+        "one step ran past it, the least that measures a speed") for note in result.notes), result.notes
 
 
 def test_a_candidate_the_share_of_training_time_leaves_out_names_that_share(tmp_path, tiny_model_dir, train_path):
