@@ -93,8 +93,8 @@ class Sightings:
 
     def look(self, host: BenchHost, pointer: StorePointer) -> None:
         from phase1a.core import layout
+        from phase1a.core.layout import checkpoint_step, list_checkpoints
         from phase1a.train import run_files
-        from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 
         now, train = time.monotonic(), host.train_dir()
         if train is not None:

@@ -9,10 +9,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from phase1a.core.atomic import write_atomically
-from phase1a.evaluate.gate import GateCheck
-from phase1a.evaluate.metrics import Answer
 from phase1a.evaluate.present import MetricRow, metric_rows, validation_table
-from phase1a.evaluate.result import ValidationResult
+from phase1a.evaluate.result import Answer, GateCheck, ValidationResult
 from phase1a.evaluate.serving import ServingVerdict
 from phase1a.plan.interruptions import InterruptionOutcome
 from phase1a.plan.result import Plan

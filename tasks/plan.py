@@ -17,7 +17,6 @@ from phase1a.core.hardware import detect, history_kind
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import BenchmarkError, validation_key
 from phase1a.model.result import ResolvedModel
-from phase1a.plan.planner import make_plan
 from phase1a.plan.result import Plan
 from phase1a.train.history import history_path, pull_records
 from tasks.caching import StageCache, task
@@ -44,6 +43,8 @@ def plan_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Tokenize
 @task(name="plan", cache_policy=StageCache(fingerprint=plan_fingerprint), persist_result=True,
       result_serializer="json")
 def plan_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData) -> Plan:
+    from phase1a.plan.planner import make_plan  # torch: imported by the stage that calibrates (tasks/caching.py)
+
     store = open_store(config.store)
     if store is not None:  # 1. history: a fresh host plans from the throughput the hosts before it measured
         pull_records(store, history_path(config.cache_dir), model.fingerprint,

@@ -28,9 +28,7 @@ from phase1a.start.result import StartPoint
 from phase1a.train.history import history_path, share_record
 from phase1a.train.preemption import StopRequest
 from phase1a.train.result import TrainResult
-from phase1a.train.runner import run
 from phase1a.train.spot_notice import SpotNotices
-from phase1a.train.store_run import run_with_store
 from tasks.caching import task
 
 
@@ -39,6 +37,9 @@ def train_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
                start: StartPoint) -> TrainResult:
     """Trains what the plan chose from `start`, then appends the run's measured speed to the history the next
     plan reads. The result names its start, which promotion records as the new version's parent."""
+    from phase1a.train.runner import run  # torch: imported by the stage that trains (tasks/caching.py)
+    from phase1a.train.store_run import run_with_store
+
     settings = train_settings(config, plan, data, model, start)  # 1. settings
     # 2. alone. Two runs with the same training key share output_dir (a duplicate manual run, or one during the
     # nightly run): training side by side would interleave metrics, race on checkpoint renames and write one

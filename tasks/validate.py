@@ -20,10 +20,8 @@ from pathlib import Path
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.fingerprint import hash_json, sha256_tree
 from phase1a.data.tokenized import TokenizedData
-from phase1a.evaluate.baseline import baseline_identity
 from phase1a.evaluate.benchmarks import validation_key
 from phase1a.evaluate.result import ValidationResult
-from phase1a.evaluate.validation import ADAPTER_FILES, validate
 from phase1a.model.result import ResolvedModel
 from phase1a.train.result import TrainResult
 from tasks.caching import StageCache, task
@@ -32,6 +30,9 @@ from tasks.caching import StageCache, task
 def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData, trained: TrainResult) -> str:
     """The validate stage's key, from its own inputs: the same weights on the same held-out examples against
     the same baseline give the same verdict."""
+    from phase1a.evaluate.baseline import baseline_identity  # torch: imported by the stage (tasks/caching.py)
+    from phase1a.evaluate.validation import ADAPTER_FILES
+
     # Evaluation during training changes the verdict only through the weights (early stopping): the adapter.
     # No path enters (validation_key): the verdict is found from any checkout or host.
     settings = validation_key(config.validation)
@@ -44,4 +45,6 @@ def verdict_fingerprint(config: Phase1aConfig, model: ResolvedModel, data: Token
       result_serializer="json")
 def validate_task(config: Phase1aConfig, model: ResolvedModel, data: TokenizedData,
                   trained: TrainResult) -> ValidationResult:
+    from phase1a.evaluate.validation import validate
+
     return validate(config, model, Path(data.validation_path), Path(trained.adapter_dir))  # the four phases

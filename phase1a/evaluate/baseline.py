@@ -11,8 +11,8 @@ import torch
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core.fingerprint import sha256_file
 from phase1a.data.staging import fetch_adapter
-from phase1a.evaluate.gate import Baseline, BaselineError
-from phase1a.evaluate.metrics import Metrics
+from phase1a.evaluate.gate import BaselineError
+from phase1a.evaluate.result import Baseline, Metrics
 from phase1a.evaluate.scoring import Scoring, cached
 from phase1a.model.loading import for_scoring, load_for_eval
 from phase1a.store.promoted import PromotedPointer, read_pointer

@@ -19,7 +19,7 @@ from typing import Any
 
 from phase1a.config.schema import BenchmarkConfig, ValidationConfig
 from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
-from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork
+from phase1a.evaluate.result import BenchmarkScore, EvaluationWork
 
 _STDERR_ITERATIONS = 1000  # bootstrap draws for a metric without a closed-form standard error
 

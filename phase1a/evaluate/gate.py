@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from phase1a.config.schema import ValidationConfig
 from phase1a.core.atomic import write_atomically
-from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics
+from phase1a.evaluate.result import HIGHER_IS_BETTER, Baseline, GateCheck, Metrics
 
 # Float noise in `baseline - tolerance` (0.51 - 0.01 is 0.5000000000000001) must not fail an exact tie.
 _EPSILON = 1e-12
@@ -22,41 +22,12 @@ class BaselineError(ValueError):
     """No usable baseline: a missing file or pointer, a gated metric without a value, another sample."""
 
 
-class Baseline(BaseModel):
-    source: str  # what it is, for the report: "base model", "file /x.json", "promoted 2026...-run"
-    metrics: dict[str, float | None]
-    unavailable: dict[str, str] = {}
-    sample_fingerprint: str | None = None
-
-    @classmethod
-    def of(cls, source: str, metrics: Metrics, sample_fingerprint: str | None = None) -> "Baseline":
-        values = {name: metrics.value(name) for name in metrics.names()}
-        return cls(source=source, metrics=values, unavailable=metrics.unavailable,
-                   sample_fingerprint=sample_fingerprint)
-
-
 class BaselineFile(BaseModel):
     """What `validation.baseline_file` holds; every run writes its candidate's as candidate_metrics.json."""
 
     source: str = ""
     sample_fingerprint: str | None = None  # when present it must match this run's sample
     metrics: dict[str, float | None]
-
-
-class GateCheck(BaseModel):
-    metric: str
-    candidate: float
-    baseline: float
-    tolerance: float
-    higher_is_better: bool
-    passed: bool
-
-    def describe(self) -> str:
-        if self.higher_is_better:
-            relation, bound = (">=" if self.passed else "<"), f"- tolerance {self.tolerance:g}"
-        else:
-            relation, bound = ("<=" if self.passed else ">"), f"+ tolerance {self.tolerance:g}"
-        return f"{self.metric} {self.candidate:.4f} {relation} baseline {self.baseline:.4f} {bound}"
 
 
 def gate(candidate: Metrics, baseline: Baseline, settings: ValidationConfig) -> list[GateCheck]:

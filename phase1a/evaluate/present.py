@@ -10,8 +10,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from phase1a.core import layout
-from phase1a.evaluate.gate import GateCheck, write_baseline_file
-from phase1a.evaluate.result import ValidationResult
+from phase1a.evaluate.gate import write_baseline_file
+from phase1a.evaluate.result import GateCheck, ValidationResult
 
 
 class MetricRow(BaseModel):

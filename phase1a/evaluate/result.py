@@ -1,12 +1,129 @@
-"""What the validate stage hands promote, and report.json records: the candidate against its baseline on the
-held-out sample, the gate's checks and verdict (ValidationResult)."""
+"""What the validate stage hands on, and report.json records: each model's held-out metrics (Metrics), the candidate
+against its baseline, the gate's checks and verdict (ValidationResult); and what evaluation costs, measured
+(ValidationSpeed) and counted (EvaluationWork), which calibration and the plan hand on. Types only, with no torch:
+the flow, the report and the CLI read them without loading a model."""
 from __future__ import annotations
 
 from pydantic import BaseModel
 
-from phase1a.evaluate.gate import Baseline, GateCheck
-from phase1a.evaluate.metrics import Metrics
 from phase1a.evaluate.serving import ServingVerdict
+
+# Metric name -> the direction that is better; the gate and the report read this.
+HIGHER_IS_BETTER = {"loss": False, "perplexity": False, "token_accuracy": True, "exact_match": True, "ece": False}
+
+
+class Answer(BaseModel):
+    reference: str
+    prediction: str
+    correct: bool
+    confidence: float
+
+
+class BenchmarkScore(BaseModel):
+    """One lm-eval benchmark's metric for one model (phase1a/evaluate/benchmarks.py)."""
+
+    task: str  # the lm-eval task's name
+    source: str  # as configured (`validation.benchmarks[].task`): the name, or the path of the task's YAML
+    metric: str
+    value: float
+    stderr: float | None = None
+    samples: int
+    higher_is_better: bool = True
+    identity: str  # what the score depends on besides the weights: comparable only where it is equal
+
+
+class Metrics(BaseModel):
+    examples: int
+    tokens: int
+    loss: float
+    perplexity: float
+    token_accuracy: float
+    exact_match: float | None = None
+    ece: float | None = None
+    mean_confidence: float | None = None
+    generated_tokens: int = 0
+    unavailable: dict[str, str] = {}  # metric -> why it could not be computed on this sample
+    answers: list[Answer] = []  # the first few, for the report
+    benchmarks: dict[str, BenchmarkScore] = {}  # "task/metric" -> its score
+
+    def value(self, metric: str) -> float | None:
+        if metric in self.benchmarks:
+            return self.benchmarks[metric].value
+        return getattr(self, metric, None)
+
+    def names(self) -> list[str]:
+        """Every metric it can hold: the held-out sample's, then its benchmarks'."""
+        return [*HIGHER_IS_BETTER, *self.benchmarks]
+
+    def higher_is_better(self, metric: str) -> bool:
+        return self.benchmarks[metric].higher_is_better if metric in self.benchmarks else HIGHER_IS_BETTER[metric]
+
+
+class ValidationSpeed(BaseModel):
+    """Validation's two costs, measured on the model being planned: the teacher-forced pass per token, and one
+    greedy step of a generation batch (`generation_batch_size` rows) with the KV cache."""
+
+    forward_seconds_per_token: float
+    decode_seconds_per_step: float
+    source: str = "measured"  # how the two were found: measured, or measured on fewer rows and scaled
+    # A generation batch's prefill (left-padded rows, per prompt token); None: at the teacher-forced speed.
+    prefill_seconds_per_token: float | None = None
+    # The teacher-forced passes timed (0: not timed, derived) and how far their seconds per token spread (half
+    # the range over the mean): what the estimate's range for evaluation rests on (phase1a/plan/footing.py).
+    passes: int = 0
+    spread: float = 0.0
+
+
+class EvaluationWork(BaseModel):
+    """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill) and
+    greedy steps of generation batches."""
+
+    forward_tokens: float = 0.0  # teacher-forced
+    prefill_tokens: float = 0.0  # generation batches' prompts
+    decode_steps: float = 0.0
+
+    def seconds(self, speed: ValidationSpeed) -> float:
+        prefill = speed.prefill_seconds_per_token or speed.forward_seconds_per_token
+        return (self.forward_tokens * speed.forward_seconds_per_token + self.prefill_tokens * prefill
+                + self.decode_steps * speed.decode_seconds_per_step)
+
+    def __add__(self, other: "EvaluationWork") -> "EvaluationWork":
+        return EvaluationWork(forward_tokens=self.forward_tokens + other.forward_tokens,
+                              prefill_tokens=self.prefill_tokens + other.prefill_tokens,
+                              decode_steps=self.decode_steps + other.decode_steps)
+
+    def __mul__(self, times: float) -> "EvaluationWork":
+        return EvaluationWork(forward_tokens=self.forward_tokens * times, prefill_tokens=self.prefill_tokens * times,
+                              decode_steps=self.decode_steps * times)
+
+
+class Baseline(BaseModel):
+    source: str  # what it is, for the report: "base model", "file /x.json", "promoted 2026...-run"
+    metrics: dict[str, float | None]
+    unavailable: dict[str, str] = {}
+    sample_fingerprint: str | None = None
+
+    @classmethod
+    def of(cls, source: str, metrics: Metrics, sample_fingerprint: str | None = None) -> "Baseline":
+        values = {name: metrics.value(name) for name in metrics.names()}
+        return cls(source=source, metrics=values, unavailable=metrics.unavailable,
+                   sample_fingerprint=sample_fingerprint)
+
+
+class GateCheck(BaseModel):
+    metric: str
+    candidate: float
+    baseline: float
+    tolerance: float
+    higher_is_better: bool
+    passed: bool
+
+    def describe(self) -> str:
+        if self.higher_is_better:
+            relation, bound = (">=" if self.passed else "<"), f"- tolerance {self.tolerance:g}"
+        else:
+            relation, bound = ("<=" if self.passed else ">"), f"+ tolerance {self.tolerance:g}"
+        return f"{self.metric} {self.candidate:.4f} {relation} baseline {self.baseline:.4f} {bound}"
 
 
 class ValidationResult(BaseModel):

@@ -18,7 +18,8 @@ from phase1a.core.atomic import write_atomically
 from phase1a.core.fingerprint import hash_json
 from phase1a.core.hardware import training_dtype
 from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
-from phase1a.evaluate.metrics import BenchmarkScore, Metrics, evaluate, metric_settings_key, sample_fingerprint
+from phase1a.evaluate.metrics import evaluate, metric_settings_key, sample_fingerprint
+from phase1a.evaluate.result import BenchmarkScore, Metrics
 from phase1a.model.loading import load_tokenizer
 from phase1a.model.result import ResolvedModel
 from phase1a.train.packing import TokenRows

@@ -26,9 +26,8 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_device
 from phase1a.evaluate.baseline import PromotedSource, promoted_baseline, promoted_pointer
-from phase1a.evaluate.gate import Baseline, gate, read_baseline_file
-from phase1a.evaluate.metrics import Metrics
-from phase1a.evaluate.result import ValidationResult
+from phase1a.evaluate.gate import gate, read_baseline_file
+from phase1a.evaluate.result import Baseline, Metrics, ValidationResult
 from phase1a.evaluate.scoring import Scoring, base_model_metrics
 from phase1a.evaluate.serving import check_vllm_adapter
 from phase1a.model.loading import for_scoring, is_adapter, load_for_eval

@@ -20,18 +20,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from phase1a.core.labels import IGNORE_INDEX
-from phase1a.core.units import MIB
-
-# A chunk's float32 logits: 256 MiB. The chunk count of a row is then fixed by its length and the vocabulary (a
-# static loop for static rows), with few large matmuls: SmolLM2's 49k vocabulary gets 1,280-row chunks, Llama 3's
-# 128k 512; Liger's heuristic gave SmolLM2 32-row chunks, 63 Python iterations a 2,000-token step.
-CHUNK_BYTES = 256 * MIB
-CHUNK_ALIGN = 128
-
-
-def chunk_rows(vocab: int) -> int:
-    """Tokens a chunk for this vocabulary: its float32 logits within `CHUNK_BYTES`, a multiple of `CHUNK_ALIGN`."""
-    return max(CHUNK_ALIGN, CHUNK_BYTES // (4 * vocab) // CHUNK_ALIGN * CHUNK_ALIGN)
+from phase1a.model.cost_model import chunk_rows
 
 
 @dataclass

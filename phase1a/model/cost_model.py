@@ -1,15 +1,14 @@
 """What a training step costs in memory and FLOPs, from the model's shape alone (no weights are read).
-The formulas, and how they were checked against a measured peak: docs/plan-models.md."""
+The formulas, and how they were checked against a measured peak: docs/plan-models.md. No torch at import: the plan
+and its report read these types and formulas without loading a model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from pydantic import BaseModel
 
-from phase1a.core.units import GIB
-from phase1a.model.chunked_loss import chunk_rows
+from phase1a.core.units import GIB, MIB
 
 NF4_BYTES = 0.5 + 4 / 64 / 8 + 4 / 64 / 256  # 4-bit weight, 8-bit scale per 64, fp32 scale per 256 scales
 OPTIMIZER_STATE_BYTES = {"adamw_fused": 8, "adamw": 8, "adamw_8bit": 2}
@@ -72,6 +71,7 @@ class TrainingShape(BaseModel):
 
 def model_facts(model_dir: Path) -> ModelFacts:
     """Shapes from the config and the parameter count from a meta-device model: no weights are read."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -172,3 +172,15 @@ def significant(value: float, digits: int = 3) -> float:
     """`value` to `digits` significant figures: a small model on a big GPU runs far below 1 % MFU, which a fixed
     number of decimals rounds to 0."""
     return float(f"{value:.{digits}g}")
+
+
+# A chunk's float32 logits: 256 MiB. The chunk count of a row is then fixed by its length and the vocabulary (a
+# static loop for static rows), with few large matmuls: SmolLM2's 49k vocabulary gets 1,280-row chunks, Llama 3's
+# 128k 512; Liger's heuristic gave SmolLM2 32-row chunks, 63 Python iterations a 2,000-token step.
+CHUNK_BYTES = 256 * MIB
+CHUNK_ALIGN = 128
+
+
+def chunk_rows(vocab: int) -> int:
+    """Tokens a chunk for this vocabulary: its float32 logits within `CHUNK_BYTES`, a multiple of `CHUNK_ALIGN`."""
+    return max(CHUNK_ALIGN, CHUNK_BYTES // (4 * vocab) // CHUNK_ALIGN * CHUNK_ALIGN)

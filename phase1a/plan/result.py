@@ -1,16 +1,74 @@
 """The plan stage's result: the knobs training runs with, the estimate and its range, the options table and the
-notes (what phase1a/plan/planner.py makes and the flow hands the train stage)."""
+notes (what phase1a/plan/planner.py makes and the flow hands the train stage), and the calibration it rests on: the
+candidates tried and what each measured (phase1a/plan/calibration.py). Types only, with no torch."""
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel
 
-from phase1a.evaluate.metrics import ValidationSpeed
+from phase1a.core.hardware import training_device
+from phase1a.evaluate.result import ValidationSpeed
 from phase1a.model.cost_model import MemoryEstimate, ModelFacts
-from phase1a.plan.calibration import Calibration
+from phase1a.plan import footing
 from phase1a.plan.footing import Footing
 from phase1a.plan.interruptions import InterruptionEstimate
 from phase1a.plan.options import OptionRow
 from phase1a.plan.window import Adjustment
+
+
+class Candidate(BaseModel, frozen=True):
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    compile: bool = False
+    dataloader_workers: int = 0
+    cuda_graphs: bool = False
+
+    def label(self) -> str:
+        compiled = ("on, CUDA graphs" if self.cuda_graphs else "on") if self.compile else "off"
+        return (f"micro {self.micro_batch_size}, checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+                f"compile {compiled}, workers {self.dataloader_workers}")
+
+
+class Trial(BaseModel):
+    candidate: Candidate
+    status: Literal["measured", "out_of_memory", "failed", "skipped"]
+    tokens_per_second: float | None = None
+    warmup_excess_seconds: float | None = None  # what the first steps cost beyond steady state (compilation)
+    peak_memory_gib: float | None = None  # CUDA only: the allocator's peak during the trial
+    seconds: float = 0.0
+    note: str = ""
+    measured_steps: int = 0  # after the warm-up steps
+    step_cap: int | None = None  # the micro-batches each step was cut to, to fit the budget; None: whole steps
+    micro_batches: float = 0.0  # run a measured step (a warm-up step, without measured ones), on average
+    step_micro_batches: float = 0.0  # a whole step's, on average over those steps
+    spread: float = 0.0  # half the range of the measured steps' seconds per token, over their mean
+    longest_step_seconds: float = 0.0
+
+    def footing(self) -> Footing:
+        return footing.measured(self.measured_steps, self.micro_batches, self.step_micro_batches, self.spread,
+                                footing.floor(training_device().type))
+
+
+class Calibration(BaseModel):
+    chosen: Candidate
+    seconds_per_token: float
+    warmup_excess_seconds: float
+    startup_seconds: float  # load the model, wrap it, build the optimizer
+    # When the first step began. One step runs whatever is left, the least that measures a speed, so the budget
+    # holds to one step past the later of itself and this (loading the model can spend a small budget).
+    first_step_at_seconds: float = 0.0
+    checkpoint_seconds: float | None  # one checkpoint written, measured; None: the budget had no room for it
+    checkpoint_bytes: int = 0  # its size on disk
+    checkpoint_upload_seconds: float | None = None  # its upload to the store, when the job asked for one
+    peak_memory_gib: float | None
+    trials: list[Trial]
+    budget_seconds: float
+    seconds: float
+    validation: ValidationSpeed | None = None  # the validate stage's two costs, measured on this model
+    footing: Footing  # what the chosen candidate's speed rests on
+    needed_seconds: float | None = None  # a whole calibration of the first candidate, when the budget cut it short
+    notes: list[str] = []  # what was not timed, and why
 
 
 class Estimate(BaseModel):

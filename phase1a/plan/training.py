@@ -15,11 +15,10 @@ from phase1a.data.tokenized import TokenizedData
 from phase1a.model.result import ResolvedModel
 from phase1a.plan.result import Plan
 from phase1a.start.result import StartPoint
-from phase1a.train.evaluation import EvalSettings
 from phase1a.train.history import RunRecord, append_run
 from phase1a.train.launch import launch_for
 from phase1a.train.result import TrainResult
-from phase1a.train.settings import TrainSettings, training_key
+from phase1a.train.settings import EvalSettings, TrainSettings, training_key
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.templates import apply_chat_template_setting
 from phase1a.model.gguf import write_gguf
@@ -21,6 +19,7 @@ def merge_adapter(model_dir: Path, adapter_dir: Path, target: Path, trust_remote
                   chat_template: str | None = None) -> Path:
     """The base with the adapter folded into its weights (in fp32, saved in the base's dtype), plus its tokenizer
     with the chat template the data was rendered with (`data.chat_template`): a model that loads without peft."""
+    import torch
     from peft import PeftModel
     from transformers import AutoConfig
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,11 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from phase1a.core.atomic import atomic_path
-
-MARKER = "COMPLETE"
-ARITHMETIC = "arithmetic.json"  # in a checkpoint: the knobs its steps were computed with (StepArithmetic)
-RUN_FILES = "run"  # in a checkpoint that travels to another host: the run's curves and best weights as they were
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+from phase1a.core.layout import ARITHMETIC, MARKER, RUN_FILES, list_checkpoints
 
 
 @dataclass(frozen=True)
@@ -129,19 +124,6 @@ def _carry(directory: Path, files: dict[str, Path]) -> None:
             os.link(source, target)
         else:
             shutil.copyfile(source, target)
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(Path(path).name.removeprefix("step-"))
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first; half-written ones (no marker) are ignored."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: p.name)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> TrainingState:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from phase1a.core import layout
 from phase1a.core.atomic import atomic_path
+from phase1a.core.layout import MARKER
 from phase1a.start.replay import write_trained_on
-from phase1a.train.checkpoints import MARKER
 from phase1a.train.result import TrainResult
 
 

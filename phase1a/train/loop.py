@@ -33,6 +33,7 @@ import torch
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 from phase1a.core.hardware import training_device
+from phase1a.core.layout import list_checkpoints
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import MeterSettings, current_settings
 from phase1a.core.units import Clock, parse_interval
@@ -42,7 +43,6 @@ from phase1a.train import distributed, run_files
 from phase1a.train.checkpoints import (
     StepArithmetic,
     TrainingState,
-    list_checkpoints,
     load_checkpoint,
     load_optimizer_state,
     optimizer_state_dict,

@@ -32,6 +32,7 @@ from phase1a.core.meter import ARTIFACT_EVERY_SECONDS, MeterSettings, ProgressAr
 from phase1a.core.units import GIB, KIB, format_seconds
 from phase1a.model.cost_model import mfu
 from phase1a.train.history import ESTIMATE_BAND
+from phase1a.train.run_files import event_line
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class ProgressReporter:
     def event(self, kind: str, **fields) -> None:
         """`events.jsonl`: a resume, an out-of-memory back-off, a preemption checkpoint, with the time."""
         self.flush()
-        self._write(self.events, _event(kind, **fields))
+        self._write(self.events, event_line(kind, **fields))
         if self.events is not None:
             self.watch.say(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
@@ -189,16 +190,6 @@ def _read(values: list) -> list[float]:
     tensors = [value for value in values if isinstance(value, torch.Tensor)]
     read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist() if tensors else [])
     return [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
-
-
-def append_event(output_dir: Path, kind: str, **fields) -> None:
-    """An event from outside a training process (the launcher of its ranks), in the same file and format."""
-    with open(Path(output_dir) / layout.EVENTS, "a") as events:
-        events.write(json.dumps(_event(kind, **fields)) + "\n")
-
-
-def _event(kind: str, **fields) -> dict:
-    return {"event": kind, "time": time.time(), **fields}
 
 
 def _peak_memory_gib() -> float:

@@ -1,10 +1,13 @@
-"""The curves a training run writes in its directory: the trainer writes them (phase1a/train/progress.py); a resume
-trims them (phase1a/train/loop.py); the report, the plots and the trackers read them."""
+"""The curves and events a training run writes in its directory: the trainer writes them (phase1a/train/progress.py),
+the launcher of its ranks its events (append_event); a resume trims them (phase1a/train/loop.py); the report, the
+plots and the trackers read them."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
 
 
@@ -48,3 +51,13 @@ def trim_to_step(path: Path, last_step: int) -> None:
         return
     kept = [record for record in read_lines(path) if record.get("step", 0) <= last_step]
     write_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))  # a crash here keeps the curve
+
+
+def append_event(output_dir: Path, kind: str, **fields) -> None:
+    """An event from outside a training process (the launcher of its ranks), in the same file and format."""
+    with open(Path(output_dir) / layout.EVENTS, "a") as events:
+        events.write(json.dumps(event_line(kind, **fields)) + "\n")
+
+
+def event_line(kind: str, **fields) -> dict:
+    return {"event": kind, "time": time.time(), **fields}

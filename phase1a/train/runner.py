@@ -8,14 +8,14 @@ from pathlib import Path
 
 from phase1a.core import layout
 from phase1a.core.atomic import write_atomically
+from phase1a.core.layout import checkpoint_step, list_checkpoints
 from phase1a.core.logs import run_logger
-from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 from phase1a.train.launch import LaunchError, LaunchStopped, run_agents
 from phase1a.train.loop import train
 from phase1a.train.preemption import Preempted, StopRequest
-from phase1a.train.progress import append_event
 from phase1a.train.rank import ENTRY
 from phase1a.train.result import TrainResult
+from phase1a.train.run_files import append_event
 from phase1a.train.settings import TrainSettings
 
 

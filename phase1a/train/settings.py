@@ -1,16 +1,74 @@
 """A training run's settings (TrainSettings: what the loop and every torchrun rank read, written as JSON into the
 run's directory for the ranks) and what makes two runs the same run (training_key, which names that directory:
-phase1a/plan/training.py)."""
+phase1a/plan/training.py); what the train stage evaluates as it goes (EvalSettings). No torch: the plan and the
+flow build them without loading a model."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 from pydantic import BaseModel
 
-from phase1a.config.schema import MethodConfig, ProgressConfig
+from phase1a.config.schema import MethodConfig, Phase1aConfig, ProgressConfig
 from phase1a.core.fingerprint import hash_json
-from phase1a.train.evaluation import DURING_TRAINING_FIELDS, EvalSettings
+from phase1a.core.units import Clock, Interval, parse_interval
 from phase1a.train.launch import Launch
+
+if TYPE_CHECKING:
+    from phase1a.train.packing import TokenRows
+
+
+EVERY_CHECKPOINT = "checkpoint"
+# The `method` fields that only evaluation during training reads (`EvalSettings.of`): the training key leaves them
+# out, since evaluating changes no weight; with early stopping they enter as `EvalSettings.key`.
+DURING_TRAINING_FIELDS = {"eval_interval", "eval_examples", "early_stopping_patience", "early_stopping_threshold"}
+
+
+class EvalSettings(BaseModel):
+    """What the train stage evaluates, when, and whether it stops early; None in TrainSettings: no evaluation."""
+
+    validation_path: str  # the tokenized validation split (a SplitView)
+    cadence: str = EVERY_CHECKPOINT  # 'checkpoint', or an interval such as '500steps'
+    examples: int = 64
+    patience: int | None = None  # early stopping: evaluations without improvement; None: off
+    min_delta: float = 0.0
+
+    @classmethod
+    def of(cls, config: Phase1aConfig, validation_path: str | None,
+           validation_examples: int) -> EvalSettings | None:
+        """From the config (`method.eval_*`, `method.early_stopping_*`); None when it is off or there is no
+        validation split to take the sample from."""
+        method = config.method
+        if method.eval_interval == "never" or not validation_path or validation_examples == 0:
+            return None
+        return cls(validation_path=validation_path, cadence=method.eval_interval,
+                   # The validate stage scores the first max_examples: this sample stays a part of that one.
+                   examples=min(method.eval_examples, config.validation.max_examples),
+                   patience=method.early_stopping_patience,
+                   min_delta=method.early_stopping_threshold)
+
+    @property
+    def at_checkpoints(self) -> bool:
+        return self.cadence == EVERY_CHECKPOINT
+
+    def interval(self, checkpoint_interval: str) -> Interval:
+        return parse_interval(checkpoint_interval if self.at_checkpoints else self.cadence)
+
+    def evaluations(self, checkpoint_interval: str, run: Clock) -> int:
+        """How many a run this long makes: the interval's firings before the end, and the final weights'."""
+        return self.interval(checkpoint_interval).count(run) + 1
+
+    def sample(self, rows: TokenRows) -> np.ndarray:
+        return np.arange(min(len(rows), self.examples))
+
+    def key(self, checkpoint_interval: str) -> dict | None:
+        """What of it changes the trained weights, for the training key: with early stopping, where it looks and
+        when it stops; without, nothing (evaluating changes no weight, so a new cadence reuses a finished run
+        and resumes from its checkpoints)."""
+        if self.patience is None:
+            return None
+        return {"interval": str(self.interval(checkpoint_interval)), "examples": self.examples,
+                "patience": self.patience, "min_delta": self.min_delta}
 
 
 class TrainSettings(BaseModel):

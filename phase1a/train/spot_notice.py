@@ -32,7 +32,7 @@ from pathlib import Path
 
 from phase1a.core.logs import run_logger
 from phase1a.train.preemption import StopRequest
-from phase1a.train.progress import append_event
+from phase1a.train.run_files import append_event
 
 AWS_URL, AWS_DEFAULT = "PHASE1A_AWS_METADATA_URL", "http://169.254.169.254"
 GCE_URL, GCE_DEFAULT = "PHASE1A_GCE_METADATA_URL", "http://metadata.google.internal"

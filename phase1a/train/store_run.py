@@ -13,8 +13,8 @@ from phase1a.core.units import parse_duration_seconds
 from phase1a.store.base import Store
 from phase1a.store.lease import LeaseLost
 from phase1a.train.preemption import Preempted, StopRequest
-from phase1a.train.progress import append_event
 from phase1a.train.result import StoreTraining, TrainResult
+from phase1a.train.run_files import append_event
 from phase1a.train.runner import run
 from phase1a.train.settings import TrainSettings
 from phase1a.train.train_store import CheckpointMirror, RemoteRun, job_prefix

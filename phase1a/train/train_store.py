@@ -41,13 +41,13 @@ from pydantic import BaseModel
 
 from phase1a.core import layout
 from phase1a.core.atomic import remove
+from phase1a.core.layout import MARKER, RUN_FILES, checkpoint_step, list_checkpoints
 from phase1a.core.locks import describe_holder
 from phase1a.core.logs import run_logger
 from phase1a.store.base import Fetched, Store, StoreConflict
 from phase1a.store.bundles import BundleCorrupt, delete_bundle, download_bundle, read_bundle, upload_bundle
 from phase1a.store.lease import Lease, LeaseLost
 from phase1a.train import run_files
-from phase1a.train.checkpoints import MARKER, RUN_FILES, checkpoint_step, list_checkpoints
 
 
 class Pulled(BaseModel):

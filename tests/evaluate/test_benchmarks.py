@@ -17,9 +17,9 @@ from phase1a.config.schema import (
 )
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
-from phase1a.evaluate.gate import Baseline, BaselineError, gate
-from phase1a.evaluate.metrics import BenchmarkScore, EvaluationWork, Metrics
+from phase1a.evaluate.gate import BaselineError, gate
 from phase1a.evaluate.present import format_table
+from phase1a.evaluate.result import Baseline, BenchmarkScore, EvaluationWork, Metrics
 from phase1a.evaluate.validation import validate
 from phase1a.train.loop import train
 from phase1a.train.settings import TrainSettings

@@ -22,10 +22,11 @@ from phase1a.config.schema import (
 )
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.answers import extract_answer, normalise
-from phase1a.evaluate.gate import Baseline, BaselineError, gate, read_baseline_file, write_baseline_file
+from phase1a.evaluate.gate import BaselineError, gate, read_baseline_file, write_baseline_file
 from phase1a.evaluate.generation import generate_greedy, generation_examples, stop_token_ids
-from phase1a.evaluate.metrics import HIGHER_IS_BETTER, Metrics, evaluate, expected_calibration_error, sample_fingerprint
+from phase1a.evaluate.metrics import evaluate, expected_calibration_error, sample_fingerprint
 from phase1a.evaluate.present import format_table
+from phase1a.evaluate.result import HIGHER_IS_BETTER, Baseline, Metrics
 from phase1a.evaluate.scoring import Scoring, base_model_metrics
 from phase1a.evaluate.validation import validate
 from phase1a.model.loading import for_scoring, load_for_eval

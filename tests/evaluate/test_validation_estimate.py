@@ -6,13 +6,8 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import ValidationConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.generation import GenerationExample, decode_steps, generation_examples
-from phase1a.evaluate.metrics import (
-    TimingAllowance,
-    ValidationSpeed,
-    time_validation,
-    validation_timing_seconds,
-    validation_work,
-)
+from phase1a.evaluate.metrics import TimingAllowance, time_validation, validation_timing_seconds, validation_work
+from phase1a.evaluate.result import ValidationSpeed
 from phase1a.train.packing import TokenRows
 
 

@@ -20,7 +20,7 @@ from phase1a.data.lengths import LengthStats
 from phase1a.data.staging import StagedData
 from phase1a.data.tokenized import TokenizedData
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.evaluate.gate import GateCheck
+from phase1a.evaluate.result import GateCheck
 from phase1a.plan.planner import make_plan
 from phase1a.plan.result import Plan
 from phase1a.plots import by_step, smoothed, step_rates

@@ -9,7 +9,8 @@ from phase1a.config.schema import Phase1aConfig
 from phase1a.core.units import GIB
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.cost_model import MemoryModel, TrainingShape
-from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, Candidate, calibrate, memory_alternatives
+from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, calibrate, memory_alternatives
+from phase1a.plan.result import Candidate
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ from helpers import date_records, make_tiny_model_dir, make_tokenizer, resolved,
 from phase1a.config.schema import Phase1aConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.plan.planner import make_plan
-from phase1a.train.evaluation import EvalSettings
 from phase1a.train.loop import train
-from phase1a.train.settings import TrainSettings
+from phase1a.train.settings import EvalSettings, TrainSettings
 
 
 @pytest.fixture

@@ -321,3 +321,18 @@ def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):
     done = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir), *GPU_HOST_MODULES], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, env=bare_gpu_host_env(tmp_path / "bare-host"), timeout=300)
     assert done.returncode == 0 and f"prepared {tiny_model_dir}" in done.stdout, done.stderr[-3000:]
+
+
+# What imports without torch, transformers or peft: the flow (`prefect deploy` and a worker's flow run import it
+# before any stage runs), the CLI, the report and the runs list. A stage that loads a model imports that work inside
+# its task (tasks/caching.py), so a run that ends on the user's data never pays for them.
+WITHOUT_TORCH = ("flows.phase1a", "flows.cli", "flows.report", "flows.runs", "flows.tracking")
+
+
+def test_the_flow_and_the_cli_import_without_torch():
+    code = ("import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+            "print(sorted({'torch', 'transformers', 'peft', 'safetensors', 'datasets'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code, *WITHOUT_TORCH], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", "imported with the flow: " + done.stdout

@@ -22,7 +22,8 @@ from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import DataConfig, MethodConfig, ModelConfig, Phase1aConfig, ValidationConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.validation import validate
-from phase1a.plan.calibration import CalibrationJob, Candidate, calibrate
+from phase1a.plan.calibration import CalibrationJob, calibrate
+from phase1a.plan.result import Candidate
 from phase1a.train.loop import train
 from phase1a.train.settings import TrainSettings
 

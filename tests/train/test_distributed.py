@@ -15,13 +15,12 @@ from safetensors.torch import load_file
 
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
+from phase1a.core.layout import list_checkpoints
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.train.checkpoints import list_checkpoints
-from phase1a.train.evaluation import EvalSettings
 from phase1a.train.launch import Launch, torchrun_command
 from phase1a.train.result import TrainResult
 from phase1a.train.runner import run
-from phase1a.train.settings import TrainSettings
+from phase1a.train.settings import EvalSettings, TrainSettings
 
 # On CUDA the ranks join with NCCL, which takes one GPU a rank: a one-GPU host runs this on neither backend.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,

@@ -16,14 +16,13 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, resolved, write_jsonl
 from phase1a.config.schema import ConfigError, MethodConfig, Phase1aConfig, validate_config
 from phase1a.core.labels import IGNORE_INDEX
+from phase1a.core.layout import list_checkpoints
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.plan.planner import make_plan
-from phase1a.train.checkpoints import list_checkpoints
-from phase1a.train.evaluation import EvalSettings
 from phase1a.train.loop import train
 from phase1a.train.packing import TokenRows
 from phase1a.train.preemption import Preempted
-from phase1a.train.settings import TrainSettings, training_key
+from phase1a.train.settings import EvalSettings, TrainSettings, training_key
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +349,7 @@ def test_the_settings_come_from_their_own_config_fields_and_stay_within_the_vali
     """Changing only the fields `DURING_TRAINING_FIELDS` names, all of them training's (method), changes
     EvalSettings and nothing of the validate stage's section; the sample is at most `validation.max_examples`, the
     first examples the validate stage scores."""
-    from phase1a.train.evaluation import DURING_TRAINING_FIELDS
+    from phase1a.train.settings import DURING_TRAINING_FIELDS
 
     assert DURING_TRAINING_FIELDS <= set(MethodConfig.model_fields)
     base = Phase1aConfig.model_validate({"data": {"source": "/d.jsonl"}, "validation": {"max_examples": 16}})

@@ -15,8 +15,8 @@ from helpers import date_records, make_tokenizer, write_jsonl
 from helpers.prefect_stack import descendants, kill9, wait_for
 from helpers.servers import free_port
 from phase1a.config.schema import HardwareConfig, MethodConfig
+from phase1a.core.layout import list_checkpoints
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.train.checkpoints import list_checkpoints
 from phase1a.train.launch import Launch, LaunchError, launch_for, slurm_command, torchrun_command
 from phase1a.train.rank import ENTRY, rank_settings
 from phase1a.train.runner import run

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import MethodConfig
 from phase1a.core import layout
+from phase1a.core.layout import ARITHMETIC, list_checkpoints
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.train.checkpoints import ARITHMETIC, list_checkpoints
 from phase1a.train.loop import train
 from phase1a.train.settings import TrainSettings
 

@@ -21,8 +21,8 @@ from helpers.hosts import Host, wait_until
 from helpers.metadata import FakeMetadata
 from helpers.servers import free_port, s3_client
 from phase1a.config.schema import MethodConfig, validate_config
+from phase1a.core.layout import checkpoint_step, list_checkpoints
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.train.checkpoints import checkpoint_step, list_checkpoints
 from phase1a.train.launch import Launch
 from phase1a.train.preemption import Preempted, StopRequest
 from phase1a.train.runner import run
