@@ -5,8 +5,9 @@ The train and benchmark code must import on GPU hosts that have torch but no Pre
 take `task` from here instead of from prefect directly.
 
 A task that loads a model (plan, train, validate) imports that work inside its function: the flow, the CLI and
-`prefect deploy` import without torch (tests/project/test_architecture.py), so a run that ends on the user's data,
-`phase1a runs` and a deployment's registration start in seconds. The cache key still covers that code:
+`prefect deploy` import without torch (tests/project/test_architecture.py), so `phase1a runs`, a deployment's
+registration and a run that ends on its config start in seconds. (Loading a tokenizer imports torch through
+transformers: a run that reaches tokenize pays for it there.) The cache key still covers that code:
 `code_fingerprint` follows imports inside functions.
 """
 from __future__ import annotations

@@ -325,7 +325,7 @@ def test_a_bare_gpu_host_imports_what_it_runs(tmp_path, tiny_model_dir):
 
 # What imports without torch, transformers or peft: the flow (`prefect deploy` and a worker's flow run import it
 # before any stage runs), the CLI, the report and the runs list. A stage that loads a model imports that work inside
-# its task (tasks/caching.py), so a run that ends on the user's data never pays for them.
+# its task (tasks/caching.py).
 WITHOUT_TORCH = ("flows.phase1a", "flows.cli", "flows.report", "flows.runs", "flows.tracking")
 
 
