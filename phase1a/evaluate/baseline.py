@@ -26,6 +26,7 @@ class PromotedSource:
     staging_dir: Path  # an S3 adapter is staged under it
     endpoint_url: str | None = None
     trust_remote_code: bool = False
+    attention: str = "sdpa"  # as load_for_eval takes it
 
     def fetch(self, pointer: PromotedPointer) -> Path:
         return fetch_adapter(pointer, self.staging_dir, self.endpoint_url)
@@ -56,7 +57,8 @@ def promoted_baseline(pointer: PromotedPointer, scoring: Scoring, source: Promot
         raise BaselineError(f"{name} was trained from another base model ({pointer.base_model_fingerprint[:12]}, "
                             f"this run's is {scoring.model_fingerprint[:12]}) and scored on another sample or "
                             "benchmarks; nothing to compare")
-    model = for_scoring(load_for_eval(source.model_dir, source.fetch(pointer), device, source.trust_remote_code))
+    model = for_scoring(load_for_eval(source.model_dir, source.fetch(pointer), device, source.trust_remote_code,
+                                      source.attention))
     metrics = stored or cached(scoring.cache_path(pointer.adapter_sha256, device), Metrics,
                                lambda: scoring.evaluate(model, "promoted"))[0]
     metrics = scoring.with_benchmarks(metrics, model, pointer.adapter_sha256)

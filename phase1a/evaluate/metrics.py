@@ -31,7 +31,7 @@ from phase1a.evaluate.generation import (
     time_decode_step,
 )
 from phase1a.evaluate.result import Answer, EvaluationWork, Metrics, ValidationSpeed
-from phase1a.train.packing import TokenRows, teacher_forced
+from phase1a.train.packing import TokenRows, budget_rows, teacher_forced
 
 _SHOWN_ANSWERS = 5
 
@@ -226,6 +226,30 @@ def _timed(model, rows: TokenRows, indices: np.ndarray, settings: ValidationConf
     return ValidationSpeed(forward_seconds_per_token=forward, decode_seconds_per_step=step * scale,
                            prefill_seconds_per_token=prefill, passes=passes.count, spread=spread,
                            source=timed_rows + (", scaled by rows" if scale != 1.0 else ""))
+
+
+def training_rows_timing_seconds(rows: TokenRows, indices: np.ndarray, forward: float) -> float:
+    """What `time_training_rows` takes unhurried at a forward speed (seconds per token)."""
+    return float(rows.lengths()[indices].sum()) * forward
+
+
+def time_training_rows(model: torch.nn.Module, rows: TokenRows, indices: np.ndarray, token_budget: int,
+                       guess: float, deadline: float) -> float | None:
+    """Seconds per token of the teacher-forced pass over `indices` in rows of at most `token_budget` tokens, as an
+    evaluation during training runs it (phase1a/train/evaluation.py), row after row while the next is predicted
+    (at `guess`, then at the speed so far) to end by `deadline` (perf_counter time). None: not one row fits. On
+    this project's CPU host the demo's evaluation during training (rows of 512 tokens, the LoRA adapter's path on)
+    took 15-19 % more a token than the validate stage's pass (batches of 16 examples, the path off): 12-15 % of it
+    the adapter's path, 4-6 % the rows (three passes of each, alternating, in one process, 2026-11-29)."""
+    lengths, spent, tokens = rows.lengths(), 0.0, 0
+    for group in budget_rows(rows, indices, token_budget):
+        cost = int(lengths[group].sum())
+        if time.perf_counter() + (spent / tokens if tokens else guess) * cost > deadline:
+            break
+        began = time.perf_counter()
+        teacher_forced(model, rows, group, len(group))
+        spent, tokens = spent + time.perf_counter() - began, tokens + cost
+    return spent / tokens if tokens else None
 
 
 class _OutOfTime(Exception):

@@ -61,7 +61,8 @@ class Metrics(BaseModel):
 
 class ValidationSpeed(BaseModel):
     """Validation's two costs, measured on the model being planned: the teacher-forced pass per token, and one
-    greedy step of a generation batch (`generation_batch_size` rows) with the KV cache."""
+    greedy step of a generation batch (`generation_batch_size` rows) with the KV cache, each as the validate stage
+    runs it (a LoRA adapter's path off where the candidate is scored merged)."""
 
     forward_seconds_per_token: float
     decode_seconds_per_step: float
@@ -72,6 +73,14 @@ class ValidationSpeed(BaseModel):
     # the range over the mean): what the estimate's range for evaluation rests on (phase1a/plan/footing.py).
     passes: int = 0
     spread: float = 0.0
+    # The teacher-forced pass as an evaluation during training runs it: the training model (a LoRA adapter's path
+    # on) over rows of the training's token budget. None: at `forward_seconds_per_token`.
+    training_forward_seconds_per_token: float | None = None
+
+    def during_training(self) -> "ValidationSpeed":
+        """The costs an evaluation during training pays (its forward pass)."""
+        return self.model_copy(update={
+            "forward_seconds_per_token": self.training_forward_seconds_per_token or self.forward_seconds_per_token})
 
 
 class EvaluationWork(BaseModel):

@@ -3,7 +3,6 @@ benchmark scores cached on disk by model, weights, sample and scoring, so a base
 scored once (`cached`, `base_model_metrics`)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
@@ -20,7 +19,7 @@ from phase1a.core.hardware import training_dtype
 from phase1a.evaluate.benchmarks import Benchmark, load_benchmark, score_benchmark
 from phase1a.evaluate.metrics import evaluate, metric_settings_key, sample_fingerprint
 from phase1a.evaluate.result import BenchmarkScore, Metrics
-from phase1a.model.loading import load_tokenizer
+from phase1a.model.loading import adapter_off, load_tokenizer
 from phase1a.model.result import ResolvedModel
 from phase1a.train.packing import TokenRows
 
@@ -115,9 +114,7 @@ def cached(path: Path, kind: type[T], compute: Callable[[], T]) -> tuple[T, bool
 def base_model_metrics(model, scoring: Scoring) -> tuple[Metrics, bool]:
     """The base model's metrics, computed with a peft model's adapter switched off (or on a plain base model),
     once per model fingerprint, sample fingerprint and metric settings."""
-    from peft import PeftModel
-
     path = scoring.cache_path("base", next(model.parameters()).device)
-    with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
+    with adapter_off(model):
         metrics, from_cache = cached(path, Metrics, lambda: scoring.evaluate(model, "base"))
         return scoring.with_benchmarks(metrics, model, "base"), from_cache

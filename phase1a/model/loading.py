@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -198,14 +198,16 @@ def is_adapter(weights_dir: Path) -> bool:
     return (Path(weights_dir) / "adapter_config.json").is_file()
 
 
-def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.device, trust_remote_code: bool = False):
-    """The base model (weights_dir None), the base with a peft adapter, or a full fine-tune's own weights."""
+def load_for_eval(model_dir: Path, weights_dir: Path | None, device: torch.device, trust_remote_code: bool = False,
+                  attention: str = "sdpa"):
+    """The base model (weights_dir None), the base with a peft adapter, or a full fine-tune's own weights, with
+    `attention` (the validate stage: training's, `phase1a.model.build.attention_implementation`)."""
     import torch
 
     dtype = training_dtype(device)
     if weights_dir is not None and not is_adapter(weights_dir):
-        return load_model(Path(weights_dir), dtype, trust_remote_code).to(device).eval()
-    model = load_model(Path(model_dir), dtype, trust_remote_code).to(device).eval()
+        return load_model(Path(weights_dir), dtype, trust_remote_code, attention=attention).to(device).eval()
+    model = load_model(Path(model_dir), dtype, trust_remote_code, attention=attention).to(device).eval()
     if weights_dir is None:
         return model
     from peft import PeftModel
@@ -240,13 +242,28 @@ def peft_wrapping():
         yield
 
 
-def for_scoring(model):
-    """A peft model with fp32 weights gets its adapter folded into them (in place): exact to rounding, and on
-    CPU several times faster to score, since peft's separate low-rank path per layer goes away. 16-bit weights
-    keep the adapter separate: merging would round W + BA to 16 bits and score a slightly different model."""
+def merges_for_scoring(dtype: torch.dtype) -> bool:
+    """Whether a peft model with weights of `dtype` is scored with its adapter folded into them (`for_scoring`):
+    fp32 weights are, exact to rounding, and on CPU several times faster to score, since peft's separate low-rank
+    path per layer goes away. 16-bit weights keep the adapter separate: merging would round W + BA to 16 bits and
+    score a slightly different model."""
     import torch
+
+    return dtype == torch.float32
+
+
+def for_scoring(model):
+    """A peft model whose weights `merges_for_scoring`, with its adapter folded into them (in place)."""
     from peft import PeftModel
 
-    if isinstance(model, PeftModel) and next(model.parameters()).dtype == torch.float32:
+    if isinstance(model, PeftModel) and merges_for_scoring(next(model.parameters()).dtype):
         return model.merge_and_unload()
     return model
+
+
+def adapter_off(model):
+    """A peft model's adapter switched off for the block (the base model's computation); any other model as it
+    is."""
+    from peft import PeftModel
+
+    return model.disable_adapter() if isinstance(model, PeftModel) else nullcontext()

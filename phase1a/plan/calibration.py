@@ -22,6 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -35,9 +36,16 @@ from phase1a.core.hardware import training_device, usable_cores
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
 from phase1a.core.units import GIB, parse_duration_seconds
-from phase1a.evaluate.metrics import TimingAllowance, time_validation, validation_timing_seconds
+from phase1a.evaluate.metrics import (
+    TimingAllowance,
+    time_training_rows,
+    time_validation,
+    training_rows_timing_seconds,
+    validation_timing_seconds,
+)
 from phase1a.evaluate.result import ValidationSpeed
 from phase1a.model.cost_model import MemoryModel, checkpoint_bytes
+from phase1a.model.loading import adapter_off, merges_for_scoring
 from phase1a.plan.interruptions import ASSUMED_DISK_BYTES_PER_SECOND, ASSUMED_STORE_BYTES_PER_SECOND
 from phase1a.plan.result import Calibration, Candidate, Trial
 from phase1a.store.base import Store
@@ -61,6 +69,9 @@ from phase1a.train.steps import apply_update, train_step
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
 _FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
 _COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
+# A measured step this many times the median step's seconds per token is a burst, not the run's speed: the steps of
+# a calibrated CPU run varied by about ±10 % (the demo's, 2026-11-29), a busy moment of the host made one 6.6x.
+_BURST = 1.5
 
 
 # Proposes the next candidates to try for one knob, given the best so far.
@@ -107,6 +118,7 @@ class CalibrationJob:
     work_dir: Path  # where training will write its checkpoints: one is timed there
     alternatives: Alternatives = no_alternatives
     validation_path: str | None = None  # the held-out set, to time the validate stage on this model
+    eval_examples: int = 0  # the sample an evaluation during training scores (EvalSettings.examples); 0: none
     upload_to: Store | None = None  # a store to time the checkpoint's upload to (checkpoint.interval auto, spot)
 
 
@@ -259,7 +271,7 @@ class _Session:
         self.meter.note("timing a checkpoint write" + (" and upload" if self.job.upload_to else "")
                         + (" and validation" if self.job.validation_path else ""))
         checkpoint = self._checkpoint()
-        validation = self._validation(per_token)
+        validation = self._validation(per_token, best.candidate)
         return Calibration(
             chosen=best.candidate, seconds_per_token=per_token,
             # The run pays its first calls as the first trial did, and its candidate's own warm-up (compilation).
@@ -286,32 +298,52 @@ class _Session:
             return _CheckpointTiming(None, size)
         return _time_checkpoint(self.model, self.optimizer, self.job.work_dir, self.job.upload_to)
 
-    def _validation(self, per_token: float) -> ValidationSpeed | None:
+    def _validation(self, per_token: float, chosen: Candidate) -> ValidationSpeed | None:
         if not self.job.validation_path:
             return None
         left = self.end - time.perf_counter()
         rows, indices = self._validation_sample()
-        with evaluating(self.model), torch.no_grad():  # uncompiled, as the validate stage loads the model
-            speed = time_validation(self.model, rows, indices, self.config.validation,
-                                    TimingAllowance(seconds=left, forward_guess=per_token / 3))
+        guess = per_token / 3
+        # Uncompiled, as the validate stage loads the model, with the adapter's path as the candidate is scored
+        # (off where it is merged); then the pass of an evaluation during training, the model as it trains.
+        with evaluating(self.model), torch.no_grad():
+            merged = merges_for_scoring(next(self.model.parameters()).dtype)
+            scored = adapter_off(self.model) if merged else nullcontext()
+            with scored:
+                speed = time_validation(self.model, rows, indices, self.config.validation, TimingAllowance(
+                    seconds=left - training_rows_timing_seconds(rows, self._eval_sample(rows), guess),
+                    forward_guess=guess))
+            budget = token_budget(chosen.micro_batch_size, self.job.max_seq_length)  # training/loop.py's rows
+            during = None if speed is None or not self.job.eval_examples else time_training_rows(
+                self.model, rows, self._eval_sample(rows), budget, speed.forward_seconds_per_token, self.end)
         if speed is None:
             self.notes.append(f"validation not timed within the {max(0.0, left):.0f} s of the budget left; its "
                               f"speed is derived from the training speed")
-        elif speed.source != "measured":
+            return None
+        if speed.source != "measured":
             self.notes.append(f"validation timed within the {left:.0f} s left: {speed.source}")
-        return speed
+        if self.job.eval_examples and during is None:
+            self.notes.append("an evaluation during training not timed within the budget: priced at the validate "
+                              "stage's speed")
+        return speed.model_copy(update={"training_forward_seconds_per_token": during})
 
     def _final_seconds(self, per_token: float) -> float:
         """The checkpoint's and validation's timing, unhurried, at a training speed."""
         validation = 0.0
         if self.job.validation_path:
-            validation = validation_timing_seconds(*self._validation_sample(), self.config.validation, per_token / 3)
+            rows, indices = self._validation_sample()
+            validation = (validation_timing_seconds(rows, indices, self.config.validation, per_token / 3)
+                          + training_rows_timing_seconds(rows, self._eval_sample(rows), per_token / 3))
         return self._checkpoint_guess()[1] + validation
 
     def _validation_sample(self) -> tuple[TokenRows, np.ndarray]:
         """The held-out rows and the sample the validate stage scores."""
         rows = TokenRows.load(self.job.validation_path)
         return rows, np.arange(min(len(rows), self.config.validation.max_examples))
+
+    def _eval_sample(self, rows: TokenRows) -> np.ndarray:
+        """The held-out rows an evaluation during training scores (EvalSettings.sample)."""
+        return np.arange(min(len(rows), self.job.eval_examples))
 
     def _needed(self, first: Trial, per_token: float, validation: ValidationSpeed | None) -> float | None:
         """What a whole calibration of the first candidate would take, when this one was cut short: loading, the
@@ -491,28 +523,36 @@ def _predicted(step_batch: StepBatch, cap: int | None, cost: _RowCost) -> float:
 def _measured(candidate: Candidate, timed: list[_Timed], steps: _Steps, seconds: float) -> Trial:
     """The speed from the measured steps (from the last warm-up step where there are none): their forward and
     backward as a ratio of sums over the examples' tokens (padding costs time and counts nothing), so per-step
-    costs weigh as in the run, the slowest step left out of four or more (a page-fault burst), and the update
-    priced once per whole step of the run."""
+    costs weigh as in the run, and the update priced once per whole step of the run. A step slower than the others
+    as the run's steps vary counts too (always leaving out the slowest of four made the estimate fast: by 1.6 % on
+    the demo's even steps, resampled from a run's own step times); a burst, `_BURST` times the median's seconds per
+    token or more (the host busy for a moment, a first call), is left out and named."""
     warmup, measured = [t for t in timed if t.warmup], [t for t in timed if not t.warmup]
     notes = [] if len(measured) == steps.measured else [
         f"cut at the budget after {len(measured)} of {steps.measured} measured steps"]
     basis = measured or warmup[-1:]
     if not measured:
         notes.append("speed from warm-up steps")
-    kept = sorted(basis, key=lambda t: t.per_token)[:-1] if len(basis) >= 4 else basis
-    forward_backward = sum(t.forward_backward for t in kept) / sum(t.tokens for t in kept)
-    per_row_token = sum(t.forward_backward for t in kept) / sum(t.row_tokens for t in kept)
-    update = float(np.mean([t.update for t in kept]))
+    typical = float(np.median([t.per_token for t in basis]))
+    bursts = [t for t in basis if t.per_token >= _BURST * typical]
+    if bursts:
+        basis = [t for t in basis if t.per_token < _BURST * typical]
+        notes.append(f"{len(bursts)} step{'s' if len(bursts) > 1 else ''} of {max(t.seconds for t in bursts):.1f} s "
+                     f"left out, {max(t.per_token for t in bursts) / typical:.1f}x the others' time a token")
+    forward_backward = sum(t.forward_backward for t in basis) / sum(t.tokens for t in basis)
+    per_row_token = sum(t.forward_backward for t in basis) / sum(t.row_tokens for t in basis)
+    update = float(np.mean([t.update for t in basis]))
     per_token = forward_backward + update / steps.step_tokens
     excess = sum(t.seconds - t.row_tokens * per_row_token - update for t in warmup)
-    rates = [t.per_token for t in kept]
+    rates = [t.per_token for t in basis]
     run, whole = float(np.mean([t.micro_batches for t in basis])), float(np.mean([t.whole for t in basis]))
     if run < whole:
         notes.append(f"steps cut to {run:.3g} of their {whole:.3g} micro-batches on average")
     return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token, note="; ".join(notes),
                  warmup_excess_seconds=max(0.0, excess), seconds=seconds,
                  peak_memory_gib=torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
-                 measured_steps=len(measured), micro_batches=run, step_micro_batches=whole,
+                 measured_steps=len(measured) - len(bursts) if measured else 0, micro_batches=run,
+                 step_micro_batches=whole,
                  spread=(max(rates) - min(rates)) / 2 / float(np.mean(rates)),
                  longest_step_seconds=max(t.seconds for t in timed))
 

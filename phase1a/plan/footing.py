@@ -55,8 +55,9 @@ def measured(steps: int, micro_batches: float, step_micro_batches: float, spread
     words = f"{steps} measured step{'s' if steps != 1 else ''}"
     if shortened:
         words += f" cut to {micro_batches:.3g} of ~{step_micro_batches:.3g} micro-batches"
-    return Footing(source="measured", words=words + f", ±{relative:.0%}", low=1 - relative, high=1 + relative,
-                   firm=steps >= FIRM_STEPS and not shortened)
+    # Steps that spread by more than their mean leave no lower bound a measurement can give: warm-up's.
+    return Footing(source="measured", words=words + f", ±{relative:.0%}", low=max(1 - relative, _WARMUP_ONLY[0]),
+                   high=1 + relative, firm=steps >= FIRM_STEPS and not shortened)
 
 
 def history(runs: int) -> Footing:

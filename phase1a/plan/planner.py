@@ -140,6 +140,7 @@ def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
     return ValidationSpeed(forward_seconds_per_token=record.eval_forward_seconds_per_token,
                            decode_seconds_per_step=record.eval_decode_seconds_per_step,
                            prefill_seconds_per_token=record.eval_prefill_seconds_per_token,
+                           training_forward_seconds_per_token=record.eval_training_forward_seconds_per_token,
                            source="the last run's, its evaluations during training measured")
 
 
@@ -310,6 +311,7 @@ class _Planner:
             train_path=self.data.train_path, max_seq_length=max_seq_length, start=start,
             train_tokens=int(np.minimum(self.lengths, max_seq_length).sum() * self.method.epochs),
             work_dir=config.work_dir / config.name, validation_path=self.data.validation_path,
+            eval_examples=self.eval_settings.examples if self.eval_settings else 0,
             alternatives=memory_alternatives(self.memory, self.method.batch_size, max_seq_length) if sweeps
             else no_alternatives,
             # Timed only where the plan weighs it: the interval auto chooses, the cost of interruptions.
@@ -530,7 +532,7 @@ class _Planner:
         settings = self.eval_settings
         if settings is None:
             return 0.0
-        forward = self._eval_during_training_work().seconds(speed)
+        forward = self._eval_during_training_work().seconds(speed.during_training())
         if settings.patience is None:
             return forward
         weights_share = 4 / (4 + OPTIMIZER_STATE_BYTES[self.shape.optimizer])  # fp32 weights beside their state
@@ -675,7 +677,11 @@ class _Planner:
         speed = (self._validation_speed(throughput, fit.max_seq_length) if own else self._modelled_validation_speed(
             1.0 / assumed_tps, CATALOGUE["h100"], throughput.chosen.gradient_checkpointing, fit.max_seq_length))
         startup = (1 + self._validation_loads()) * (estimate.startup_seconds if own else self._assumed_startup())
-        evaluation = self._validation_work() + self._eval_during_training_work() * estimate.evaluations_during_training
+        # Evaluations during training run the model as it trains: what that costs over the validate stage's pass,
+        # as that many more forward tokens.
+        during = speed.during_training().forward_seconds_per_token / speed.forward_seconds_per_token
+        evaluation = self._validation_work() + self._eval_during_training_work() * (
+            estimate.evaluations_during_training * during)
         other = OtherWork(
             host_seconds=startup + (estimate.warmup_seconds if own else 0.0) + estimate.checkpoint_seconds,
             forward_tokens=evaluation.forward_tokens + evaluation.prefill_tokens, decode_steps=evaluation.decode_steps,

@@ -117,7 +117,8 @@ def _evaluation_speeds(plan: Plan, result: TrainResult) -> dict:
     if result.evaluations and estimate.evaluations_during_training and estimate.eval_during_training_seconds:
         planned_each = estimate.eval_during_training_seconds / estimate.evaluations_during_training
         scale = (result.eval_seconds / result.evaluations) / planned_each
-    prefill = speed.prefill_seconds_per_token
+    prefill, during = speed.prefill_seconds_per_token, speed.training_forward_seconds_per_token
     return {"eval_forward_seconds_per_token": speed.forward_seconds_per_token * scale,
             "eval_prefill_seconds_per_token": None if prefill is None else prefill * scale,
-            "eval_decode_seconds_per_step": speed.decode_seconds_per_step}
+            "eval_decode_seconds_per_step": speed.decode_seconds_per_step,
+            "eval_training_forward_seconds_per_token": None if during is None else during * scale}

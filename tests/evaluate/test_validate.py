@@ -235,6 +235,20 @@ def test_scoring_with_the_adapter_merged_gives_the_metrics_of_the_separate_adapt
     assert merged.ece == pytest.approx(separate.ece, abs=1e-5)
 
 
+def test_scoring_with_trainings_attention_gives_the_metrics_of_sdpas(tiny_model_dir, split):
+    """The validate stage loads its models with training's attention (varlen: a packed batch in one call a layer,
+    each example attending to itself), the speed-up over SDPA's dense mask; the metrics are SDPA's."""
+    from phase1a.model.attention import NAME as VARLEN
+
+    rows, indices, settings = TokenRows.load(split.validation_path), np.arange(8), ValidationConfig(batch_size=4)
+    scored = {attention: evaluate(load_for_eval(tiny_model_dir, None, torch.device("cpu"), attention=attention),
+                                  make_tokenizer(), rows, indices, settings) for attention in ("sdpa", VARLEN)}
+    dense, packed = scored["sdpa"], scored[VARLEN]
+    assert packed.loss == pytest.approx(dense.loss, rel=1e-5) and packed.tokens == dense.tokens > 0
+    assert (packed.token_accuracy, packed.exact_match) == (dense.token_accuracy, dense.exact_match)
+    assert [a.prediction for a in packed.answers] == [a.prediction for a in dense.answers]
+
+
 def test_trained_adapter_beats_the_base_on_held_out_data(tiny_model_dir, split, tmp_path):
     result = train(TrainSettings(
         model_dir=str(tiny_model_dir), train_path=split.train_path, output_dir=str(tmp_path / "run"),

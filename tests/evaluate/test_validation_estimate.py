@@ -170,3 +170,39 @@ def test_a_one_batch_sample_is_timed_twice_and_says_how_far_the_passes_spread(ro
     with torch.no_grad():
         speed = time_validation(model, rows, np.arange(20), SETTINGS, TimingAllowance(600, 1e-4))
     assert speed.passes == 2 and 0.0 <= speed.spread < 1.0
+
+
+
+def test_an_evaluation_during_training_is_timed_in_the_rows_it_runs(rows, model):
+    """An evaluation during training packs its sample into rows of the training's token budget
+    (phase1a/train/evaluation.py): the timing runs those rows, row after row within a deadline; none that fits,
+    no speed."""
+    import time
+
+    import torch
+
+    from phase1a.evaluate.metrics import time_training_rows, training_rows_timing_seconds
+    from phase1a.train.packing import budget_rows
+
+    indices = np.arange(12)
+    passes = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda module, args, out: passes.append(args[0].shape))
+    try:
+        with torch.no_grad():
+            speed = time_training_rows(model, rows, indices, 96, 1e-4, time.perf_counter() + 600)
+            assert len(passes) == len(budget_rows(rows, indices, 96)) > 1  # every row, each one pass
+            assert all(shape[0] == 1 and shape[1] <= 96 for shape in passes)
+            assert speed is not None and speed > 0
+            assert time_training_rows(model, rows, indices, 96, 1e-4, time.perf_counter()) is None
+    finally:
+        hook.remove()
+    assert training_rows_timing_seconds(rows, indices, 1e-3) == pytest.approx(rows.lengths()[indices].sum() * 1e-3)
+
+
+def test_an_evaluation_during_training_is_priced_at_its_own_speed():
+    speed = ValidationSpeed(forward_seconds_per_token=0.002, decode_seconds_per_step=0.1,
+                            training_forward_seconds_per_token=0.0025)
+    assert speed.during_training().forward_seconds_per_token == 0.0025
+    assert speed.during_training().decode_seconds_per_step == 0.1
+    untimed = ValidationSpeed(forward_seconds_per_token=0.002, decode_seconds_per_step=0.1)
+    assert untimed.during_training() == untimed  # not timed: at the validate stage's speed

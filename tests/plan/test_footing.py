@@ -46,3 +46,10 @@ def test_a_cpu_measurement_is_ranged_by_the_hosts_drift_a_gpus_by_its_steps():
     assert footing.measured(4, 8, 8, 0.02, gpu).words == "4 measured steps, ±5%"
     assert footing.measured(1, 8, 8, 0.0, cpu).high == pytest.approx(1 + 0.15 * 2)  # widened as a thin one is
     assert footing.timed_evaluation(2, 0.0, cpu).high == pytest.approx(1 + 0.15 * 2 ** 0.5)
+
+
+def test_steps_that_spread_by_more_than_their_mean_keep_a_lower_bound_above_zero():
+    """A range of ±112 % (a calibrated demo whose one step the host slowed 6.6x) gave a negative lower bound, a
+    time no run can take; the lower bound stops at warm-up's, a tenth of the estimate."""
+    wide = footing.measured(4, 1.0, 1.0, spread=1.12, least=0.15)
+    assert wide.low == pytest.approx(0.1) and wide.high == pytest.approx(2.12) and wide.words.endswith("±112%")

@@ -200,11 +200,45 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
     record = record_run(history_path(config.cache_dir), config, resolved(config), first, result)
     assert record.eval_forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
     assert record.eval_decode_seconds_per_step == timed.decode_seconds_per_step  # generation is not corrected
+    assert timed.training_forward_seconds_per_token > 0  # an evaluation during training, timed in its own rows
+    assert record.eval_training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
 
     second = planned(config_tree, data)
     assert second.throughput_source == "history" and second.calibration is None
     speed = second.estimate.evaluation_speed
     assert speed.forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
+    assert speed.training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
     assert second.estimate.evaluation_footing.words == "the last run's evaluations, ±15%"
     assert second.estimate.eval_during_training_seconds == pytest.approx(
         2 * first.estimate.eval_during_training_seconds, rel=1e-6)
+
+
+
+def test_evaluations_during_training_are_priced_at_their_own_speed_the_validate_stage_at_its(tmp_path, config_tree):
+    """An evaluation during training runs the model as it trains (a LoRA adapter's path on, training's rows); the
+    validate stage scores the base with the path off and, on fp32 weights, the candidate merged. Two histories
+    that differ only in the first: twice its speed's seconds, twice the evaluations during training, the same
+    validate stage."""
+    from phase1a.train.history import RunRecord, append_run, history_path
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    config_tree["method"] |= {"eval_interval": "2steps"}
+    config = Phase1aConfig.model_validate(config_tree)
+    estimates = []
+    for during in (1e-3, 2e-3):
+        path = history_path(config.cache_dir)
+        path.unlink(missing_ok=True)
+        append_run(path, RunRecord(
+            model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="cpu", device_name="cpu",
+            precision="float32", micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
+            tokens_per_second=500.0, estimated_train_seconds=10.0, actual_train_seconds=10.0,
+            eval_forward_seconds_per_token=1e-3, eval_prefill_seconds_per_token=1e-3,
+            eval_decode_seconds_per_step=1e-2, eval_training_forward_seconds_per_token=during))
+        plan = planned(config_tree, data)
+        assert plan.throughput_source == "history"
+        assert plan.estimate.evaluation_speed.training_forward_seconds_per_token == during
+        estimates.append(plan.estimate)
+    assert estimates[0].evaluations_during_training == estimates[1].evaluations_during_training > 0
+    assert estimates[1].eval_during_training_seconds == pytest.approx(2 * estimates[0].eval_during_training_seconds)
+    assert estimates[1].evaluation_seconds == pytest.approx(estimates[0].evaluation_seconds)
