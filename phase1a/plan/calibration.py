@@ -64,6 +64,7 @@ from phase1a.train.packing import (
     step_loader,
     token_budget,
 )
+from phase1a.train.settings import EvalSettings
 from phase1a.train.steps import apply_update, train_step
 
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
@@ -118,7 +119,7 @@ class CalibrationJob:
     work_dir: Path  # where training will write its checkpoints: one is timed there
     alternatives: Alternatives = no_alternatives
     validation_path: str | None = None  # the held-out set, to time the validate stage on this model
-    eval_examples: int = 0  # the sample an evaluation during training scores (EvalSettings.examples); 0: none
+    evaluation: EvalSettings | None = None  # the train stage's evaluations, to time one as it will run
     upload_to: Store | None = None  # a store to time the checkpoint's upload to (checkpoint.interval auto, spot)
 
 
@@ -314,7 +315,7 @@ class _Session:
                     seconds=left - training_rows_timing_seconds(rows, self._eval_sample(rows), guess),
                     forward_guess=guess))
             budget = token_budget(chosen.micro_batch_size, self.job.max_seq_length)  # training/loop.py's rows
-            during = None if speed is None or not self.job.eval_examples else time_training_rows(
+            during = None if speed is None or self.job.evaluation is None else time_training_rows(
                 self.model, rows, self._eval_sample(rows), budget, speed.forward_seconds_per_token, self.end)
         if speed is None:
             self.notes.append(f"validation not timed within the {max(0.0, left):.0f} s of the budget left; its "
@@ -322,7 +323,7 @@ class _Session:
             return None
         if speed.source != "measured":
             self.notes.append(f"validation timed within the {left:.0f} s left: {speed.source}")
-        if self.job.eval_examples and during is None:
+        if self.job.evaluation is not None and during is None:
             self.notes.append("an evaluation during training not timed within the budget: priced at the validate "
                               "stage's speed")
         return speed.model_copy(update={"training_forward_seconds_per_token": during})
@@ -342,8 +343,8 @@ class _Session:
         return rows, np.arange(min(len(rows), self.config.validation.max_examples))
 
     def _eval_sample(self, rows: TokenRows) -> np.ndarray:
-        """The held-out rows an evaluation during training scores (EvalSettings.sample)."""
-        return np.arange(min(len(rows), self.job.eval_examples))
+        """The held-out rows an evaluation during training scores; none without one."""
+        return self.job.evaluation.sample(rows) if self.job.evaluation is not None else np.arange(0)
 
     def _needed(self, first: Trial, per_token: float, validation: ValidationSpeed | None) -> float | None:
         """What a whole calibration of the first candidate would take, when this one was cut short: loading, the

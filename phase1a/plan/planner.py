@@ -311,7 +311,7 @@ class _Planner:
             train_path=self.data.train_path, max_seq_length=max_seq_length, start=start,
             train_tokens=int(np.minimum(self.lengths, max_seq_length).sum() * self.method.epochs),
             work_dir=config.work_dir / config.name, validation_path=self.data.validation_path,
-            eval_examples=self.eval_settings.examples if self.eval_settings else 0,
+            evaluation=self.eval_settings,
             alternatives=memory_alternatives(self.memory, self.method.batch_size, max_seq_length) if sweeps
             else no_alternatives,
             # Timed only where the plan weighs it: the interval auto chooses, the cost of interruptions.

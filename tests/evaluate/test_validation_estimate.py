@@ -172,7 +172,6 @@ def test_a_one_batch_sample_is_timed_twice_and_says_how_far_the_passes_spread(ro
     assert speed.passes == 2 and 0.0 <= speed.spread < 1.0
 
 
-
 def test_an_evaluation_during_training_is_timed_in_the_rows_it_runs(rows, model):
     """An evaluation during training packs its sample into rows of the training's token budget
     (phase1a/train/evaluation.py): the timing runs those rows, row after row within a deadline; none that fits,

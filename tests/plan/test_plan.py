@@ -213,7 +213,6 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
         2 * first.estimate.eval_during_training_seconds, rel=1e-6)
 
 
-
 def test_evaluations_during_training_are_priced_at_their_own_speed_the_validate_stage_at_its(tmp_path, config_tree):
     """An evaluation during training runs the model as it trains (a LoRA adapter's path on, training's rows); the
     validate stage scores the base with the path off and, on fp32 weights, the candidate merged. Two histories
