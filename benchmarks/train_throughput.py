@@ -178,7 +178,7 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
     from phase1a.config.schema import MethodConfig
     from phase1a.core.hardware import training_device
     from phase1a.model.build import Compilation, build_model, make_optimizer
-    from phase1a.train.packing import RowBudget, StepBatch, StepBatches, pack, static_rows, step_loader
+    from phase1a.train.packing import RowBudget, StepBatch, StepBatches, rows_of_every_length, static_rows, step_loader
     from phase1a.train.steps import optimizer_step
 
     _threads(spec)
@@ -209,8 +209,7 @@ def measure_new(model_dir: str, train_path: str, spec: dict, queue) -> None:
     # Every row length the timed steps can take, before they run: a row of one example padded to each length,
     # twice (three times with CUDA graphs: a warm-up, the capture, a replay).
     repeats = 3 if knobs["cuda_graphs"] else 2
-    for length in shape.lengths():
-        row = pack(batches.rows, order[:1], shape, length)
+    for row in rows_of_every_length(batches.rows, shape, int(order[0])):
         for _ in range(repeats):
             optimizer_step(model, optimizer, StepBatch(micro_batches=[row], supervised=row.supervised,
                                                        step_tokens=row.tokens))

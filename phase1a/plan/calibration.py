@@ -59,6 +59,7 @@ from phase1a.train.packing import (
     TokenRows,
     example_stream,
     pack,
+    rows_of_every_length,
     start_fork_server,
     static_rows,
     step_loader,
@@ -408,14 +409,15 @@ class _Timed:
 
 def _probes(batches: StepBatches, position: int) -> list[StepBatch]:
     """One example (the `position`th of the run's order) in a row of each length the run's rows take (static rows:
-    every allowed length, so that every shape is compiled and set up before a step is measured; exact rows: the
+    every allowed length, so that every shape is compiled and set up before a step is measured, the run's shortest
+    example where that one is longer than the length; exact rows: the
     example's own, and a row of it and the next example where two fit, so that `_RowCost` can tell a row's fixed
     cost from its tokens'). The first comes twice: a first call costs several steady ones."""
     rows, shape, order = batches.rows, batches.shape, batches.order
     example, other = int(order[position]), int(order[(position + 1) % len(order)])
-    lengths = shape.lengths()
-    if lengths:
-        made = [pack(rows, np.array([example]), shape, length) for length in [lengths[0], *lengths]]
+    if shape.static:
+        made = rows_of_every_length(rows, shape, example)
+        made = [made[0], *made]
     else:
         sizes = rows.lengths()
         pair = [[example, other]] if other != example and sizes[example] + sizes[other] <= shape.tokens else []

@@ -222,6 +222,20 @@ def pack(rows: TokenRows, indices: np.ndarray, shape: RowShape | None = None, le
         supervised=int((label_row[1:] != IGNORE_INDEX).sum()))
 
 
+def rows_of_every_length(rows: TokenRows, shape: RowShape, example: int) -> list[PackedRow]:
+    """A row of each length a static shape allows, to build every shape before a step is timed: `example` padded
+    to it, or the run's shortest example where `example` is longer than that length. A length no example fits is
+    left out: no row of the run can take it (a row holds one example at least)."""
+    sizes = rows.lengths()
+    shortest = int(np.argmin(sizes))
+    made = []
+    for length in shape.lengths():
+        chosen = example if sizes[example] <= length else shortest
+        if sizes[chosen] <= length:
+            made.append(pack(rows, np.array([chosen]), shape, length))
+    return made
+
+
 def summed_loss(model: torch.nn.Module, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed next-token cross-entropy over supervised tokens, and the count of correct argmax predictions (None
     where Liger's kernel computed the loss while training), both on the device: nothing here reads it. Sums (not

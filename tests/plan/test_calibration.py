@@ -180,6 +180,28 @@ def test_a_full_row_is_predicted_from_the_probes_fixed_and_per_token_costs():
     assert _RowCost.of([first_call, one, two, real]) == _RowCost(0.0, 4.0 / 1170, 0.1)
 
 
+def test_static_probes_build_every_row_length_even_when_the_first_example_is_longer_than_some(tmp_path):
+    """Static rows (a GPU, a compiled model): the probes build every row length before a step is timed. The probes'
+    example is the run's, and where it is longer than a length the run's shortest example takes its place: the
+    trial used to fail there ("358 tokens cannot be padded to 320"), and the candidate with it."""
+    import pyarrow as pa
+    from pyarrow import feather
+
+    from phase1a.plan.calibration import _probes
+    from phase1a.train.packing import RowBudget, StepBatches
+
+    lengths = [150, *np.random.default_rng(0).integers(3, 61, 99)]
+    ids = [list(range(5, 5 + int(n))) for n in lengths]
+    path = tmp_path / "train.arrow"
+    feather.write_feather(pa.table({"input_ids": ids, "labels": ids}), path, compression="uncompressed")
+    batches = StepBatches(path, None, np.arange(100), 2, RowBudget(512, static=True))
+    shape = batches.shape
+    assert shape.buckets[0] < 150  # the first example cannot be padded to the shortest length
+    rows = [probe.micro_batches[0] for probe in _probes(batches, 0)]
+    assert [row.length for row in rows] == [shape.buckets[0], *shape.buckets]  # the first twice: a first call
+    assert [row.tokens for row in rows][-1] == 150 and rows[0].tokens == min(lengths)
+
+
 def test_every_measured_step_counts_in_the_speed_as_in_the_runs_but_a_burst():
     """The run's speed is its tokens over its seconds, slow steps included: so is a trial's. Leaving the slowest
     of four out made the estimate fast (by 1.6 % on the demo's even steps, resampled from a run's step times). A

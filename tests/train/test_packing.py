@@ -13,6 +13,7 @@ from phase1a.train.packing import (
     budget_rows,
     example_stream,
     pack,
+    rows_of_every_length,
     step_indices,
     summed_loss,
 )
@@ -69,6 +70,24 @@ def test_a_static_row_pads_with_unlabelled_segments_to_one_of_its_lengths(rows):
     assert row.supervised == rows.supervised_tokens(np.arange(5))
     with pytest.raises(ValueError, match="exceed the row shape"):
         pack(rows, np.arange(5), RowShape.of(64, 30, 5, static=True))
+
+
+def test_a_row_of_every_length_holds_an_example_that_fits_it():
+    """Warm-up rows for a static shape of 64 and 128 tokens: the asked example (100 tokens) where it fits, the
+    shortest (80) where it does not, and no row where no example fits (none of the run's rows can take that length).
+    A run whose first example was longer than its shortest length failed here before (GPU check, CI stop 46)."""
+    lengths = [100, 80, 120]
+    ids = [np.arange(5, 5 + n) for n in lengths]
+    rows = TokenRows(np.concatenate(ids), np.concatenate(ids), np.concatenate([[0], np.cumsum(lengths)]))
+    shape = RowShape.of(128, 120, 3, static=True, step_tokens=np.array([40, 50, 60, 128]))
+    assert shape.buckets == (64, 128)
+    assert [(row.length, row.tokens) for row in rows_of_every_length(rows, shape, 0)] == [(128, 100)]
+    wide = RowShape.of(256, 120, 3, static=True, step_tokens=np.array([90, 100, 110, 120, 256]))
+    assert wide.buckets == (128, 256)
+    assert [(row.length, row.tokens) for row in rows_of_every_length(rows, wide, 2)] == [(128, 120), (256, 120)]
+    short = TokenRows(np.concatenate(ids), np.concatenate(ids), np.array([0, 100, 120, 300]))  # 100, 20, 180 tokens
+    assert [(row.length, row.tokens) for row in rows_of_every_length(short, wide, 0)] == [(128, 100), (256, 100)]
+    assert [(row.length, row.tokens) for row in rows_of_every_length(short, shape, 0)] == [(64, 20), (128, 100)]
 
 
 def test_static_buckets_follow_the_steps_rows():
