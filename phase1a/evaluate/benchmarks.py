@@ -19,7 +19,7 @@ from typing import Any
 
 from phase1a.config.schema import BenchmarkConfig, ValidationConfig
 from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
-from phase1a.evaluate.result import BenchmarkScore, EvaluationWork
+from phase1a.evaluate.result import BenchmarkScore, DecodeBatch, EvaluationWork
 
 _STDERR_ITERATIONS = 1000  # bootstrap draws for a metric without a closed-form standard error
 
@@ -198,14 +198,17 @@ def benchmark_work(benchmark: Benchmark, tokenizer, batch_size: int) -> Evaluati
     # loglikelihood (context, continuation), or a rolling loglikelihood over one text: the whole text is read
     scored = ["".join(i.args) for i in task.instances if i.request_type != "generate_until"]
     longest = max((int(i.args[1].get("max_gen_toks", 256)) for i in generations), default=0)
-    return EvaluationWork(forward_tokens=_tokens(tokenizer, scored),
-                          prefill_tokens=_tokens(tokenizer, [i.args[0] for i in generations]),
-                          decode_steps=math.ceil(len(generations) / batch_size) * longest)
+    contexts = _lengths(tokenizer, [i.args[0] for i in generations])
+    batches = [DecodeBatch(width=max(contexts[start : start + batch_size]), steps=longest)
+               for start in range(0, len(contexts), batch_size)]
+    return EvaluationWork(forward_tokens=sum(_lengths(tokenizer, scored)), prefill_tokens=sum(contexts),
+                          decode_steps=sum(b.steps for b in batches),
+                          decode_context_tokens=sum(b.context_tokens for b in batches))
 
 
-def _tokens(tokenizer, texts: list[str]) -> int:
-    """Tokens of all `texts`, in one batched call (a fast tokenizer encodes them in parallel)."""
-    return sum(len(ids) for ids in tokenizer(texts)["input_ids"]) if texts else 0
+def _lengths(tokenizer, texts: list[str]) -> list[int]:
+    """Tokens of each of `texts`, in one batched call (a fast tokenizer encodes them in parallel)."""
+    return [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
 
 
 # What HFLM warns each time it is handed a loaded model, which the gate does on purpose (two lines a scoring).

@@ -10,6 +10,7 @@ padding and transformers derives position ids from it, so a padded row generates
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from phase1a.core.labels import IGNORE_INDEX
+from phase1a.evaluate.result import DecodeBatch
 from phase1a.train.packing import TokenRows
 
 
@@ -95,43 +97,90 @@ def left_padded(prompts: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, t
     return input_ids, attention_mask
 
 
-def decode_steps(examples: list[GenerationExample], max_new_tokens: int, batch_size: int) -> int:
-    """Greedy steps generating `examples` in batches: a batch runs until its longest answer has ended, taken as
-    its longest reference plus the stop token, at most `max_new_tokens`."""
-    lengths = [len(e.reference) for e in examples]
-    return sum(min(max_new_tokens, max(lengths[start : start + batch_size]) + 1)
-               for start in range(0, len(lengths), batch_size))
+def decode_batches(examples: list[GenerationExample], max_new_tokens: int, batch_size: int,
+                   to_max: bool = False) -> list[DecodeBatch]:
+    """The batches generating `examples`: a batch runs until its longest answer has ended, taken as its longest
+    reference plus the stop token, at most `max_new_tokens` (`to_max`: every batch to `max_new_tokens`, as a
+    model that rarely stops where the references do)."""
+    batches = []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        steps = max_new_tokens if to_max else min(max_new_tokens, max(len(e.reference) for e in batch) + 1)
+        batches.append(DecodeBatch(width=max(len(e.prompt) for e in batch), steps=steps))
+    return batches
 
 
 @torch.no_grad()
 def time_decode_step(model, prompts: list[np.ndarray], pad_id: int, steps: int = 8,
-                     deadline: float = math.inf) -> DecodeTiming:
+                     deadline: float = math.inf, wider: int = 0) -> DecodeTiming:
     """One prefill of this batch of prompts, then up to `steps` greedy steps with the KV cache, timed after one
     untimed step, none started past `deadline` (perf_counter time) but the first timed one: the prefill's seconds
     and the seconds per step. Each step records its token's probability as `generate_greedy` does (a softmax over
-    the vocabulary per row). Run under no_grad."""
-    device, recorder = next(model.parameters()).device, _GreedyProbability()
+    the vocabulary per row). With `wider`, the cache then grows by that many masked columns and the steps are
+    timed again: a step's cost grows with what it attends to, and a long answer's last steps attend to far more
+    than its first (the cache is widened, not prefilled: a prefill that wide would cost more than the steps).
+    Run under no_grad."""
+    device = next(model.parameters()).device
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_id))
     _sync(device)
     began = time.perf_counter()
     output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
     _sync(device)
     prefill = time.perf_counter() - began
-    cache, token = output.past_key_values, output.logits[:, -1:].argmax(dim=-1)
-    ones = attention_mask.new_ones((attention_mask.size(0), 1))  # each step attends to one more token
-    durations = []
-    for _ in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
-        if len(durations) > 1 and time.perf_counter() + durations[-1] > deadline:
-            break
-        began = time.perf_counter()
-        attention_mask = torch.cat([attention_mask, ones], dim=1)
-        output = model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1)
-        cache, token = output.past_key_values, recorder(token, output.logits[:, -1]).argmax(dim=-1, keepdim=True)
-        _sync(device)
-        durations.append(time.perf_counter() - began)
-    return DecodeTiming(prefill_seconds=prefill, seconds_per_step=float(np.mean(durations[1:])),
-                        steps=len(durations) - 1)
+    state = _Decoding(model, output.past_key_values, output.logits[:, -1:].argmax(dim=-1), attention_mask)
+    narrow = state.timed(steps, deadline)
+    timing = DecodeTiming(prefill_seconds=prefill, seconds_per_step=narrow.seconds, steps=narrow.steps,
+                          context=narrow.context)
+    if wider <= 0 or time.perf_counter() + narrow.seconds * (steps + 1) > deadline or not state.widen(wider):
+        return timing
+    wide = state.timed(steps, deadline)
+    return dataclasses.replace(timing, wide_seconds_per_step=wide.seconds, wide_context=wide.context)
+
+
+@dataclass(frozen=True)
+class _TimedSteps:
+    seconds: float  # a timed step's mean
+    steps: int
+    context: float  # the timed steps' mean attention length
+
+
+class _Decoding:
+    """Greedy decoding's state between timed runs of steps."""
+
+    def __init__(self, model, cache, token: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.model, self.cache, self.token, self.attention_mask = model, cache, token, attention_mask
+        self.device, self.recorder = token.device, _GreedyProbability()
+
+    def timed(self, steps: int, deadline: float) -> _TimedSteps:
+        ones = self.attention_mask.new_ones((self.attention_mask.size(0), 1))  # each step attends to one more token
+        durations, contexts = [], []
+        for _ in range(1 + steps):  # the first step is untimed: the cache's first growth, lazy set-up
+            if len(durations) > 1 and time.perf_counter() + durations[-1] > deadline:
+                break
+            began = time.perf_counter()
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+            output = self.model(input_ids=self.token, attention_mask=self.attention_mask, past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=1)
+            self.cache = output.past_key_values
+            self.token = self.recorder(self.token, output.logits[:, -1]).argmax(dim=-1, keepdim=True)
+            _sync(self.device)
+            durations.append(time.perf_counter() - began)
+            contexts.append(self.attention_mask.size(1))
+        return _TimedSteps(float(np.mean(durations[1:])), len(durations) - 1, float(np.mean(contexts[1:])))
+
+    def widen(self, columns: int) -> bool:
+        """`columns` more cache positions, masked (zeros in every layer's keys and values); False where this cache
+        cannot be widened so (a cache type without per-layer tensors)."""
+        layers = getattr(self.cache, "layers", None)
+        if not layers or getattr(layers[0], "keys", None) is None:
+            return False
+        for index, layer in enumerate(layers):
+            keys, values = layer.keys, layer.values
+            self.cache.update(keys.new_zeros((*keys.shape[:2], columns, keys.shape[-1])),
+                              values.new_zeros((*values.shape[:2], columns, values.shape[-1])), index)
+        masked = self.attention_mask.new_zeros((self.attention_mask.size(0), columns))
+        self.attention_mask = torch.cat([self.attention_mask, masked], dim=1)
+        return True
 
 
 @dataclass(frozen=True)
@@ -139,6 +188,20 @@ class DecodeTiming:
     prefill_seconds: float
     seconds_per_step: float
     steps: int  # timed
+    context: float = 0.0  # the timed steps' mean attention length
+    wide_seconds_per_step: float | None = None  # the steps timed again with the cache widened
+    wide_context: float | None = None
+
+    def per_context_token(self) -> float:
+        """What a step costs more for each position it attends to: the line through the two timings (0 without a
+        wide timing, or where noise makes the wide steps no dearer)."""
+        if self.wide_seconds_per_step is None or not self.wide_context or self.wide_context <= self.context:
+            return 0.0
+        return max(0.0, (self.wide_seconds_per_step - self.seconds_per_step) / (self.wide_context - self.context))
+
+    def at_no_context(self) -> float:
+        """A step's cost apart from what it attends to (the timed step's own where no slope was measured)."""
+        return max(0.0, self.seconds_per_step - self.per_context_token() * self.context)
 
 
 def _sync(device: torch.device) -> None:

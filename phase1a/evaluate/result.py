@@ -4,6 +4,8 @@ against its baseline, the gate's checks and verdict (ValidationResult); and what
 the flow, the report and the CLI read them without loading a model."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel
 
 from phase1a.evaluate.serving import ServingVerdict
@@ -65,7 +67,10 @@ class ValidationSpeed(BaseModel):
     runs it (a LoRA adapter's path off where the candidate is scored merged)."""
 
     forward_seconds_per_token: float
-    decode_seconds_per_step: float
+    decode_seconds_per_step: float  # apart from what the step attends to, where that is priced (next field)
+    # What a greedy step costs more per position it attends to (prompt width and tokens so far): the last steps of
+    # a long answer cost more than its first. 0: not measured (a record written before it), steps priced flat.
+    decode_seconds_per_context_token: float = 0.0
     source: str = "measured"  # how the two were found: measured, or measured on fewer rows and scaled
     # A generation batch's prefill (left-padded rows, per prompt token); None: at the teacher-forced speed.
     prefill_seconds_per_token: float | None = None
@@ -83,6 +88,19 @@ class ValidationSpeed(BaseModel):
             "forward_seconds_per_token": self.training_forward_seconds_per_token or self.forward_seconds_per_token})
 
 
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A generation batch's greedy steps and its prompt width (rows are left-padded to its longest prompt)."""
+
+    width: int
+    steps: int
+
+    @property
+    def context_tokens(self) -> int:
+        """What its steps attend to, summed: step j (from 1) reads the prompt, j - 1 generated tokens and its own."""
+        return self.steps * self.width + self.steps * (self.steps + 1) // 2
+
+
 class EvaluationWork(BaseModel):
     """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill) and
     greedy steps of generation batches."""
@@ -90,20 +108,25 @@ class EvaluationWork(BaseModel):
     forward_tokens: float = 0.0  # teacher-forced
     prefill_tokens: float = 0.0  # generation batches' prompts
     decode_steps: float = 0.0
+    decode_context_tokens: float = 0.0  # what those steps attend to, summed (DecodeBatch.context_tokens)
 
     def seconds(self, speed: ValidationSpeed) -> float:
         prefill = speed.prefill_seconds_per_token or speed.forward_seconds_per_token
         return (self.forward_tokens * speed.forward_seconds_per_token + self.prefill_tokens * prefill
-                + self.decode_steps * speed.decode_seconds_per_step)
+                + self.decode_seconds(speed))
+
+    def decode_seconds(self, speed: ValidationSpeed) -> float:
+        return (self.decode_steps * speed.decode_seconds_per_step
+                + self.decode_context_tokens * speed.decode_seconds_per_context_token)
 
     def __add__(self, other: "EvaluationWork") -> "EvaluationWork":
-        return EvaluationWork(forward_tokens=self.forward_tokens + other.forward_tokens,
-                              prefill_tokens=self.prefill_tokens + other.prefill_tokens,
-                              decode_steps=self.decode_steps + other.decode_steps)
+        return EvaluationWork(**{name: getattr(self, name) + getattr(other, name) for name in _WORK})
 
     def __mul__(self, times: float) -> "EvaluationWork":
-        return EvaluationWork(forward_tokens=self.forward_tokens * times, prefill_tokens=self.prefill_tokens * times,
-                              decode_steps=self.decode_steps * times)
+        return EvaluationWork(**{name: getattr(self, name) * times for name in _WORK})
+
+
+_WORK = tuple(EvaluationWork.model_fields)
 
 
 class Baseline(BaseModel):

@@ -139,6 +139,7 @@ def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
         return None
     return ValidationSpeed(forward_seconds_per_token=record.eval_forward_seconds_per_token,
                            decode_seconds_per_step=record.eval_decode_seconds_per_step,
+                           decode_seconds_per_context_token=record.eval_decode_seconds_per_context_token,
                            prefill_seconds_per_token=record.eval_prefill_seconds_per_token,
                            training_forward_seconds_per_token=record.eval_training_forward_seconds_per_token,
                            source="the last run's, its evaluations during training measured")
@@ -686,7 +687,8 @@ class _Planner:
             host_seconds=startup + (estimate.warmup_seconds if own else 0.0) + estimate.checkpoint_seconds,
             forward_tokens=evaluation.forward_tokens + evaluation.prefill_tokens, decode_steps=evaluation.decode_steps,
             reference_forward_seconds_per_token=speed.forward_seconds_per_token,
-            reference_decode_seconds_per_step=speed.decode_seconds_per_step)
+            # a step as these steps attend on average: the options price steps, not what each attends to
+            reference_decode_seconds_per_step=evaluation.decode_seconds(speed) / max(evaluation.decode_steps, 1))
         configured = None if checkpoints.rule != "configured" else self._exposure(
             checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
             fit.max_seq_length).interval_seconds

@@ -121,4 +121,5 @@ def _evaluation_speeds(plan: Plan, result: TrainResult) -> dict:
     return {"eval_forward_seconds_per_token": speed.forward_seconds_per_token * scale,
             "eval_prefill_seconds_per_token": None if prefill is None else prefill * scale,
             "eval_decode_seconds_per_step": speed.decode_seconds_per_step,
+            "eval_decode_seconds_per_context_token": speed.decode_seconds_per_context_token,
             "eval_training_forward_seconds_per_token": None if during is None else during * scale}

@@ -69,6 +69,7 @@ class RunRecord(BaseModel):
     eval_forward_seconds_per_token: float | None = None
     eval_prefill_seconds_per_token: float | None = None
     eval_decode_seconds_per_step: float | None = None
+    eval_decode_seconds_per_context_token: float = 0.0  # 0: a record written before steps were priced by context
     eval_training_forward_seconds_per_token: float | None = None  # an evaluation during training's forward pass
     time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
 

@@ -5,9 +5,9 @@ import pytest
 from helpers import date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import ValidationConfig
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
-from phase1a.evaluate.generation import GenerationExample, decode_steps, generation_examples
+from phase1a.evaluate.generation import GenerationExample, decode_batches, generation_examples
 from phase1a.evaluate.metrics import TimingAllowance, time_validation, validation_timing_seconds, validation_work
-from phase1a.evaluate.result import ValidationSpeed
+from phase1a.evaluate.result import DecodeBatch, ValidationSpeed
 from phase1a.train.packing import TokenRows
 
 
@@ -16,10 +16,39 @@ def example(prompt: int, reference: int) -> GenerationExample:
 
 
 def test_a_batch_runs_until_its_longest_answer_and_the_stop_token():
-    examples = [example(5, 3), example(5, 10), example(5, 4), example(5, 2), example(5, 30)]
-    assert decode_steps(examples, max_new_tokens=64, batch_size=2) == 11 + 5 + 31
-    assert decode_steps(examples, max_new_tokens=8, batch_size=2) == 8 + 5 + 8  # capped by max_new_tokens
-    assert decode_steps(examples, max_new_tokens=64, batch_size=5) == 31
+    examples = [example(5, 3), example(7, 10), example(5, 4), example(6, 2), example(5, 30)]
+
+    def steps(max_new: int, size: int, to_max: bool = False) -> list[int]:
+        return [batch.steps for batch in decode_batches(examples, max_new, size, to_max)]
+
+    assert steps(64, 2) == [11, 5, 31]
+    assert steps(8, 2) == [8, 5, 8]  # capped by max_new_tokens
+    assert steps(64, 5) == [31]
+    assert steps(20, 2, to_max=True) == [20, 20, 20]  # a model that rarely stops where the references do
+
+
+def test_a_batchs_steps_attend_to_its_widest_prompt_and_what_they_have_generated():
+    """Rows are left-padded to the batch's longest prompt; step j (from 1) attends to it, j - 1 tokens generated
+    before and its own: 11 steps over a 7-token width attend to 7 x 11 + (1 + ... + 11) positions."""
+    examples = [example(5, 3), example(7, 10), example(5, 4), example(6, 2), example(5, 30)]
+    batches = decode_batches(examples, 64, 2)
+    assert [(b.width, b.steps) for b in batches] == [(7, 11), (6, 5), (5, 31)]
+    assert batches[0].context_tokens == 7 * 11 + 66 and DecodeBatch(width=0, steps=1).context_tokens == 1
+
+
+def test_a_steps_cost_is_the_line_through_its_two_timings():
+    """Steps timed at a 60-position context (0.075 s) and with the cache widened to 188 (0.087 s): 94 us more a
+    position, 0.069 s apart from it. Noise that makes the wide steps no dearer leaves the steps priced flat."""
+    from phase1a.evaluate.generation import DecodeTiming
+
+    timing = DecodeTiming(prefill_seconds=1.0, seconds_per_step=0.075, steps=8, context=60.0,
+                          wide_seconds_per_step=0.087, wide_context=188.0)
+    assert timing.per_context_token() == pytest.approx(0.012 / 128)
+    assert timing.at_no_context() == pytest.approx(0.075 - 60 * 0.012 / 128)
+    flat = DecodeTiming(1.0, 0.075, 8, 60.0, wide_seconds_per_step=0.074, wide_context=188.0)
+    assert (flat.per_context_token(), flat.at_no_context()) == (0.0, 0.075)
+    assert (DecodeTiming(1.0, 0.075, 8, 60.0).per_context_token(), DecodeTiming(1.0, 0.075, 8).at_no_context()) == (
+        0.0, 0.075)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +64,27 @@ def test_the_estimate_adds_the_forward_pass_the_prefill_and_the_greedy_steps(row
     indices = np.arange(20)
     examples = generation_examples(rows, indices)
     speed = ValidationSpeed(forward_seconds_per_token=0.001, decode_seconds_per_step=0.01)
-    longest = max(len(e.reference) for e in examples)
+    max_new = min(64, max(len(e.reference) for e in examples))
+    tuned, untuned = decode_batches(examples, max_new, 8), decode_batches(examples, max_new, 8, to_max=True)
     expected = (rows.lengths()[indices].sum() * 0.001 + sum(len(e.prompt) for e in examples) * 0.001
-                + decode_steps(examples, min(64, longest), 8) * 0.01)
+                + sum(b.steps for b in tuned) * 0.01)
     assert validation_work(rows, indices, settings, models=2).seconds(speed) == pytest.approx(2 * expected)
     # A measured prefill speed prices the prompts; the teacher-forced pass keeps its own.
     timed = speed.model_copy(update={"prefill_seconds_per_token": 0.003})
     prompts = sum(len(e.prompt) for e in examples)
     with_prefill = 2 * (expected + prompts * 0.002)
     assert validation_work(rows, indices, settings, models=2).seconds(timed) == pytest.approx(with_prefill)
+    # A step priced by what it attends to: each batch's steps over its width and the tokens generated so far.
+    by_context = speed.model_copy(update={"decode_seconds_per_context_token": 1e-4})
+    attended = sum(b.context_tokens for b in tuned)
+    assert validation_work(rows, indices, settings, models=2).seconds(by_context) == pytest.approx(
+        2 * (expected + attended * 1e-4))
     # The base model, untuned, does not stop where the references do: its batches run to max_new_tokens.
-    base = validation_work(rows, indices, settings, models=1, untuned=1).seconds(speed)
-    batches = -(-len(examples) // 8)
-    assert base == pytest.approx(2 * expected - decode_steps(examples, min(64, longest), 8) * 0.01
-                                 + batches * min(64, longest) * 0.01)
+    base = validation_work(rows, indices, settings, models=1, untuned=1)
+    assert base.decode_steps == sum(b.steps for b in tuned) + len(untuned) * max_new
+    assert base.seconds(by_context) == pytest.approx(
+        2 * expected - sum(b.steps for b in tuned) * 0.01 + len(untuned) * max_new * 0.01
+        + (attended + sum(b.context_tokens for b in untuned)) * 1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +139,25 @@ def test_greedy_steps_stop_at_the_deadline(rows, model):
     with torch.no_grad():
         assert time_decode_step(model, prompts, pad_id=0, steps=8, deadline=time.perf_counter()).steps == 1
         assert time_decode_step(model, prompts, pad_id=0, steps=8).steps == 8
+        # Widened, past the deadline: not timed again
+        assert time_decode_step(model, prompts, pad_id=0, steps=8, deadline=time.perf_counter(),
+                                wider=50).wide_seconds_per_step is None
+
+
+def test_the_steps_are_timed_again_with_the_cache_widened(rows, model):
+    """Eight steps at the prompts' width (step j attends to the batch's longest prompt and j tokens: + 2 to + 9
+    after the untimed first, + 5.5 on average), then eight with 50 more masked positions in every layer's cache."""
+    import torch
+
+    from phase1a.evaluate.generation import time_decode_step
+
+    prompts = [e.prompt for e in generation_examples(rows, np.arange(4))]
+    with torch.no_grad():
+        timing = time_decode_step(model, prompts, pad_id=0, steps=8, wider=50)
+    width = max(len(p) for p in prompts)
+    assert timing.steps == 8 and timing.context == width + 5.5
+    assert timing.wide_context == timing.context + 9 + 50 and timing.wide_seconds_per_step > 0
+    assert timing.per_context_token() >= 0 and timing.at_no_context() >= 0
 
 
 def test_a_pass_far_slower_than_guessed_is_cut_at_the_allowance(rows, model):

@@ -200,6 +200,7 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
     record = record_run(history_path(config.cache_dir), config, resolved(config), first, result)
     assert record.eval_forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
     assert record.eval_decode_seconds_per_step == timed.decode_seconds_per_step  # generation is not corrected
+    assert record.eval_decode_seconds_per_context_token == timed.decode_seconds_per_context_token
     assert timed.training_forward_seconds_per_token > 0  # an evaluation during training, timed in its own rows
     assert record.eval_training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
 
@@ -208,6 +209,7 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
     speed = second.estimate.evaluation_speed
     assert speed.forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
     assert speed.training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
+    assert speed.decode_seconds_per_context_token == timed.decode_seconds_per_context_token  # steps by context
     assert second.estimate.evaluation_footing.words == "the last run's evaluations, ±15%"
     assert second.estimate.eval_during_training_seconds == pytest.approx(
         2 * first.estimate.eval_during_training_seconds, rel=1e-6)
