@@ -13,6 +13,7 @@ already shifted to the next token); without them it is the model's own forward (
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 
@@ -160,9 +161,23 @@ def install(causal_lm: torch.nn.Module, liger: bool = False, autocast: torch.dty
         loss, correct = _eager_linear_cross_entropy(hidden, head.weight, head.bias, targets, transform)
         return TokenLoss(loss=loss, correct=correct)
 
+    forward.__signature__ = _with_loss_targets(inspect.signature(forward), original)
     causal_lm._own_forward = original
     causal_lm.forward = types.MethodType(forward, causal_lm)
     return causal_lm
+
+
+def _with_loss_targets(wrapper: inspect.Signature, original) -> inspect.Signature:
+    """The model's own forward parameters, and `loss_targets`: transformers reads the forward's signature (generate
+    asks for one position's logits only where `logits_to_keep` is a parameter; without it a generation batch's
+    prefill computed the vocabulary's logits at every prompt position: 5-12 % of the chat job's generation)."""
+    params = list(inspect.signature(original).parameters.values())
+    own = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    rest = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    try:
+        return wrapper.replace(parameters=[wrapper.parameters["self"], *own, wrapper.parameters["loss_targets"], *rest])
+    except ValueError:  # a forward whose parameters cannot be laid out so: the wrapper's own (*args, **kwargs)
+        return wrapper
 
 
 # Kept out of torch.compile: the chunk loop's length follows each row's length.
