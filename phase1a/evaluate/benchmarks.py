@@ -201,9 +201,8 @@ def benchmark_work(benchmark: Benchmark, tokenizer, batch_size: int) -> Evaluati
     contexts = _lengths(tokenizer, [i.args[0] for i in generations])
     batches = [DecodeBatch(width=max(contexts[start : start + batch_size]), steps=longest)
                for start in range(0, len(contexts), batch_size)]
-    return EvaluationWork(forward_tokens=sum(_lengths(tokenizer, scored)), prefill_tokens=sum(contexts),
-                          decode_steps=sum(b.steps for b in batches),
-                          decode_context_tokens=sum(b.context_tokens for b in batches))
+    return EvaluationWork(forward_tokens=sum(_lengths(tokenizer, scored)),
+                          prefill_tokens=sum(contexts)) + EvaluationWork.decoding(batches)
 
 
 def _lengths(tokenizer, texts: list[str]) -> list[int]:

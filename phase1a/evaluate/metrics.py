@@ -330,13 +330,9 @@ def validation_work(rows: TokenRows, indices: np.ndarray, settings: ValidationCo
         return EvaluationWork(forward_tokens=forward) * (models + untuned)
     max_new = max_new_tokens(examples, settings)
     read = EvaluationWork(forward_tokens=forward, prefill_tokens=sum(len(e.prompt) for e in examples))
-
-    def decoding(to_max: bool) -> EvaluationWork:
-        batches = decode_batches(examples, max_new, settings.generation_batch_size, to_max)
-        return EvaluationWork(decode_steps=sum(b.steps for b in batches),
-                              decode_context_tokens=sum(b.context_tokens for b in batches))
-
-    return read * (models + untuned) + decoding(False) * models + decoding(True) * untuned
+    tuned, base = (EvaluationWork.decoding(decode_batches(examples, max_new, settings.generation_batch_size, to_max))
+                   for to_max in (False, True))
+    return read * (models + untuned) + tuned * models + base * untuned
 
 
 def max_new_tokens(examples: list[GenerationExample], settings: ValidationConfig) -> int:

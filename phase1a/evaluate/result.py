@@ -115,6 +115,12 @@ class EvaluationWork(BaseModel):
         return (self.forward_tokens * speed.forward_seconds_per_token + self.prefill_tokens * prefill
                 + self.decode_seconds(speed))
 
+    @classmethod
+    def decoding(cls, batches: list[DecodeBatch]) -> "EvaluationWork":
+        """The greedy steps of these generation batches, and what they attend to."""
+        return cls(decode_steps=sum(b.steps for b in batches),
+                   decode_context_tokens=sum(b.context_tokens for b in batches))
+
     def decode_seconds(self, speed: ValidationSpeed) -> float:
         return (self.decode_steps * speed.decode_seconds_per_step
                 + self.decode_context_tokens * speed.decode_seconds_per_context_token)
