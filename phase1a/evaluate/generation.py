@@ -194,10 +194,12 @@ class DecodeTiming:
 
     def per_context_token(self) -> float:
         """What a step costs more for each position it attends to: the line through the two timings (0 without a
-        wide timing, or where noise makes the wide steps no dearer)."""
+        wide timing, or where noise makes the wide steps no dearer, or so much dearer that a step would cost nothing
+        apart from what it attends to: a step always reads the weights)."""
         if self.wide_seconds_per_step is None or not self.wide_context or self.wide_context <= self.context:
             return 0.0
-        return max(0.0, (self.wide_seconds_per_step - self.seconds_per_step) / (self.wide_context - self.context))
+        slope = (self.wide_seconds_per_step - self.seconds_per_step) / (self.wide_context - self.context)
+        return slope if 0.0 < slope * self.context < self.seconds_per_step else 0.0
 
     def at_no_context(self) -> float:
         """A step's cost apart from what it attends to (the timed step's own where no slope was measured)."""

@@ -47,6 +47,8 @@ def test_a_steps_cost_is_the_line_through_its_two_timings():
     assert timing.at_no_context() == pytest.approx(0.075 - 60 * 0.012 / 128)
     flat = DecodeTiming(1.0, 0.075, 8, 60.0, wide_seconds_per_step=0.074, wide_context=188.0)
     assert (flat.per_context_token(), flat.at_no_context()) == (0.0, 0.075)
+    steep = DecodeTiming(1.0, 0.075, 8, 60.0, wide_seconds_per_step=0.5, wide_context=188.0)  # nothing apart: noise
+    assert (steep.per_context_token(), steep.at_no_context()) == (0.0, 0.075)
     assert (DecodeTiming(1.0, 0.075, 8, 60.0).per_context_token(), DecodeTiming(1.0, 0.075, 8).at_no_context()) == (
         0.0, 0.075)
 
