@@ -353,8 +353,9 @@ class PlanConfig(_Section):
         "Most wall time calibration may spend: loading the model, the trials, and timing a checkpoint and "
         "validation. Steps that do not fit are shortened; the plan says what a whole measurement needs."))
     calibration_share: float = Field(0.05, ge=0.0, le=1.0,
-                                     description="Trials beyond the first candidate also end within this share of "
-                                                 "the first estimate of training time.")
+                                     description="Trials of candidates beyond the first also end within this share "
+                                                 "of the first estimate of training time (the chosen one's second "
+                                                 "measurement starts within it).")
     assumed_mfu: float = Field(0.35, gt=0.0, le=1.0, description="Only for hardware that is not present to measure.")
     scaling_efficiency: float | None = Field(None, gt=0.0, le=1.0, description=(
         "Options table: the share of throughput kept per doubling of GPUs, where you have measured it. None: "

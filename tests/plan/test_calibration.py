@@ -1,16 +1,18 @@
 """The calibration sweep: real steps on this CPU, one knob at a time, the global batch fixed, within a budget."""
 import re
+import time
 
 import numpy as np
 import pytest
 
 from helpers import FACTS_8B, date_records, make_tokenizer, write_jsonl
 from phase1a.config.schema import Phase1aConfig
+from phase1a.core.meter import stage_meter
 from phase1a.core.units import GIB
 from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.model.cost_model import MemoryModel, TrainingShape
-from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, calibrate, memory_alternatives
-from phase1a.plan.result import Candidate
+from phase1a.plan.calibration import _MIN_GAIN, CalibrationJob, _Session, calibrate, memory_alternatives, pooled
+from phase1a.plan.result import Candidate, Trial
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,13 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
     assert all(8 % t.candidate.micro_batch_size == 0 for t in result.trials)  # the global batch never changes
     chosen = next(t for t in measured if t.candidate == result.chosen)
     assert chosen.tokens_per_second * (1 + _MIN_GAIN) ** len(measured) >= max(t.tokens_per_second for t in measured)
-    # The winner is measured again, and that fresh measurement, free of selection bias, sets the estimate.
+    # The winner is measured again, and both of its measurements, pooled over their steps, set the estimate.
     assert confirmation.candidate == result.chosen and "again" in confirmation.note
-    assert result.seconds_per_token == pytest.approx(1.0 / confirmation.tokens_per_second)
+    assert result.seconds_per_token == pytest.approx(
+        (1.0 / chosen.tokens_per_second * chosen.measured_steps
+         + 1.0 / confirmation.tokens_per_second * confirmation.measured_steps)
+        / (chosen.measured_steps + confirmation.measured_steps))
+    assert result.footing.words.startswith(f"{chosen.measured_steps + confirmation.measured_steps} measured steps")
     assert result.startup_seconds > 0 and result.checkpoint_seconds > 0 and result.warmup_excess_seconds >= 0
     assert not list((tmp_path / "run").iterdir())  # the timed checkpoint is cleaned up
 
@@ -64,6 +70,38 @@ def test_a_spent_share_skips_the_remaining_candidates(tmp_path, tiny_model_dir, 
     assert result.chosen == start and result.budget_seconds == 600
     assert [(t.candidate.compile, t.status) for t in result.trials] == [(False, "measured"), (True, "skipped")]
     assert "plan.calibration_share 0 of the estimated" in result.trials[1].note  # the limit that ended the sweep
+
+
+def test_pooled_measurements_average_time_over_steps_and_widen_by_their_difference():
+    first = Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
+                  tokens_per_second=100.0, measured_steps=4, micro_batches=2.0, step_micro_batches=2.0, spread=0.02,
+                  seconds=12.0)
+    again = first.model_copy(update={"tokens_per_second": 80.0, "spread": 0.01, "seconds": 10.0})
+    both = pooled(first, again)
+    assert both.tokens_per_second == pytest.approx(1 / ((1 / 100 + 1 / 80) / 2))  # seconds per token averaged
+    assert both.measured_steps == 8 and both.seconds == 22.0
+    assert both.spread == pytest.approx((1 / 80 - 1 / 100) / 2 / ((1 / 100 + 1 / 80) / 2))  # the hosts' move
+    assert "measured twice: 100 and 80 tokens/s" in both.note
+
+
+def test_the_confirmation_starts_within_the_share_and_ends_within_the_budget(tmp_path, tiny_model_dir, train_path):
+    """Two candidates measured, the share spent on them: the winner is still measured again (it measures the
+    choice, it tries nothing new), within the budget."""
+    settings = config(tmp_path, tiny_model_dir, calibration_share=0.0)
+    start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
+    job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
+                         alternatives=lambda best, knob: [best.model_copy(update={"micro_batch_size": 4})]
+                         if knob == "micro_batch" else [])
+    with stage_meter("calibration", 3, "trials") as meter:
+        session = _Session(settings, tiny_model_dir, job, meter)
+        first = session.run(start, session.first_deadline())
+        deadline = session.sweep_deadline(first)
+        other = session.run(start.model_copy(update={"micro_batch_size": 4}), session.budget_deadline)
+        assert other.status == "measured" and time.perf_counter() >= deadline  # the share is spent
+        assert session.confirm(first, deadline) is first  # a share that ended before the sweep did: none starts
+        measurement = session.confirm(first, time.perf_counter() + 60)
+    assert session.trials[-1].candidate == start and "again" in session.trials[-1].note
+    assert measurement.measured_steps == first.measured_steps + session.trials[-1].measured_steps
 
 
 def test_alternatives_offer_only_what_the_memory_model_admits():
