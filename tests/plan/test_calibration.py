@@ -76,12 +76,25 @@ def test_pooled_measurements_average_time_over_steps_and_widen_by_their_differen
     first = Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
                   tokens_per_second=100.0, measured_steps=4, micro_batches=2.0, step_micro_batches=2.0, spread=0.02,
                   seconds=12.0)
-    again = first.model_copy(update={"tokens_per_second": 80.0, "spread": 0.01, "seconds": 10.0})
-    both = pooled(first, again)
-    assert both.tokens_per_second == pytest.approx(1 / ((1 / 100 + 1 / 80) / 2))  # seconds per token averaged
+    again = first.model_copy(update={"tokens_per_second": 90.0, "spread": 0.01, "seconds": 10.0})
+    both = pooled(first, again, least=0.15)
+    assert both.tokens_per_second == pytest.approx(1 / ((1 / 100 + 1 / 90) / 2))  # seconds per token averaged
     assert both.measured_steps == 8 and both.seconds == 22.0
-    assert both.spread == pytest.approx((1 / 80 - 1 / 100) / 2 / ((1 / 100 + 1 / 80) / 2))  # the hosts' move
-    assert "measured twice: 100 and 80 tokens/s" in both.note
+    assert both.spread == pytest.approx((1 / 90 - 1 / 100) / 2 / ((1 / 100 + 1 / 90) / 2))  # the host's move
+    assert "measured twice: 100 and 90 tokens/s, pooled" in both.note
+
+
+def test_measurements_further_apart_than_the_floor_keep_the_faster_and_its_range_reaches_the_slower():
+    first = Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
+                  tokens_per_second=208.0, measured_steps=4, micro_batches=1.0, step_micro_batches=1.0, spread=0.02,
+                  seconds=20.0)
+    slow_spell = first.model_copy(update={"tokens_per_second": 136.0, "seconds": 23.0})
+    for one, other in ((first, slow_spell), (slow_spell, first)):
+        kept = pooled(one, other, least=0.15)
+        assert kept.tokens_per_second == 208.0 and kept.measured_steps == 4
+        assert kept.spread == pytest.approx(208 / 136 - 1)  # the range's top is the slower one's time
+        assert kept.footing().high == pytest.approx(208 / 136)
+        assert "the faster stands" in kept.note
 
 
 def test_the_confirmation_starts_within_the_share_and_ends_within_the_budget(tmp_path, tiny_model_dir, train_path):
