@@ -271,7 +271,7 @@ class _Session:
             return best
         again = self.run(best.candidate, self.budget_deadline)
         self.trials[-1] = again.model_copy(update={"note": "the chosen candidate, measured again"})
-        return pooled(best, again, floor(training_device().type)) if again.status == "measured" else best
+        return pooled(best, self.trials[-1], floor(training_device().type)) if again.status == "measured" else best
 
     def result(self, best: Trial, measurement: Trial, first: Trial) -> Calibration:
         from phase1a.model.build import set_gradient_checkpointing
