@@ -368,8 +368,8 @@ class _Session:
 
 def pooled(first: Trial, again: Trial, least: float) -> Trial:
     """One candidate's two measurements as one: seconds per token averaged over their measured steps, the spread
-    the wider of each one's and the range between them (the host's speed moved between the two). Two that differ
-    by more than `least` (the device's floor) are not averaged: a host's load slows a measurement and never speeds
+    the wider of each one's and the range between them (the host's speed moved between the two). Two whose ranges
+    at ±`least` (the device's floor) do not overlap are not averaged: a host's load slows a measurement and never speeds
     it, so the slower one met a slow spell and the faster stands, its range still widened to the slower (on this
     project's CPU host a confirmation measured 136 tokens/s against 208; averaged, the run's 209 fell outside)."""
     steps = [max(1, t.measured_steps) for t in (first, again)]
