@@ -383,7 +383,7 @@ def pooled(first: Trial, again: Trial, least: float) -> Trial:
         faster, slower = sorted((first, again), key=lambda t: -t.tokens_per_second)
         reach = faster.tokens_per_second / slower.tokens_per_second - 1  # the slower's time, over the faster's
         note = f"{said}, {reach:.0%} apart: the faster stands, the slower met a slow spell"
-        return faster.model_copy(update={**common, "spread": max(common["spread"], reach),
+        return faster.model_copy(update={**common, "spread": max(first.spread, again.spread, reach),
                                          "note": "; ".join(filter(None, [faster.note, note]))})
     return first.model_copy(update={
         **common, "tokens_per_second": 1.0 / mean, "measured_steps": first.measured_steps + again.measured_steps,

@@ -73,11 +73,15 @@ def test_a_spent_share_skips_the_remaining_candidates(tmp_path, tiny_model_dir, 
     assert "plan.calibration_share 0 of the estimated" in result.trials[1].note  # the limit that ended the sweep
 
 
+def measured(tokens_per_second: float, seconds: float, spread: float = 0.02) -> Trial:
+    """One candidate's measurement of 4 whole steps."""
+    return Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
+                 tokens_per_second=tokens_per_second, measured_steps=4, micro_batches=2.0, step_micro_batches=2.0,
+                 spread=spread, seconds=seconds)
+
+
 def test_pooled_measurements_average_time_over_steps_and_widen_by_their_difference():
-    first = Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
-                  tokens_per_second=100.0, measured_steps=4, micro_batches=2.0, step_micro_batches=2.0, spread=0.02,
-                  seconds=12.0)
-    again = first.model_copy(update={"tokens_per_second": 90.0, "spread": 0.01, "seconds": 10.0})
+    first, again = measured(100.0, 12.0), measured(90.0, 10.0, spread=0.01)
     both = pooled(first, again, least=0.15)
     assert both.tokens_per_second == pytest.approx(1 / ((1 / 100 + 1 / 90) / 2))  # seconds per token averaged
     assert both.measured_steps == 8 and both.seconds == 22.0
@@ -86,10 +90,7 @@ def test_pooled_measurements_average_time_over_steps_and_widen_by_their_differen
 
 
 def test_measurements_further_apart_than_the_floor_keep_the_faster_and_its_range_reaches_the_slower():
-    first = Trial(candidate=Candidate(micro_batch_size=8, gradient_checkpointing=False), status="measured",
-                  tokens_per_second=208.0, measured_steps=4, micro_batches=1.0, step_micro_batches=1.0, spread=0.02,
-                  seconds=20.0)
-    slow_spell = first.model_copy(update={"tokens_per_second": 136.0, "seconds": 23.0})
+    first, slow_spell = measured(208.0, 20.0), measured(136.0, 23.0)
     for one, other in ((first, slow_spell), (slow_spell, first)):
         kept = pooled(one, other, least=0.15)
         assert kept.tokens_per_second == 208.0 and kept.measured_steps == 4
@@ -99,8 +100,8 @@ def test_measurements_further_apart_than_the_floor_keep_the_faster_and_its_range
 
 
 def test_the_confirmation_starts_within_the_share_and_ends_within_the_budget(tmp_path, tiny_model_dir, train_path):
-    """Two candidates measured, the share spent on them: the winner is still measured again (it measures the
-    choice, it tries nothing new), within the budget."""
+    """Two candidates measured: the winner is measured again while the share lasts, even where the confirmation
+    will end past it (it measures the choice, it tries nothing new), and not once the share is spent."""
     settings = config(tmp_path, tiny_model_dir, calibration_share=0.0)
     start = Candidate(micro_batch_size=8, gradient_checkpointing=False)
     job = CalibrationJob(train_path, 256, start, train_tokens=10**9, work_dir=tmp_path / "run",
@@ -113,7 +114,10 @@ def test_the_confirmation_starts_within_the_share_and_ends_within_the_budget(tmp
         other = session.run(start.model_copy(update={"micro_batch_size": 4}), session.budget_deadline)
         assert other.status == "measured" and time.perf_counter() >= deadline  # the share is spent
         assert session.confirm(first, deadline) is first  # a share that ended before the sweep did: none starts
-        measurement = session.confirm(first, time.perf_counter() + 60)
+        expected = first.seconds - (first.warmup_excess_seconds or 0.0)
+        share_end = time.perf_counter() + expected / 2  # a confirmation started now ends past the share
+        measurement = session.confirm(first, share_end)
+        assert time.perf_counter() > share_end
     assert session.trials[-1].candidate == start and "again" in session.trials[-1].note
     assert measurement == pooled(first, session.trials[-1], floor(training_device().type))
 
