@@ -81,6 +81,10 @@ class ValidationSpeed(BaseModel):
     # The teacher-forced pass as an evaluation during training runs it: the training model (a LoRA adapter's path
     # on) over rows of the training's token budget. None: at `forward_seconds_per_token`.
     training_forward_seconds_per_token: float | None = None
+    # Folding a LoRA adapter into the weights before the candidate is scored (phase1a.model.loading.for_scoring):
+    # its first write to weights read from disk takes 1.9 s for SmolLM2-135M on this project's CPU host, a tenth of
+    # the qa300 job's validate stage. None: not measured, or the adapter is scored unmerged.
+    merge_seconds: float | None = None
 
     def during_training(self) -> "ValidationSpeed":
         """The costs an evaluation during training pays (its forward pass)."""

@@ -326,6 +326,7 @@ class _Session:
             budget = token_budget(chosen.micro_batch_size, self.job.max_seq_length)  # training/loop.py's rows
             during = None if speed is None or self.job.evaluation is None else time_training_rows(
                 self.model, rows, self._eval_sample(rows), budget, speed.forward_seconds_per_token, self.end)
+            merge = _time_merge(self.model) if merged and speed is not None else None  # last: it writes weights
         if speed is None:
             self.notes.append(f"validation not timed within the {max(0.0, left):.0f} s of the budget left; its "
                               f"speed is derived from the training speed")
@@ -335,7 +336,7 @@ class _Session:
         if self.job.evaluation is not None and during is None:
             self.notes.append("an evaluation during training not timed within the budget: priced at the validate "
                               "stage's speed")
-        return speed.model_copy(update={"training_forward_seconds_per_token": during})
+        return speed.model_copy(update={"training_forward_seconds_per_token": during, "merge_seconds": merge})
 
     def _final_seconds(self, per_token: float) -> float:
         """The checkpoint's and validation's timing, unhurried, at a training speed."""
@@ -364,6 +365,22 @@ class _Session:
             return None
         steps = (1 + self.config.plan.calibration_steps) * self.step_tokens * per_token
         return self.startup + (first.warmup_excess_seconds or 0.0) + steps + self._final_seconds(per_token)
+
+
+def _time_merge(model: torch.nn.Module) -> float | None:
+    """Seconds to fold the LoRA adapter into the weights, as the validate stage does before scoring the candidate
+    (`for_scoring`), then unfolded. None for a model without an adapter. The first write to weights read from disk
+    is what costs (1.9 s for SmolLM2-135M on this project's CPU host, a second merge 0.12 s): the stage's merge is
+    a first, and so is this one, the session's last use of the model."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return None
+    began = time.perf_counter()
+    model.merge_adapter()
+    seconds = time.perf_counter() - began
+    model.unmerge_adapter()
+    return seconds
 
 
 def pooled(first: Trial, again: Trial, least: float) -> Trial:

@@ -142,6 +142,7 @@ def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
                            decode_seconds_per_context_token=record.eval_decode_seconds_per_context_token,
                            prefill_seconds_per_token=record.eval_prefill_seconds_per_token,
                            training_forward_seconds_per_token=record.eval_training_forward_seconds_per_token,
+                           merge_seconds=record.eval_merge_seconds,
                            source="the last run's, its evaluations during training measured")
 
 
@@ -513,9 +514,16 @@ class _Planner:
             work = work + benchmark_work(load_benchmark(spec), tokenizer, self.config.validation.batch_size)
         return work
 
+    def _validation_merges(self) -> int:
+        """Adapters the validate stage folds into their weights before scoring: the candidate's, a promoted
+        baseline's."""
+        return (self.method.kind != "full") * (1 + (self.config.validation.baseline == "promoted"))
+
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
-        """The validate stage as it will run: its loads, and its work (phase1a.evaluate.metrics.validation_work)."""
+        """The validate stage as it will run: its loads and merges, and its work
+        (phase1a.evaluate.metrics.validation_work)."""
         return (self._validation_loads() * throughput.startup_seconds
+                + self._validation_merges() * (speed.merge_seconds or 0.0)
                 + self._validation_work(self._base_cached).seconds(speed))
 
     def _eval_during_training_work(self) -> EvaluationWork:

@@ -122,4 +122,5 @@ def _evaluation_speeds(plan: Plan, result: TrainResult) -> dict:
             "eval_prefill_seconds_per_token": None if prefill is None else prefill * scale,
             "eval_decode_seconds_per_step": speed.decode_seconds_per_step,
             "eval_decode_seconds_per_context_token": speed.decode_seconds_per_context_token,
-            "eval_training_forward_seconds_per_token": None if during is None else during * scale}
+            "eval_training_forward_seconds_per_token": None if during is None else during * scale,
+            "eval_merge_seconds": speed.merge_seconds}

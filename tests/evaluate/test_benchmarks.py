@@ -106,6 +106,46 @@ def test_plan_work_counts_each_request(date_tasks):
     assert written_work.decode_steps == 2 * 12  # two batches of up to max_gen_toks greedy steps
 
 
+@pytest.mark.parametrize("choices", ["answers", "letters"])
+def test_the_plan_counts_the_tokens_lm_eval_computes(tiny_model_dir, date_tasks, choices):
+    """Against the harness itself: the tokens its forward passes take, padding included; choices whose texts
+    differ in their last token only (letters) share one row."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from phase1a.evaluate.benchmarks import score_benchmark
+
+    task = date_tasks["dates_choice"]
+    if choices == "letters":
+        letters = {**yaml.safe_load(task.read_text()), "task": "dates_letter", "doc_to_choice": ["A", "B", "C", "D"],
+                   "target_delimiter": " "}
+        task = task.with_name("dates_letter.yaml")
+        task.write_text(yaml.safe_dump(letters, sort_keys=False))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    computed = []
+
+    def count(module, args, kwargs):
+        computed.append((kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).numel())
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    benchmark = load_benchmark(BenchmarkConfig(task=str(task), metric="acc", limit=10))
+    with torch.no_grad():
+        score_benchmark(model, make_tokenizer(), benchmark, 4, "cpu/float32")
+    requests = make_tokenizer()(["".join(i.args) for i in _instances(benchmark)], add_special_tokens=False)
+    each = sum(len(ids) - 1 for ids in requests["input_ids"])  # a forward pass a request, unpadded
+    assert benchmark_work(benchmark, make_tokenizer(), batch_size=4).forward_tokens == sum(computed)
+    assert sum(computed) < each / 3 if choices == "letters" else sum(computed) >= each
+
+
+def _instances(benchmark):
+    from phase1a.evaluate.benchmarks import build_task
+
+    task = build_task(benchmark)
+    task.build_all_requests(limit=benchmark.spec.limit, rank=0, world_size=1)
+    return task.instances
+
+
 def test_a_bad_benchmark_is_named(tmp_path, date_tasks):
     with pytest.raises(BenchmarkError, match=f"no such task YAML: {tmp_path / 'nope.yaml'}"):
         load_benchmark(BenchmarkConfig(task=str(tmp_path / "nope.yaml"), metric="acc"))

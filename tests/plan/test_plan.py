@@ -203,6 +203,7 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
     assert record.eval_decode_seconds_per_context_token == timed.decode_seconds_per_context_token
     assert timed.training_forward_seconds_per_token > 0  # an evaluation during training, timed in its own rows
     assert record.eval_training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
+    assert timed.merge_seconds > 0 and record.eval_merge_seconds == timed.merge_seconds  # fp32 LoRA: merged to score
 
     second = planned(config_tree, data)
     assert second.throughput_source == "history" and second.calibration is None
@@ -210,9 +211,36 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
     assert speed.forward_seconds_per_token == pytest.approx(2 * timed.forward_seconds_per_token)
     assert speed.training_forward_seconds_per_token == pytest.approx(2 * timed.training_forward_seconds_per_token)
     assert speed.decode_seconds_per_context_token == timed.decode_seconds_per_context_token  # steps by context
+    assert speed.merge_seconds == timed.merge_seconds
     assert second.estimate.evaluation_footing.words == "the last run's evaluations, ±15%"
     assert second.estimate.eval_during_training_seconds == pytest.approx(
         2 * first.estimate.eval_during_training_seconds, rel=1e-6)
+
+
+@pytest.mark.parametrize("baseline", ["base", "promoted"])
+def test_the_validate_stage_pays_a_merge_for_each_adapter_it_scores(tmp_path, config_tree, baseline):
+    """The candidate's adapter, and a promoted baseline's, is folded into the weights before scoring: two
+    histories that differ only in that merge's seconds, the validate stage that much longer for each adapter."""
+    from phase1a.train.history import RunRecord, append_run, history_path
+
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    config_tree["validation"] = {**config_tree.get("validation", {}), "baseline": baseline}
+    config_tree["promotion"] = {"to": str(tmp_path / "promoted")}
+    config = Phase1aConfig.model_validate(config_tree)
+    estimates = []
+    for merge in (None, 2.5):
+        path = history_path(config.cache_dir)
+        path.unlink(missing_ok=True)
+        append_run(path, RunRecord(
+            model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="cpu", device_name="cpu",
+            precision="float32", micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
+            tokens_per_second=500.0, estimated_train_seconds=10.0, actual_train_seconds=10.0,
+            eval_forward_seconds_per_token=1e-3, eval_prefill_seconds_per_token=1e-3,
+            eval_decode_seconds_per_step=1e-2, eval_merge_seconds=merge))
+        estimates.append(planned(config_tree, data).estimate)
+    adapters = 1 + (baseline == "promoted")
+    assert estimates[1].evaluation_seconds == pytest.approx(estimates[0].evaluation_seconds + 2.5 * adapters)
 
 
 def test_evaluations_during_training_are_priced_at_their_own_speed_the_validate_stage_at_its(tmp_path, config_tree):
