@@ -13,15 +13,18 @@ import importlib.util
 import logging
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from phase1a.config.schema import BenchmarkConfig, ValidationConfig
 from phase1a.core.fingerprint import code_fingerprint, hash_json, sha256_file
-from phase1a.evaluate.result import BenchmarkScore, DecodeBatch, EvaluationWork
+from phase1a.evaluate.result import BenchmarkScore, DecodeBatch, EvaluationWork, ValidationSpeed
 
 _STDERR_ITERATIONS = 1000  # bootstrap draws for a metric without a closed-form standard error
+# What calibration keeps for `time_harness` before it is timed: its 0.3-0.6 s on this project's CPU host, doubled.
+HARNESS_GUESS_SECONDS = 1.0
 
 
 class BenchmarkError(ValueError):
@@ -203,7 +206,28 @@ def benchmark_work(benchmark: Benchmark, tokenizer, batch_size: int) -> Evaluati
     batches = [DecodeBatch(width=max(contexts[start : start + batch_size]), steps=longest)
                for start in range(0, len(contexts), batch_size)]
     return EvaluationWork(forward_tokens=_scored_rows(tokenizer, pairs, batch_size) + sum(_lengths(tokenizer, rolling)),
-                          prefill_tokens=sum(contexts)) + EvaluationWork.decoding(batches)
+                          prefill_tokens=sum(contexts), harness_runs=1) + EvaluationWork.decoding(batches)
+
+
+def time_harness(model, tokenizer, benchmarks: list[Benchmark], batch_size: int, speed: ValidationSpeed,
+                 deadline: float) -> float | None:
+    """Seconds one benchmark's scoring costs beside its requests' passes (lm-eval's model wrapper, the task's
+    build, its metrics): the first benchmark without generation scored on its first document, less that document's
+    work at `speed`. On this project's CPU host the demo's general-knowledge task took 0.3-0.6 s beside its 83
+    rows, 2-5 % of its validate stage. None: only generation benchmarks (a document's greedy steps would swamp it),
+    or it would not end by `deadline` (perf_counter time)."""
+    for benchmark in benchmarks:
+        first = replace(benchmark, spec=benchmark.spec.model_copy(update={"limit": 1}))
+        work = benchmark_work(first, tokenizer, batch_size)
+        if work.decode_steps:
+            continue
+        passes = work.seconds(speed.model_copy(update={"harness_seconds": 0.0}))
+        if time.perf_counter() + passes + HARNESS_GUESS_SECONDS > deadline:
+            return None
+        began = time.perf_counter()
+        score_benchmark(model, tokenizer, first, batch_size, "timing")
+        return max(0.0, time.perf_counter() - began - passes)
+    return None
 
 
 def _scored_rows(tokenizer, pairs: list[str], batch_size: int) -> int:

@@ -85,6 +85,9 @@ class ValidationSpeed(BaseModel):
     # its first write to weights read from disk takes 1.9 s for SmolLM2-135M on this project's CPU host, a tenth of
     # the qa300 job's validate stage. None: not measured, or the adapter is scored unmerged.
     merge_seconds: float | None = None
+    # One benchmark's scoring beside its requests' passes: lm-eval's model wrapper, the task's build, its metrics.
+    # None: not timed (no loglikelihood benchmark, or no time left for one).
+    harness_seconds: float | None = None
 
     def during_training(self) -> "ValidationSpeed":
         """The costs an evaluation during training pays (its forward pass)."""
@@ -106,18 +109,19 @@ class DecodeBatch:
 
 
 class EvaluationWork(BaseModel):
-    """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill) and
-    greedy steps of generation batches."""
+    """What evaluation computes, apart from any device's speed: forward tokens (teacher-forced and prefill),
+    greedy steps of generation batches, and the benchmark scorings the harness runs."""
 
     forward_tokens: float = 0.0  # teacher-forced
     prefill_tokens: float = 0.0  # generation batches' prompts
     decode_steps: float = 0.0
     decode_context_tokens: float = 0.0  # what those steps attend to, summed (DecodeBatch.context_tokens)
+    harness_runs: float = 0.0  # benchmarks scored, each at `ValidationSpeed.harness_seconds` beside its passes
 
     def seconds(self, speed: ValidationSpeed) -> float:
         prefill = speed.prefill_seconds_per_token or speed.forward_seconds_per_token
         return (self.forward_tokens * speed.forward_seconds_per_token + self.prefill_tokens * prefill
-                + self.decode_seconds(speed))
+                + self.decode_seconds(speed) + self.harness_runs * (speed.harness_seconds or 0.0))
 
     @classmethod
     def decoding(cls, batches: list[DecodeBatch]) -> "EvaluationWork":

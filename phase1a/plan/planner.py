@@ -142,7 +142,7 @@ def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
                            decode_seconds_per_context_token=record.eval_decode_seconds_per_context_token,
                            prefill_seconds_per_token=record.eval_prefill_seconds_per_token,
                            training_forward_seconds_per_token=record.eval_training_forward_seconds_per_token,
-                           merge_seconds=record.eval_merge_seconds,
+                           merge_seconds=record.eval_merge_seconds, harness_seconds=record.eval_harness_seconds,
                            source="the last run's, its evaluations during training measured")
 
 

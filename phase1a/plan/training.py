@@ -123,4 +123,4 @@ def _evaluation_speeds(plan: Plan, result: TrainResult) -> dict:
             "eval_decode_seconds_per_step": speed.decode_seconds_per_step,
             "eval_decode_seconds_per_context_token": speed.decode_seconds_per_context_token,
             "eval_training_forward_seconds_per_token": None if during is None else during * scale,
-            "eval_merge_seconds": speed.merge_seconds}
+            "eval_merge_seconds": speed.merge_seconds, "eval_harness_seconds": speed.harness_seconds}

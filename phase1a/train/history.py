@@ -72,6 +72,7 @@ class RunRecord(BaseModel):
     eval_decode_seconds_per_context_token: float = 0.0  # 0: a record written before steps were priced by context
     eval_training_forward_seconds_per_token: float | None = None  # an evaluation during training's forward pass
     eval_merge_seconds: float | None = None  # the validate stage's fold of an adapter into the weights
+    eval_harness_seconds: float | None = None  # lm-eval's own seconds in a benchmark's scoring
     time_accuracy: float | None = None  # estimated / actual; filled in from those two when left out
 
     @model_validator(mode="after")

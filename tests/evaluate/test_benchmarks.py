@@ -19,7 +19,7 @@ from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
 from phase1a.evaluate.benchmarks import BenchmarkError, benchmark_work, load_benchmark
 from phase1a.evaluate.gate import BaselineError, gate
 from phase1a.evaluate.present import format_table
-from phase1a.evaluate.result import Baseline, BenchmarkScore, EvaluationWork, Metrics
+from phase1a.evaluate.result import Baseline, BenchmarkScore, EvaluationWork, Metrics, ValidationSpeed
 from phase1a.evaluate.validation import validate
 from phase1a.train.loop import train
 from phase1a.train.settings import TrainSettings
@@ -136,6 +136,32 @@ def test_the_plan_counts_the_tokens_lm_eval_computes(tiny_model_dir, date_tasks,
     each = sum(len(ids) - 1 for ids in requests["input_ids"])  # a forward pass a request, unpadded
     assert benchmark_work(benchmark, make_tokenizer(), batch_size=4).forward_tokens == sum(computed)
     assert sum(computed) < each / 3 if choices == "letters" else sum(computed) >= each
+
+
+def test_the_harness_is_timed_beside_its_passes_on_a_loglikelihood_benchmark(tiny_model_dir, date_tasks):
+    """lm-eval's own seconds (its wrapper, the task's build, metrics), timed on the first choice benchmark's first
+    document; a generation-only list, or a deadline it would pass, is not timed; the plan prices one a scoring."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phase1a.evaluate.benchmarks import time_harness
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    choice, written = (load_benchmark(spec) for spec in specs(date_tasks))
+    speed = ValidationSpeed(forward_seconds_per_token=1e-5, decode_seconds_per_step=1e-3)
+    scored = []
+    hook = model.register_forward_pre_hook(lambda module, args: scored.append(1))
+    with torch.no_grad():
+        harness = time_harness(model, make_tokenizer(), [written, choice], 4, speed, time.perf_counter() + 600)
+        assert harness is not None and harness > 0 and len(scored) == 1  # one document's rows: one batch
+        assert time_harness(model, make_tokenizer(), [written], 4, speed, time.perf_counter() + 600) is None
+        assert time_harness(model, make_tokenizer(), [choice], 4, speed, time.perf_counter()) is None
+    hook.remove()
+    work = benchmark_work(choice, make_tokenizer(), 4)
+    priced = speed.model_copy(update={"harness_seconds": 0.5})
+    assert work.harness_runs == 1 and work.seconds(priced) == pytest.approx(work.seconds(speed) + 0.5)
 
 
 def _instances(benchmark):

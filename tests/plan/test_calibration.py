@@ -284,5 +284,12 @@ def test_every_measured_step_counts_in_the_speed_as_in_the_runs_but_a_burst():
     burst = _measured(Candidate(micro_batch_size=8, gradient_checkpointing=False), [*timed[:4], step(6.0, 410)],
                       _Steps(measured=4, deadline=0.0, step_tokens=400), seconds=18.0)
     assert burst.tokens_per_second == pytest.approx((400 + 420 + 380) / (1.0 + 1.1 + 0.9))
-    assert burst.measured_steps == 3 and burst.note == "1 step of 6.0 s left out, 5.7x the others' time a token"
+    assert burst.measured_steps == 3 and burst.note == "1 step of 6.0 s left out, 5.9x the others' time a token"
     assert burst.footing().low > 0 and burst.footing().words.startswith("3 measured steps")
+    # Of two measured steps (a budget cut the trial), the slower 2.2x the other's time a token: a burst too, where
+    # against both steps' median (their mean) it was 1.4x and the trial's speed 0.65 of the run's.
+    two = _measured(Candidate(micro_batch_size=8, gradient_checkpointing=False), [timed[0], step(1.0, 400),
+                    step(2.2, 400)], _Steps(measured=4, deadline=0.0, step_tokens=400), seconds=12.2)
+    assert two.tokens_per_second == pytest.approx(400.0) and two.measured_steps == 1
+    assert two.note.endswith("1 step of 2.2 s left out, 2.2x the others' time a token")
+    assert not two.footing().firm

@@ -217,6 +217,19 @@ def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, co
         2 * first.estimate.eval_during_training_seconds, rel=1e-6)
 
 
+def test_calibration_times_the_merge_and_the_benchmarks_harness(tmp_path, config_tree):
+    """The validate stage's costs beside its passes, measured on the model being planned: the adapter's merge and
+    lm-eval's own seconds a benchmark."""
+    from helpers.benchmarks import write_date_tasks
+
+    tasks = write_date_tasks(tmp_path / "tasks", date_records(12, seed=7))
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    config_tree["validation"] |= {"benchmarks": [{"task": str(tasks["dates_choice"]), "metric": "acc", "limit": 4}]}
+    speed = planned(config_tree, data).estimate.evaluation_speed
+    assert speed.source == "measured" and speed.merge_seconds > 0 and speed.harness_seconds > 0
+
+
 @pytest.mark.parametrize("baseline", ["base", "promoted"])
 def test_the_validate_stage_pays_a_merge_for_each_adapter_it_scores(tmp_path, config_tree, baseline):
     """The candidate's adapter, and a promoted baseline's, is folded into the weights before scoring: two
