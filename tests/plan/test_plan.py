@@ -230,12 +230,24 @@ def test_calibration_times_the_merge_and_the_benchmarks_harness(tmp_path, config
     assert speed.source == "measured" and speed.merge_seconds > 0 and speed.harness_seconds > 0
 
 
+def only_history(config: Phase1aConfig, **evaluation) -> None:
+    """The job's history as one past run of the tiny model on this CPU, with these evaluation speeds."""
+    from phase1a.train.history import RunRecord, append_run, history_path
+
+    path = history_path(config.cache_dir)
+    path.unlink(missing_ok=True)
+    append_run(path, RunRecord(
+        model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="cpu", device_name="cpu",
+        precision="float32", micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
+        tokens_per_second=500.0, estimated_train_seconds=10.0, actual_train_seconds=10.0,
+        eval_forward_seconds_per_token=1e-3, eval_prefill_seconds_per_token=1e-3, eval_decode_seconds_per_step=1e-2,
+        **evaluation))
+
+
 @pytest.mark.parametrize("baseline", ["base", "promoted"])
 def test_the_validate_stage_pays_a_merge_for_each_adapter_it_scores(tmp_path, config_tree, baseline):
     """The candidate's adapter, and a promoted baseline's, is folded into the weights before scoring: two
     histories that differ only in that merge's seconds, the validate stage that much longer for each adapter."""
-    from phase1a.train.history import RunRecord, append_run, history_path
-
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
                             TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
     config_tree["validation"] = {**config_tree.get("validation", {}), "baseline": baseline}
@@ -243,14 +255,7 @@ def test_the_validate_stage_pays_a_merge_for_each_adapter_it_scores(tmp_path, co
     config = Phase1aConfig.model_validate(config_tree)
     estimates = []
     for merge in (None, 2.5):
-        path = history_path(config.cache_dir)
-        path.unlink(missing_ok=True)
-        append_run(path, RunRecord(
-            model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="cpu", device_name="cpu",
-            precision="float32", micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
-            tokens_per_second=500.0, estimated_train_seconds=10.0, actual_train_seconds=10.0,
-            eval_forward_seconds_per_token=1e-3, eval_prefill_seconds_per_token=1e-3,
-            eval_decode_seconds_per_step=1e-2, eval_merge_seconds=merge))
+        only_history(config, eval_merge_seconds=merge)
         estimates.append(planned(config_tree, data).estimate)
     adapters = 1 + (baseline == "promoted")
     assert estimates[1].evaluation_seconds == pytest.approx(estimates[0].evaluation_seconds + 2.5 * adapters)
@@ -261,22 +266,13 @@ def test_evaluations_during_training_are_priced_at_their_own_speed_the_validate_
     validate stage scores the base with the path off and, on fp32 weights, the candidate merged. Two histories
     that differ only in the first: twice its speed's seconds, twice the evaluations during training, the same
     validate stage."""
-    from phase1a.train.history import RunRecord, append_run, history_path
-
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
                             TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
     config_tree["method"] |= {"eval_interval": "2steps"}
     config = Phase1aConfig.model_validate(config_tree)
     estimates = []
     for during in (1e-3, 2e-3):
-        path = history_path(config.cache_dir)
-        path.unlink(missing_ok=True)
-        append_run(path, RunRecord(
-            model_fingerprint=resolved(config).fingerprint, model_name="tiny", hardware="cpu", device_name="cpu",
-            precision="float32", micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
-            tokens_per_second=500.0, estimated_train_seconds=10.0, actual_train_seconds=10.0,
-            eval_forward_seconds_per_token=1e-3, eval_prefill_seconds_per_token=1e-3,
-            eval_decode_seconds_per_step=1e-2, eval_training_forward_seconds_per_token=during))
+        only_history(config, eval_training_forward_seconds_per_token=during)
         plan = planned(config_tree, data)
         assert plan.throughput_source == "history"
         assert plan.estimate.evaluation_speed.training_forward_seconds_per_token == during
