@@ -23,7 +23,7 @@ import tempfile
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -36,7 +36,7 @@ from phase1a.core.hardware import training_device, usable_cores
 from phase1a.core.logs import run_logger
 from phase1a.core.meter import Meter, stage_meter
 from phase1a.core.units import GIB, parse_duration_seconds
-from phase1a.evaluate.benchmarks import HARNESS_GUESS_SECONDS, load_benchmark, time_harness
+from phase1a.evaluate.benchmarks import HARNESS_GUESS_SECONDS, Benchmark, time_harness
 from phase1a.evaluate.metrics import (
     TimingAllowance,
     time_training_rows,
@@ -124,6 +124,7 @@ class CalibrationJob:
     alternatives: Alternatives = no_alternatives
     validation_path: str | None = None  # the held-out set, to time the validate stage on this model
     evaluation: EvalSettings | None = None  # the train stage's evaluations, to time one as it will run
+    benchmarks: list[Benchmark] = field(default_factory=list)  # validation.benchmarks, loaded: their harness timed
     upload_to: Store | None = None  # a store to time the checkpoint's upload to (checkpoint.interval auto, spot)
 
 
@@ -344,7 +345,7 @@ class _Session:
         if self.job.evaluation is not None and during is None:
             self.notes.append("an evaluation during training not timed within the budget: priced at the validate "
                               "stage's speed")
-        if self.config.validation.benchmarks and harness is None:
+        if self.job.benchmarks and harness is None:
             self.notes.append("the benchmarks' harness not timed (generation only, or no time left): its own "
                               "seconds not priced")
         return speed.model_copy(update={"training_forward_seconds_per_token": during, "merge_seconds": merge,
@@ -352,14 +353,14 @@ class _Session:
 
     def _harness(self, speed: ValidationSpeed) -> float | None:
         """lm-eval's own seconds in one benchmark's scoring (`time_harness`), on the model as the base is scored."""
-        if not self.config.validation.benchmarks:
+        if not self.job.benchmarks:
             return None
         tokenizer = load_tokenizer(self.model_dir, self.config.model.trust_remote_code)
-        benchmarks = [load_benchmark(spec) for spec in self.config.validation.benchmarks]
-        return time_harness(self.model, tokenizer, benchmarks, self.config.validation.batch_size, speed, self.end)
+        return time_harness(self.model, tokenizer, self.job.benchmarks, self.config.validation.batch_size, speed,
+                            self.end)
 
     def _harness_guess(self) -> float:
-        return HARNESS_GUESS_SECONDS if self.config.validation.benchmarks else 0.0
+        return HARNESS_GUESS_SECONDS if self.job.benchmarks else 0.0
 
     def _final_seconds(self, per_token: float) -> float:
         """The checkpoint's and validation's timing, unhurried, at a training speed."""

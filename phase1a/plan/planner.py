@@ -52,7 +52,7 @@ from phase1a.core.logs import run_logger
 from phase1a.core.units import AUTO, GIB, Clock, parse_duration_seconds, parse_interval
 from phase1a.data.lengths import right_size
 from phase1a.data.tokenized import TokenizedData
-from phase1a.evaluate.benchmarks import benchmark_work, load_benchmark
+from phase1a.evaluate.benchmarks import Benchmark, benchmark_work, load_benchmark
 from phase1a.evaluate.metrics import validation_work
 from phase1a.evaluate.result import EvaluationWork, ValidationSpeed
 from phase1a.evaluate.scoring import Scoring
@@ -313,7 +313,7 @@ class _Planner:
             train_path=self.data.train_path, max_seq_length=max_seq_length, start=start,
             train_tokens=int(np.minimum(self.lengths, max_seq_length).sum() * self.method.epochs),
             work_dir=config.work_dir / config.name, validation_path=self.data.validation_path,
-            evaluation=self.eval_settings,
+            evaluation=self.eval_settings, benchmarks=self._benchmarks,
             alternatives=memory_alternatives(self.memory, self.method.batch_size, max_seq_length) if sweeps
             else no_alternatives,
             # Timed only where the plan weighs it: the interval auto chooses, the cost of interruptions.
@@ -504,14 +504,19 @@ class _Planner:
         return Scoring.of(self.config, self.model, Path(self.data.validation_path)).base_cached(training_device())
 
     @cached_property
+    def _benchmarks(self) -> list[Benchmark]:
+        """validation.benchmarks, loaded once: the plan prices them and calibration times their harness."""
+        return [load_benchmark(spec) for spec in self.config.validation.benchmarks]
+
+    @cached_property
     def _benchmark_work(self) -> EvaluationWork:
         """One model's benchmarks (validation.benchmarks): their requests, as the harness will run them."""
-        if not self.config.validation.benchmarks:
+        if not self._benchmarks:
             return EvaluationWork()
         tokenizer = load_tokenizer(Path(self.model.path), self.config.model.trust_remote_code)
         work = EvaluationWork()
-        for spec in self.config.validation.benchmarks:
-            work = work + benchmark_work(load_benchmark(spec), tokenizer, self.config.validation.batch_size)
+        for benchmark in self._benchmarks:
+            work = work + benchmark_work(benchmark, tokenizer, self.config.validation.batch_size)
         return work
 
     def _validation_merges(self) -> int:
