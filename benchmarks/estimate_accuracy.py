@@ -10,7 +10,10 @@ benchmark in the gate), `qa300` (300 question-answer pairs in the alpaca shape o
 `plan.calibration_budget: 60s`) and `chat2000` (2,000 generated two-turn chats). For each run: the train stage's
 and the validate stage's seconds, estimated (with the plan's own range) against actual, inside or outside; the
 evaluations during training planned against made; calibration's seconds against its budget; and every skipped
-candidate's note, which must name the limit that stopped it. Results are appended to `--out` after every run.
+candidate's note, which must name the limit that stopped it; and the host's speed during the run's steps against
+calibration's (`host`: a host that drifts between calibration and the run, or within it, moves the actual whatever
+the estimator does). Results are appended to `--out` after every run; `--reread WORK...` summarises earlier runs'
+work directories again.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -98,6 +102,15 @@ def run_job(job: str, work: Path) -> dict:
     return {"job": job, "wall_seconds": round(wall, 1), **summary(json.loads(reports[-1].read_text()))}
 
 
+def reread(work: Path) -> dict:
+    """A run this script made (its work directory, `<job>-<time>`) summarised again from its report, running
+    nothing: what this version of the summary says of an earlier run."""
+    reports = sorted((work / "runs").glob("*/*/report.json"))
+    if not reports:
+        raise SystemExit(f"{work}: no runs/*/*/report.json: not a work directory of a finished run")
+    return {"job": work.name.rsplit("-", 1)[0], "work": str(work), **summary(json.loads(reports[-1].read_text()))}
+
+
 def summary(report: dict) -> dict:
     """What the run's report says of the plan against the run."""
     from phase1a.plan.result import Plan
@@ -130,6 +143,8 @@ def summary(report: dict) -> dict:
         "footing": estimate.footing and estimate.footing.words,
         "evaluation_footing": estimate.evaluation_footing and estimate.evaluation_footing.words,
         "tokens_per_second": {"planned": round(plan.tokens_per_second, 1), "run": train.get("tokens_per_second")},
+        "host": trained and train.get("output_dir") and host_speed(plan.tokens_per_second, trained["tokens_per_second"],
+                                                                   Path(train["output_dir"]) / "metrics.jsonl"),
         "calibration": calibration and {"seconds": round(calibration.seconds, 1),
                                         "budget_seconds": calibration.budget_seconds,
                                         "within_budget": calibration.seconds <= calibration.budget_seconds,
@@ -139,13 +154,35 @@ def summary(report: dict) -> dict:
     }
 
 
+def host_speed(calibrated: float, steady: float, metrics: Path) -> dict | None:
+    """How fast the host ran the run's own steps, beside what calibration measured minutes before: the host's
+    drift, apart from the estimator's error. `calibration_over_run` is the plan's tokens/s over the run's (its
+    history record: evaluations and checkpoint writes left out); `quarters` the median step's tokens/s in each
+    quarter of the run's steps (a record's tokens/s is the run's so far, and its elapsed seconds hold the evaluations
+    since the step before: the median leaves those steps out)."""
+    if not metrics.is_file():
+        return None
+    steps = [row for row in map(json.loads, metrics.read_text().splitlines()) if row.get("tokens")]
+    elapsed = [0.0] + [row["elapsed_s"] for row in steps]
+    rates = [row["tokens"] / max(elapsed[k + 1] - elapsed[k], 1e-9) for k, row in enumerate(steps)]
+    cuts = [len(rates) * part // 4 for part in range(5)]
+    quarters = [round(statistics.median(rates[a:b]), 1) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return {"calibration_over_run": round(calibrated / steady, 3), "quarters_tokens_per_second": quarters}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path("/tmp/phase1a-estimate-accuracy"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "estimate_accuracy_cpu.json")
+    parser.add_argument("--reread", nargs="+", type=Path, metavar="WORK",
+                        help="print earlier runs' summaries again from their work directories, run nothing")
     args = parser.parse_args()
+    if args.reread:
+        for work in args.reread:
+            print(json.dumps(reread(work)), flush=True)
+        return
 
     results = json.loads(args.out.read_text()) if args.out.is_file() else {
         "machine": platform.node(), "cores": os.cpu_count(), "runs": []}

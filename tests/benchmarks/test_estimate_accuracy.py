@@ -1,0 +1,38 @@
+"""benchmarks/estimate_accuracy.py's reading of a run: the host's speed over the run's own steps, beside
+calibration's, and the summary of an earlier run's work directory read again."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import estimate_accuracy  # noqa: E402 - after its folder is on the path
+
+
+def metrics_file(path: Path, seconds: list[float], tokens: int = 400) -> Path:
+    """A train stage's metrics.jsonl whose steps took `seconds` each, as the run writes it: a record's tokens/s is
+    the run's so far and its elapsed seconds are cumulative."""
+    elapsed, lines = 0.0, []
+    for step, took in enumerate(seconds, start=1):
+        elapsed += took
+        lines.append(json.dumps({"step": step, "loss": 1.0, "tokens": tokens,
+                                 "tokens_per_s": round(step * tokens / elapsed, 1), "elapsed_s": round(elapsed, 3)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_hosts_speed_is_each_quarters_median_step_and_an_evaluation_between_steps_is_not_a_slow_step(tmp_path):
+    # 12 steps: half at 2 s a step, then 4 s (the host slowed); an evaluation of 6 s after step 4 is in step 5's
+    seconds = [2.0, 2.0, 2.0, 2.0, 2.0 + 6.0, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
+    speed = estimate_accuracy.host_speed(calibrated=240.0, steady=200.0,
+                                         metrics=metrics_file(tmp_path / "metrics.jsonl", seconds))
+    assert speed == {"calibration_over_run": 1.2, "quarters_tokens_per_second": [200.0, 200.0, 100.0, 100.0]}
+    assert estimate_accuracy.host_speed(240.0, 200.0, tmp_path / "absent.jsonl") is None
+
+
+def test_reread_names_a_directory_without_a_finished_run(tmp_path):
+    with pytest.raises(SystemExit, match="not a work directory of a finished run"):
+        estimate_accuracy.reread(tmp_path / "qa300-20261129T135340")
