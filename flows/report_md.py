@@ -32,7 +32,7 @@ from phase1a.plan.result import Plan
 from phase1a.run_report import FlowRunLink, RunReport
 from phase1a.store.promoted import POINTER
 from phase1a.train import run_files
-from phase1a.train.history import ESTIMATE_BAND, history_path
+from phase1a.train.history import ESTIMATE_BAND, RunRecord, history_path
 from phase1a.train.result import StoreTraining, TrainResult
 
 ARTIFACT_KEY = "run-report"
@@ -288,8 +288,19 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
     if compared:
         lines += ["Estimate against actual (a stage that was cached is not compared; the range is the plan's own):",
                   "", *_table(("stage", "estimated", "range", "actual", "estimated / actual", "actual in range"),
-                              compared)]
+                              compared), *_host_speed(plan, train)]
     return lines + _options(plan) + _interruptions(plan, report.interruptions_vs_actual)
+
+
+def _host_speed(plan: Plan, train: RunRecord | None) -> list[str]:
+    """The speed the run's steps went at beside the plan's: a host that runs them slower or faster than when the plan
+    measured it (a shared or throttled machine) moves the actual by as much, however the estimate was made."""
+    if not train or not train.tokens_per_second or not plan.tokens_per_second:
+        return []
+    ratio = train.tokens_per_second / plan.tokens_per_second
+    return [f"Training's steps ran at {train.tokens_per_second:,.0f} tokens/s (evaluations and checkpoint writes "
+                f"left out), {ratio:.2f}x the plan's {plan.tokens_per_second:,.0f} ({plan.throughput_source}): a host "
+                "that runs at another speed than when the plan measured it moves the actual by as much.", ""]
 
 
 def _options(plan: Plan) -> list[str]:

@@ -114,10 +114,11 @@ def _validation() -> ValidationSection:
                                                   path="/srv/promoted/versions/20260101T000000Z-calm-otter"))
 
 
-def _history_record(estimated: float, actual: float) -> RunRecord:
+def _history_record(estimated: float, actual: float, tokens_per_second: float = 900.0) -> RunRecord:
     return RunRecord(model_fingerprint="m", model_name="demo", hardware="cpu", device_name="CPU", precision="float32",
-                     micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64, tokens_per_second=900.0,
-                     estimated_train_seconds=estimated, actual_train_seconds=actual)
+                     micro_batch_size=8, gradient_checkpointing=False, max_seq_length=64,
+                     tokens_per_second=tokens_per_second, estimated_train_seconds=estimated,
+                     actual_train_seconds=actual)
 
 
 def report_json(tmp_path: Path, results) -> tuple[RunReport, Path]:
@@ -149,7 +150,7 @@ def report_json(tmp_path: Path, results) -> tuple[RunReport, Path]:
                 "validate": _stage(None, seconds=6.0), "promote": _stage(None)},
         lineage=Lineage(init_from="base", kind="base", base_model="smollm2-135m",
                         started_from="base model smollm2-135m", promoted_as="20260101T000000Z-calm-otter"),
-        estimate_vs_actual=_history_record(36.0, 29.5),
+        estimate_vs_actual=_history_record(36.0, 29.5, tokens_per_second=1_098.0),
         validation_estimate_vs_actual=StageEstimate(estimated_seconds=6.3, actual_seconds=6.0,
                                                     estimated_over_actual=1.05),
         validation=_validation(),
@@ -179,6 +180,9 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path, results):
     # evaluations (2.0 s during training, 6.3 s validating) at evaluation's ±20 %.
     assert "| training | 36.0 s | 31.1 s to 40.9 s | 29.5 s | 1.22x (+22%, outside ±10%) | outside |" in text
     assert "| validation | 6.3 s | 5.0 s to 7.6 s | 6.0 s | 1.05x (+5%, within ±10%) | inside |" in text
+    # The training miss beside the host's speed: its steps went 1.22x as fast as the plan measured
+    assert ("Training's steps ran at 1,098 tokens/s (evaluations and checkpoint writes left out), 1.22x the plan's "
+            "900 (measured)") in text
     assert "| tokens/s | 911 |" in text and "| MFU | 12.3% |" in text and "| peak memory | 1.25 GiB |" in text
     assert "3, the last at step 30: eval loss 0.7200" in text
     assert "| best evaluation | step 20: eval loss 0.7000 |" in text
