@@ -293,14 +293,16 @@ def _plan(report: RunReport, results: _Results) -> list[str]:
 
 
 def _host_speed(plan: Plan, train: RunRecord | None) -> list[str]:
-    """The speed the run's steps went at beside the plan's: a host that runs them slower or faster than when the plan
-    measured it (a shared or throttled machine) moves the actual by as much, however the estimate was made."""
+    """The speed the run's steps went at beside the plan's. Where the plan measured its speed on this host, a host
+    that runs the steps slower or faster than then (a shared or throttled machine) moves the actual by as much,
+    however the estimate was made; a speed assumed or modelled is the estimate's own."""
     if not train or not train.tokens_per_second or not plan.tokens_per_second:
         return []
     ratio = train.tokens_per_second / plan.tokens_per_second
+    host = (": a host that runs at another speed than when the plan measured it moves the actual by as much"
+            if plan.throughput_source == "measured" else "")
     return [f"Training's steps ran at {train.tokens_per_second:,.0f} tokens/s (evaluations and checkpoint writes "
-                f"left out), {ratio:.2f}x the plan's {plan.tokens_per_second:,.0f} ({plan.throughput_source}): a host "
-                "that runs at another speed than when the plan measured it moves the actual by as much.", ""]
+            f"left out), {ratio:.2f}x the plan's {plan.tokens_per_second:,.0f} ({plan.throughput_source}){host}.", ""]
 
 
 def _options(plan: Plan) -> list[str]:

@@ -182,7 +182,9 @@ def test_a_passed_run_gets_its_plots_and_a_readable_report(tmp_path, results):
     assert "| validation | 6.3 s | 5.0 s to 7.6 s | 6.0 s | 1.05x (+5%, within ±10%) | inside |" in text
     # The training miss beside the host's speed: its steps went 1.22x as fast as the plan measured
     assert ("Training's steps ran at 1,098 tokens/s (evaluations and checkpoint writes left out), 1.22x the plan's "
-            "900 (measured)") in text
+            "900 (measured): a host that runs at another speed") in text
+    report.stages["plan"].result["throughput_source"] = "assumed"  # a speed not measured here: no host to blame
+    assert "1.22x the plan's 900 (assumed).\n" in write_report(report, run_dir).read_text()
     assert "| tokens/s | 911 |" in text and "| MFU | 12.3% |" in text and "| peak memory | 1.25 GiB |" in text
     assert "3, the last at step 30: eval loss 0.7200" in text
     assert "| best evaluation | step 20: eval loss 0.7000 |" in text
