@@ -22,12 +22,13 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -157,16 +158,17 @@ def summary(report: dict) -> dict:
 def host_speed(calibrated: float, steady: float, metrics: Path) -> dict | None:
     """How fast the host ran the run's own steps, beside what calibration measured minutes before: the host's
     drift, apart from the estimator's error. `calibration_over_run` is the plan's tokens/s over the run's (its
-    history record: evaluations and checkpoint writes left out); `quarters` the median step's tokens/s in each
-    quarter of the run's steps (a record's tokens/s is the run's so far, and its elapsed seconds hold the evaluations
-    since the step before: the median leaves those steps out)."""
-    if not metrics.is_file():
+    history record: evaluations and checkpoint writes left out); `quarters` the median step's tokens/s
+    (`phase1a.plots.step_rates`) in each quarter of the run's steps: a step's elapsed seconds hold the evaluations
+    since the step before, and the median leaves those steps out."""
+    from phase1a.plots import step_rates
+    from phase1a.train.run_files import read_lines
+
+    _, rates = step_rates(read_lines(metrics))
+    if not rates.size:
         return None
-    steps = [row for row in map(json.loads, metrics.read_text().splitlines()) if row.get("tokens")]
-    elapsed = [0.0] + [row["elapsed_s"] for row in steps]
-    rates = [row["tokens"] / max(elapsed[k + 1] - elapsed[k], 1e-9) for k, row in enumerate(steps)]
-    cuts = [len(rates) * part // 4 for part in range(5)]
-    quarters = [round(statistics.median(rates[a:b]), 1) for a, b in zip(cuts, cuts[1:]) if b > a]
+    cuts = [rates.size * part // 4 for part in range(5)]
+    quarters = [round(float(np.median(rates[a:b])), 1) for a, b in zip(cuts, cuts[1:]) if b > a]
     return {"calibration_over_run": round(calibrated / steady, 3), "quarters_tokens_per_second": quarters}
 
 
