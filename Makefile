@@ -34,13 +34,16 @@ demo: demo-data
 # (servers, reference runs), which a finer split would start once per worker; the slowest files first (tests/conftest.py).
 # TEST_WORKERS=0 runs them in one process.
 # Tests marked alone time seconds on an unloaded host: they run afterwards, with the cores to themselves.
+# The PostgreSQL test runs among the others where the machine has PostgreSQL's binaries (it skips elsewhere): beside
+# them it adds about half its 170 s (its processes use 140 CPU-seconds), where after them it added all of it.
 TEST_WORKERS ?= auto
 test: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not postgres and not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
+	$(UV) run $(UV_FLAGS) pytest -q -m "not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
 	  --no-loadscope-reorder
-	$(UV) run $(UV_FLAGS) pytest -q -m "alone and not postgres and not image"
+	$(UV) run $(UV_FLAGS) pytest -q -m "alone and not image"
 
-# Prefect on a throwaway PostgreSQL server (tests/operations/test_operations_postgres.py): two hosts, a lost host, a resume.
+# Prefect on a throwaway PostgreSQL server (tests/operations/test_operations_postgres.py): two hosts, a lost host, a
+# resume. `make test` runs it too; this runs it alone.
 test-postgres: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m postgres
 
