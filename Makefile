@@ -34,8 +34,8 @@ demo: demo-data
 # (servers, reference runs), which a finer split would start once per worker; the slowest files first (tests/conftest.py).
 # TEST_WORKERS=0 runs them in one process.
 # Tests marked alone time seconds on an unloaded host: they run afterwards, with the cores to themselves.
-# The PostgreSQL test runs among the others where the machine has PostgreSQL's binaries (it skips elsewhere): beside
-# them it adds about half its 170 s (its processes use 140 CPU-seconds), where after them it added all of it.
+# The PostgreSQL test runs among the others where the machine has PostgreSQL's binaries (it skips elsewhere): alone it
+# took 172 s, its processes 138 CPU-seconds of them; beside the others it shares the cores, after them it added all.
 TEST_WORKERS ?= auto
 test: setup
 	$(UV) run $(UV_FLAGS) pytest -q -m "not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
