@@ -6,7 +6,7 @@ estimate priced, and the estimate is the sum of its parts. Its seconds are check
 unit, a part left out or counted twice), part by part: the +-10 % bar is the estimate benchmark's
 (benchmarks/estimate_accuracy.py, docs/benchmarks.md), run on a quiet host. A timed bar here fails on the host,
 not on the estimator: under CI's load this job's estimate landed at 0.81-1.14 of its run in three attempts
-(2026-11-29), its calibration's two measurements of one candidate 20-30 % apart in each.
+(2026-11-29), its calibration's two measurements of one candidate 17-31 % apart in each.
 """
 from pathlib import Path
 
@@ -62,9 +62,9 @@ def plan_and_train(root: Path) -> tuple[dict[str, tuple[float, float]], str]:
     assert result.checkpoints_written == plan.estimate.checkpoints
     assert result.evaluations == plan.estimate.evaluations_during_training == (plan.steps - 1) // 10 + 1
     estimate = plan.estimate
-    assert estimate.train_seconds == pytest.approx(sum((estimate.steady_seconds, estimate.warmup_seconds,
-                                                        estimate.checkpoint_seconds,
-                                                        estimate.eval_during_training_seconds)))
+    parts = (estimate.steady_seconds, estimate.warmup_seconds, estimate.checkpoint_seconds,
+             estimate.eval_during_training_seconds)
+    assert estimate.train_seconds == pytest.approx(sum(parts))
     assert estimate.steady_seconds > 0 and estimate.checkpoint_seconds > 0 and estimate.eval_during_training_seconds > 0
     trials = [(t.candidate.label(), t.status, t.tokens_per_second) for t in plan.calibration.trials]
     # The training steps and the evaluations during training, each estimated against the run's (a checkpoint
