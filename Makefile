@@ -83,22 +83,23 @@ BUILDAH ?= buildah --storage-driver $(BUILDAH_STORAGE)
 export BUILDAH_ISOLATION ?= chroot
 IMAGE_BUILDER ?= $(if $(shell docker info > /dev/null 2>&1 && echo yes),docker,$(BUILDAH))
 # buildah only: the local wheel, and the CA bundle SSL_CERT_FILE names (PyPI behind a TLS-inspecting proxy).
-IMAGE_MOUNTS = $(if $(filter docker,$(IMAGE_BUILDER)),,--layers \
+# --force-rm: a failed build's containers removed too (each holds a copy of its step's root).
+IMAGE_MOUNTS = $(if $(filter docker,$(IMAGE_BUILDER)),,--layers --force-rm \
   $(if $(filter cpu,$(IMAGE_TORCH)),--volume /opt/wheels:/opt/wheels:ro) \
   $(if $(SSL_CERT_FILE),--volume $(SSL_CERT_FILE):$(SSL_CERT_FILE):ro --build-arg SSL_CERT_FILE=$(SSL_CERT_FILE)))
 
 # buildah's layer cache keys a copied file on its modification time too: a fresh clone's pyproject.toml and uv.lock,
 # when unchanged since their last commit, get that commit's time, so a new clone of the same lock reuses the layer
-# of the dependencies (1 to 2 minutes) as docker's cache does.
+# of the dependencies (1 to 2 minutes) as docker's cache does. buildah 1.28 leaves the container it made for each
+# RUN's mount of uv's image behind, mounted: removed after the build, whether it succeeded or not.
 image:
 	@$(if $(filter docker,$(IMAGE_BUILDER)),,for file in pyproject.toml uv.lock; do \
 	  git diff --quiet HEAD -- $$file 2> /dev/null && touch -d @$$(git log -1 --format=%ct -- $$file) $$file; done; true)
 	$(IMAGE_BUILDER) build -f Containerfile -t $(PHASE1A_IMAGE) --build-arg TORCH=$(IMAGE_TORCH) \
 	  --build-arg EXTRAS="$(IMAGE_EXTRAS)" $(if $(IMAGE_BASE),--build-arg BASE=$(IMAGE_BASE)) \
-	  $(if $(IMAGE_UV),--build-arg UV_IMAGE=$(IMAGE_UV)) $(IMAGE_MOUNTS) .
-	@# buildah 1.28 leaves the container it made for each RUN's mount of uv's image behind, mounted: removed.
-	$(if $(filter docker,$(IMAGE_BUILDER)),,@$(IMAGE_BUILDER) rm \
-	  $$($(IMAGE_BUILDER) containers -q --filter name=uv-working-container) > /dev/null 2>&1 || true)
+	  $(if $(IMAGE_UV),--build-arg UV_IMAGE=$(IMAGE_UV)) $(IMAGE_MOUNTS) . ; status=$$?; \
+	$(if $(filter docker,$(IMAGE_BUILDER)),,$(IMAGE_BUILDER) rm \
+	  $$($(IMAGE_BUILDER) containers -q --filter name=uv-working-container) > /dev/null 2>&1;) exit $$status
 
 # The image's test here (tests/operations/test_image.py, CI after the other tests): buildah and debootstrap from apt if missing,
 # a Debian base and uv's image made locally (image/local-base.sh: no registry needed), the image with the local CPU

@@ -13,7 +13,8 @@ evaluations during training planned against made; calibration's seconds against 
 candidate's note, which must name the limit that stopped it; and the host's speed during the run's steps against
 calibration's (`host`: a host that drifts between calibration and the run, or within it, moves the actual whatever
 the estimator does). Results are appended to `--out` after every run; `--reread WORK...` summarises earlier runs'
-work directories again.
+work directories again. A finished run's work directory keeps what `--reread` reads (its reports, metrics and log)
+and loses its weights, checkpoints and caches (about 0.5 GB a run) unless `--keep`.
 """
 from __future__ import annotations
 
@@ -103,6 +104,25 @@ def run_job(job: str, work: Path) -> dict:
     return {"job": job, "wall_seconds": round(wall, 1), **summary(json.loads(reports[-1].read_text()))}
 
 
+REREAD = ("report.json", "metrics.jsonl", "run.log")  # what `reread` and a reader of the run need
+
+
+def prune(work: Path, keep_below: int = 1 << 20) -> int:
+    """Every file of a finished run's work directory of `keep_below` bytes or more removed (weights, checkpoints,
+    tokenized shards, caches), then the directories left empty; `REREAD`'s files stay whatever their size.
+    The bytes removed."""
+    removed = 0
+    for path in sorted(work.rglob("*"), reverse=True):  # children before their directories
+        if path.is_symlink() or path.is_file():
+            if (path.is_file() and not path.is_symlink() and path.name not in REREAD
+                    and path.stat().st_size >= keep_below):
+                removed += path.stat().st_size
+                path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    return removed
+
+
 def reread(work: Path) -> dict:
     """A run this script made (its work directory, `<job>-<time>`) summarised again from its report, running
     nothing: what this version of the summary says of an earlier run."""
@@ -180,6 +200,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "estimate_accuracy_cpu.json")
     parser.add_argument("--reread", nargs="+", type=Path, metavar="WORK",
                         help="print earlier runs' summaries again from their work directories, run nothing")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each run's whole work directory (weights, checkpoints, caches: about 0.5 GB a run)")
     args = parser.parse_args()
     if args.reread:
         for work in args.reread:
@@ -194,6 +216,8 @@ def main() -> None:
             work = args.work / f"{job}-{time.strftime('%Y%m%dT%H%M%S')}"
             work.mkdir(parents=True)
             outcome = run_job(job, work)
+            if not args.keep:
+                prune(work)
             outcome["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             results["runs"].append(outcome)
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,3 +36,23 @@ def test_the_hosts_speed_is_each_quarters_median_step_and_an_evaluation_between_
 def test_reread_names_a_directory_without_a_finished_run(tmp_path):
     with pytest.raises(SystemExit, match="not a work directory of a finished run"):
         estimate_accuracy.reread(tmp_path / "qa300-20261129T135340")
+
+
+def test_a_finished_runs_directory_keeps_what_reread_reads_and_loses_its_weights(tmp_path):
+    work = tmp_path / "demo-20261129T192031"
+    run = work / "runs" / "demo" / "20261129T192031"
+    run.mkdir(parents=True)
+    (run / "report.json").write_bytes(b"{" + b" " * (2 << 20) + b"}")  # over the size limit, kept by name
+    metrics_file(run / "metrics.jsonl", [2.0, 2.0])
+    (run / "checkpoints" / "step-10").mkdir(parents=True)
+    (run / "checkpoints" / "step-10" / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20))
+    (work / "cache" / "tokenized").mkdir(parents=True)
+    (work / "cache" / "tokenized" / "shard-0.npy").write_bytes(b"\0" * (1 << 20))
+    (work / "cache" / "small.json").write_text("{}")
+    (work / "run.log").write_text("log\n")
+
+    assert estimate_accuracy.prune(work) == (3 << 20) + (1 << 20)
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file()) == [
+        "cache/small.json", "run.log", "runs/demo/20261129T192031/metrics.jsonl",
+        "runs/demo/20261129T192031/report.json"]
+    assert not (run / "checkpoints").exists() and not (work / "cache" / "tokenized").exists()
