@@ -8,9 +8,10 @@ from pydantic import BaseModel
 
 FIRM_STEPS = 4  # measured steps below which an estimate says it rests on few
 _STEADY_SPREAD = 0.05  # the least relative range of a firm measurement on a GPU: its speed moves a few per cent
-# A CPU host's speed over minutes, which a calibration of seconds cannot see: on this project's 2-core VM the same
-# job's steps ran 25 % faster than its calibration measured in one run and 9 % slower in another (2026-11-27).
-_CPU_SPREAD = 0.15
+# A CPU host's speed over minutes, which a calibration of seconds cannot see: on this project's 2-core VM, in 18 fresh
+# runs of three jobs (2026-11-29, benchmarks/estimate_accuracy.py), calibration's speed was 0.80-1.20 of the run's own
+# steps' (mean 1.02, standard deviation 0.10), in either direction: ±22 % holds all 18; ±15 % missed 4.
+_CPU_SPREAD = 0.22
 _THIN_SPREAD = 0.10  # the same for one measured step, widened by sqrt(FIRM_STEPS / steps) below FIRM_STEPS
 # Warm-up steps carry first-call costs (lazy set-up, allocator growth, kernel selection): an upper bound. On this
 # project's CPU host a first one-example step took 3-10x a steady step's time per token.

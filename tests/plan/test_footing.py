@@ -39,13 +39,13 @@ def test_each_part_of_a_stage_moves_with_its_own_footing():
 
 
 def test_a_cpu_measurement_is_ranged_by_the_hosts_drift_a_gpus_by_its_steps():
-    """Calibration's steps on a CPU cannot see how the host's speed moves over minutes (a run's steps 25 % faster
-    than its calibration in one run, 9 % slower in another, on this project's 2-core VM): at least ±15 % there."""
+    """Calibration's steps on a CPU cannot see how the host's speed moves over minutes (a run's steps at 0.80-1.20 of
+    its calibration's speed in 18 fresh runs on this project's 2-core VM): at least ±22 % there."""
     cpu, gpu = footing.floor("cpu"), footing.floor("cuda")
-    assert footing.measured(4, 8, 8, 0.02, cpu).words == "4 measured steps, ±15%"
+    assert footing.measured(4, 8, 8, 0.02, cpu).words == "4 measured steps, ±22%"
     assert footing.measured(4, 8, 8, 0.02, gpu).words == "4 measured steps, ±5%"
-    assert footing.measured(1, 8, 8, 0.0, cpu).high == pytest.approx(1 + 0.15 * 2)  # widened as a thin one is
-    assert footing.timed_evaluation(2, 0.0, cpu).high == pytest.approx(1 + 0.15 * 2 ** 0.5)
+    assert footing.measured(1, 8, 8, 0.0, cpu).high == pytest.approx(1 + 0.22 * 2)  # widened as a thin one is
+    assert footing.timed_evaluation(2, 0.0, cpu).high == pytest.approx(1 + 0.22 * 2 ** 0.5)
 
 
 def test_steps_that_spread_by_more_than_their_mean_keep_a_lower_bound_above_zero():
