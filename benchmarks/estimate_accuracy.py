@@ -113,13 +113,14 @@ def prune(work: Path, keep_below: int = 1 << 20) -> int:
     The bytes removed."""
     removed = 0
     for path in sorted(work.rglob("*"), reverse=True):  # children before their directories
-        if path.is_symlink() or path.is_file():
-            if (path.is_file() and not path.is_symlink() and path.name not in REREAD
-                    and path.stat().st_size >= keep_below):
-                removed += path.stat().st_size
-                path.unlink()
-        elif path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.name not in REREAD and (size := path.stat().st_size) >= keep_below:
+            removed += size
+            path.unlink()
     return removed
 
 
