@@ -216,9 +216,13 @@ def _plan(run: Run) -> list[str]:
     # window left nothing to train on a loaded CI machine (WindowError, 2026-11-27).
     sizes = (["--model", "test", "--minutes", "0.75", "--examples", "2000", "--max-answer-words", "40",
               "--calibration-budget", "10s", "--checkpoint-interval", "10s"] if run.dry_run
-             else ["--model", "smollm2", "--tokenizer", str(TOKENIZER), "--minutes", "3"])
-    return _python("benchmarks/plan_accuracy.py", *sizes, "--work", str(run.work / "plan"),
-                   "--out", str(run.results / "plan-smollm2.json"))
+             else ["--model", "smollm2", "--tokenizer", str(TOKENIZER), "--minutes", "2.5", "--examples", "100000",
+                   "--calibration-budget", "45s"])
+    # Fresh runs while the part's time lasts (issue 38: the spread between runs, not one run's luck); 15 s kept
+    # for the script's own exit before this check's timeout. The dry run proves one run's path.
+    return _python("benchmarks/plan_accuracy.py", *sizes, "--repeats", "1" if run.dry_run else "3",
+                   "--budget", f"{run.left() - 15:.0f}",
+                   "--work", str(run.work / "plan"), "--out", str(run.results / "plan-smollm2.json"))
 
 
 def process_counts(cores: int) -> list[int]:
@@ -291,7 +295,8 @@ PARTS = [
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
     _train_part(Train("smollm2", "ours", ("ours",), ("demo",), "fast"), 180,
                 "the knobs our plan picks by calibration (60 s, not timed), the demo's batch"),
-    Part("plan-smollm2", "the plan against the clock: calibrate, estimate, train 3 minutes", 330, _plan,
+    Part("plan-smollm2", "the plan against the clock, fresh runs while the time lasts: calibrate, estimate, "
+         "train a 2.5-minute window, validate", 260, _plan,
          "plan-smollm2.json"),
     Part("ranks-2gpu", "two ranks under torchrun on two GPUs (NCCL): DDP and FSDP against one process", 120,
          _ranks, "ranks.xml", cuda_only="needs two CUDA GPUs (NCCL)", gpus=2),
@@ -1086,12 +1091,17 @@ def goals(summary: dict) -> list[dict]:
     row("Host syncs a step of ours on CUDA (micro-batches and update)", "0", syncs,
         None if syncs is None or not cuda else syncs == 0,
         f"the most of {len(ours)} measurements: {_source(worst)}" if worst else "not measured")
-    plan = summary.get("plan-smollm2")
-    accuracy = None
-    if plan and plan["estimated"].get("tokens_per_second") and plan["actual"].get("tokens_per_second"):
-        accuracy = plan["estimated"]["tokens_per_second"] / plan["actual"]["tokens_per_second"]
-    row("Calibrated speed within 10 % of the run's (plan-smollm2)", "0.9 to 1.1", accuracy,
-        None if accuracy is None or not cuda else 0.9 <= accuracy <= 1.1, "plan-smollm2: estimated / actual tokens/s")
+    runs = (summary.get("plan-smollm2") or {}).get("runs", [])
+    for label, measured in (("Calibrated speed", lambda r: r["estimated"]["tokens_per_second"]
+                             / r["actual"]["tokens_per_second"] if r["actual"]["tokens_per_second"] else None),
+                            ("Train time", lambda r: r["train"]["estimated_over_actual"]),
+                            ("Validate time", lambda r: r["validate"]["estimated_over_actual"])):
+        ratios = [ratio for ratio in map(measured, runs) if ratio is not None]
+        worst = max(ratios, key=lambda ratio: abs(ratio - 1), default=None)  # every run must meet it
+        row(f"{label} estimated within 10 % (plan-smollm2, issue 38)", "0.9 to 1.1", worst,
+            None if worst is None or not cuda else 0.9 <= worst <= 1.1,
+            f"estimated / actual, the furthest of {len(ratios)} fresh runs: {', '.join(f'{r:.3f}' for r in ratios)}"
+            if ratios else "not measured")
     row("The plan's H100/H200 rows contain these results", "within their range", None, None,
         "not measured by this check: the plan's options table against these results (docs/benchmarks.md)")
     return rows
@@ -1247,18 +1257,27 @@ def _percent(value) -> str:
     return "n/a" if value is None else f"{value:.3g}" if value < 0.001 else f"{value:.1%}"
 
 def _plan_section(plan: dict | None) -> list[str]:
-    if plan is None:
+    if not plan or not plan.get("runs"):
         return []
-    est, act = plan["estimated"], plan["actual"]
-    return ["", f"## The plan against the clock ({plan['model']}, window {plan['window_seconds']:.0f} s)", "",
-            "| | estimated | actual |", "|---|---|---|",
-            f"| startup s | {est['startup_seconds']} | {act['startup_seconds']} |",
-            f"| train s | {est['train_seconds']} | {act['train_seconds']} |",
-            f"| checkpoints | {est['checkpoints']} | {act['checkpoints']} |",
-            f"| tokens/s | {est['tokens_per_second']} | {act['tokens_per_second']} |", "",
-            f"Train time estimated/actual: {plan['train_time_accuracy']}; knobs: {plan['knobs']}; "
-            f"planning took {plan['plan_seconds']} s."]
+    first = plan["runs"][0]
+    lines = ["", f"## The plan against the clock ({first['model']}, window {first['window_seconds']:.0f} s, "
+                 f"{len(plan['runs'])} fresh runs)", "",
+             "| run | knobs | tokens/s est / actual | startup s est / actual | train s est (range) / actual | "
+             "validate s est (range) / actual | planning s |", "|---|---|---|---|---|---|---|"]
 
+    def stage(r: dict) -> str:
+        stated = f" ({r['low_seconds']}-{r['high_seconds']})" if r["low_seconds"] is not None else ""
+        inside = {True: "inside", False: "**outside**", None: "no range"}[r["inside"]]
+        return f"{r['estimated_seconds']}{stated} / {r['actual_seconds']}: {r['estimated_over_actual']}x, {inside}"
+
+    for number, run in enumerate(plan["runs"], 1):
+        est, act, knobs = run["estimated"], run["actual"], run["knobs"]
+        lines.append(f"| {number} | micro {knobs['micro_batch_size']}, checkpointing "
+                     f"{knobs['gradient_checkpointing']}, compile {knobs['compile']}, workers "
+                     f"{knobs['dataloader_workers']} | {est['tokens_per_second']} / {act['tokens_per_second']} | "
+                     f"{est['startup_seconds']} / {act['startup_seconds']} | {stage(run['train'])} | "
+                     f"{stage(run['validate'])} | {run['plan_seconds']} |")
+    return lines
 
 
 def _tokenize_section(scaling: dict | None) -> list[str]:

@@ -107,9 +107,14 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     assert train["before-demo"]["derived"]["padding_share"] > 0.4 and train["old-demo"]["padded_tokens"] == timed
     assert (results / "train-smollm2" / train["new-demo"]["profile_table"]).is_file()
 
-    plan = summary["plan-smollm2"]
+    [plan] = summary["plan-smollm2"]["runs"]  # the dry run's one fresh run
     assert plan["calibrated"] and plan["window_seconds"] == 45
     assert plan["estimated"]["train_seconds"] > 0 and plan["actual"]["train_seconds"] > 0
+    for stage in (plan["train"], plan["validate"]):  # each stage against its stated range, as the run report has it
+        assert stage["low_seconds"] <= stage["estimated_seconds"] <= stage["high_seconds"]
+        assert stage["actual_seconds"] > 0 and stage["inside"] == (
+            stage["low_seconds"] <= stage["actual_seconds"] <= stage["high_seconds"])
+    assert plan["validate"]["base_cached"] is False  # a fresh run scores the base too
     # A calibrated estimate, not a guess by orders of magnitude (on a CPU shared with other tests its speed moves
     # between calibration and run; the accuracy itself is benchmarks/plan_accuracy.py's).
     assert 0.1 < plan["train_time_accuracy"] < 10.0
@@ -218,6 +223,12 @@ def _result(label: str, rate: float, step: str = "demo", model: str = "smollm2",
     return {**raw, "derived": step_meter.derive(raw)}
 
 
+def _plan_run(tokens_per_second: float, train: float, validate: float) -> dict:
+    """A plan-smollm2 run: the estimate over the actual of its speed (actual 100 tokens/s) and of two stages."""
+    return {"estimated": {"tokens_per_second": tokens_per_second}, "actual": {"tokens_per_second": 100.0},
+            "train": {"estimated_over_actual": train}, "validate": {"estimated_over_actual": validate}}
+
+
 def test_the_goal_table_is_computed_from_the_results_and_a_nan_peer_is_never_the_best():
     small = [_result("new-demo", 40_000, syncs={"count": 0, "steps": 2}), _result("old-demo", 1_000),
              _result("hf_flattening-demo-cudnn_off", 10_000),
@@ -227,7 +238,7 @@ def test_the_goal_table_is_computed_from_the_results_and_a_nan_peer_is_never_the
                      busy={"kernel_union_s": 0.95, "kernel_span_s": 0.97, "wall_s": 1.0}),
              _result("hf_flattening-rows8k-cudnn_off", 7_000, step="rows8k", model="llama3-8b")]
     summary = {"environment": {"cuda_available": True}, "train-smollm2": small, "train-llama3-8b": large,
-               "plan-smollm2": {"estimated": {"tokens_per_second": 105.0}, "actual": {"tokens_per_second": 100.0}}}
+               "plan-smollm2": {"runs": [_plan_run(105.0, 1.02, 0.97), _plan_run(98.0, 0.93, 1.12)]}}
     rows = gpu_check.goals(summary)
 
     def goal(*words: str) -> dict:
@@ -242,7 +253,11 @@ def test_the_goal_table_is_computed_from_the_results_and_a_nan_peer_is_never_the
     assert goal("GPU busy")["measured"] == 0.95 and goal("GPU busy")["met"] is True
     assert goal("Llama", "best peer")["measured"] == pytest.approx(1.429, abs=1e-3)
     assert goal("syncs")["measured"] == 0 and goal("syncs")["met"] is True
+    # Every fresh run must meet the plan's goals: the furthest from 1 is the measurement.
     assert goal("Calibrated")["measured"] == 1.05 and goal("Calibrated")["met"] is True
+    assert goal("Train time")["measured"] == 0.93 and goal("Train time")["met"] is True
+    assert goal("Validate time")["measured"] == 1.12 and goal("Validate time")["met"] is False
+    assert "0.970, 1.120" in goal("Validate time")["source"]
     markdown = "\n".join(gpu_check._goals_section(gpu_check.goals(summary), cuda=True))
     assert "| >= 40 % | 40.4% | yes |" in markdown and "| >= 150,000 | 140,000 | **no** |" in markdown
 
