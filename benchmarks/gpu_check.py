@@ -65,8 +65,10 @@ HOST_PYTHON = "3.12"  # the GPU hosts' interpreter: the wheels are downloaded fo
 ON_THE_HOST = ("torch", "transformers", "peft", "accelerate", "pyarrow", "numpy", "pyyaml", "tqdm", "tokenizers",
                "safetensors", "huggingface-hub")
 # What the project imports that a stock CUDA PyTorch image lacks: versions from uv.lock, where it has them. The rest
-# of the project's dependencies (Prefect, boto3, datasets, ...) the parts must not import: the dry run hides them.
-FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf")
+# of the project's dependencies (Prefect, datasets, ...) the parts must not import. boto3 and what it needs are
+# carried: the validate stage imports staging's S3 client (plan-smollm2 failed on a bare host without it, 2026-11-30).
+FROM_LOCK = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "gguf", "boto3", "botocore",
+             "s3transfer", "jmespath", "python-dateutil", "six", "urllib3")
 # The project's transformers and peft, installed where the host's version differs from the lock's (the code calls
 # transformers' activation_checkpointing_* API, new in 5.23; its attention and masking interfaces move between
 # releases), with what they import that may be too old or missing on the host, installed only when importing
@@ -640,10 +642,9 @@ def _lookup_data(path: Path, count: int) -> Path:
 
 
 def _validated(job: ServeJob) -> dict:
-    """Train, then the validate stage and promotion where they import; on a bare GPU host (no boto3 or botocore,
-    which promotion imports) the candidate is scored as the validate stage scores it (the same `evaluate`) instead."""
-    from phase1a.evaluate.metrics import evaluate
-    from phase1a.model.loading import for_scoring, load_for_eval, load_tokenizer
+    """Train, then the validate stage and promotion (boto3, which promotion imports, is carried to a GPU host)."""
+    from phase1a.evaluate.validation import validate
+    from phase1a.promote.candidate import promote_candidate
     from phase1a.train.loop import train
     from phase1a.train.settings import TrainSettings
 
@@ -651,15 +652,6 @@ def _validated(job: ServeJob) -> dict:
                                   output_dir=str(job.run_dir / "train"), method=job.config.method, micro_batch_size=16,
                                   gradient_checkpointing=False, show_progress=False))
     adapter = Path(trained.adapter_dir)
-    try:
-        from phase1a.evaluate.validation import validate
-        from phase1a.promote.candidate import promote_candidate
-    except ImportError as missing:
-        model = for_scoring(load_for_eval(Path(job.model.path), adapter, _device()))
-        metrics = evaluate(model, load_tokenizer(Path(job.model.path)), *_sample(job), job.config.validation)
-        return {"adapter": str(adapter), "validate_exact_match": metrics.exact_match, **_trained(trained),
-                "validated_by": f"the validate stage's scoring of the candidate (no promotion: {missing.name} is "
-                                "not installed)"}
     verdict = validate(job.config, job.model, Path(job.data.validation_path), adapter)
     if not verdict.passed:
         raise SystemExit("serve-vllm: the trained adapter failed the gate: " + "; ".join(verdict.reasons))

@@ -140,8 +140,8 @@ def resolved(config):
 
 def _not_on_a_gpu_host() -> tuple[str, ...]:
     """The modules of the project's dependencies that a GPU host's stock PyTorch image lacks and the GPU check does
-    not carry as wheels (benchmarks/gpu_check.py: ON_THE_HOST, the carried groups), with what boto3 and the tests
-    bring. Derived from pyproject.toml, so a new dependency the GPU parts import fails the dry run here, not there."""
+    not carry as wheels (benchmarks/gpu_check.py: ON_THE_HOST, the carried groups), with what the tests bring.
+    Derived from pyproject.toml, so a new dependency the GPU parts import fails the dry run here, not there."""
     import re
     import sys
     import tomllib
@@ -155,7 +155,7 @@ def _not_on_a_gpu_host() -> tuple[str, ...]:
     names = {re.split(r"[\[<>=!~; ]", spec, maxsplit=1)[0].lower() for spec in dependencies}
     there = {*gpu_check.ON_THE_HOST, *gpu_check.FROM_LOCK, *gpu_check.LOCKED, *gpu_check.LOCKED_DEPENDENCIES,
              *gpu_check.OPTIONAL}
-    return tuple(sorted({name.replace("-", "_") for name in names - there} | {"botocore", "s3transfer", "moto"}))
+    return tuple(sorted({name.replace("-", "_") for name in names - there} | {"moto"}))
 
 
 _HIDING = '''"""Installed by the tests: the packages a bare GPU host lacks cannot be found, as there."""
