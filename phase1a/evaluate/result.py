@@ -88,6 +88,14 @@ class ValidationSpeed(BaseModel):
     # One benchmark's scoring beside its requests' passes: lm-eval's model wrapper, the task's build, its metrics.
     # None: not timed (no loglikelihood benchmark, or no time left for one).
     harness_seconds: float | None = None
+    # The base model's costs where the candidate is scored with the adapter's path on (a 16-bit base: not merged):
+    # that path's kernels make a launch-bound greedy step dearer, 48 ms against the base's 22 ms for SmolLM2-135M's
+    # shape on an H200 (benchmarks/decode_step.py, 2026-11-30). None: the base costs what the candidate does.
+    base: "ValidationSpeed | None" = None
+
+    def for_base(self) -> "ValidationSpeed":
+        """The costs the base model's share of the validate stage pays."""
+        return self.base or self
 
     def during_training(self) -> "ValidationSpeed":
         """The costs an evaluation during training pays (its forward pass)."""

@@ -14,6 +14,7 @@ compiled candidates, so the kernels go and come back with the compilation.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -59,6 +60,19 @@ def enable(model: torch.nn.Module, on: bool) -> None:
                 vars(module)[name] = method
             else:
                 vars(module).pop(name, None)
+
+
+@contextmanager
+def kernels_off(model: torch.nn.Module):
+    """The modules' own forwards for the block, the kernels as they were after: what a model loaded for scoring
+    runs (the validate stage loads it without Liger). On an H200 a greedy step of SmolLM2-135M's shape, bound by
+    kernel launches, took 70 ms with the kernels and 48 ms without (benchmarks/decode_step.py, 2026-11-30)."""
+    was_on = applied(model)
+    enable(model, False)
+    try:
+        yield model
+    finally:
+        enable(model, was_on)
 
 
 def applied(model: torch.nn.Module) -> bool:

@@ -45,6 +45,7 @@ from phase1a.evaluate.metrics import (
     validation_timing_seconds,
 )
 from phase1a.evaluate.result import ValidationSpeed
+from phase1a.model import liger
 from phase1a.model.cost_model import MemoryModel, checkpoint_bytes
 from phase1a.model.loading import adapter_off, load_tokenizer, merges_for_scoring
 from phase1a.plan.footing import floor
@@ -317,20 +318,26 @@ class _Session:
             return None
         rows, indices = self._validation_sample()
         guess = per_token / 3
-        # Uncompiled, as the validate stage loads the model, with the adapter's path as the candidate is scored
-        # (off where it is merged); then the pass of an evaluation during training, the model as it trains.
+        during_guess = training_rows_timing_seconds(rows, self._eval_sample(rows), guess)
+        # Uncompiled and without Liger's kernels, as the validate stage loads the model, with the adapter's path as
+        # the candidate is scored (off where it is merged), then off as the base is scored where it is not; then
+        # the pass of an evaluation during training, the model as it trains.
         with evaluating(self.model), torch.no_grad():
             merged = merges_for_scoring(next(self.model.parameters()).dtype)
             # First: the merge's cost is its first write to the weights, which nothing before it may pay.
             fits = time.perf_counter() + self._merge_guess() < self.end
             merge = _time_merge(self.model) if merged and fits else None
             left = self.end - time.perf_counter()
-            scored = adapter_off(self.model) if merged else nullcontext()
-            with scored:
-                speed = time_validation(self.model, rows, indices, self.config.validation, TimingAllowance(
-                    seconds=left - training_rows_timing_seconds(rows, self._eval_sample(rows), guess)
-                    - self._harness_guess(), forward_guess=guess))
-                harness = None if speed is None else self._harness(speed)
+            with liger.kernels_off(self.model):
+                with adapter_off(self.model) if merged else nullcontext():
+                    began = time.perf_counter()
+                    speed = time_validation(self.model, rows, indices, self.config.validation, TimingAllowance(
+                        seconds=left - during_guess - self._harness_guess(), forward_guess=guess))
+                    candidate_seconds = time.perf_counter() - began
+                base = None if merged or speed is None else self._base_validation(
+                    rows, indices, speed, candidate_seconds, during_guess)
+                with adapter_off(self.model):  # lm-eval scores the base's share as the base model
+                    harness = None if speed is None else self._harness(base or speed)
             budget = token_budget(chosen.micro_batch_size, self.job.max_seq_length)  # training/loop.py's rows
             during = None if speed is None or self.job.evaluation is None else time_training_rows(
                 self.model, rows, self._eval_sample(rows), budget, speed.forward_seconds_per_token, self.end)
@@ -349,7 +356,21 @@ class _Session:
             self.notes.append("the benchmarks' harness not timed (generation only, or no time left): its own "
                               "seconds not priced")
         return speed.model_copy(update={"training_forward_seconds_per_token": during, "merge_seconds": merge,
-                                        "harness_seconds": harness})
+                                        "harness_seconds": harness, "base": base})
+
+    def _base_validation(self, rows: TokenRows, indices: np.ndarray, candidate: ValidationSpeed,
+                         candidate_seconds: float, during_guess: float) -> ValidationSpeed | None:
+        """The base model's costs, timed as the candidate's were with the adapter's path off, where what is left
+        of the budget (less the evaluation during training's pass and the harness) holds the candidate's timing
+        again: the base's share costs no more. None: not timed (the base is priced at the candidate's costs)."""
+        left = self.end - time.perf_counter() - during_guess - self._harness_guess()
+        if left < candidate_seconds:
+            self.notes.append(f"the base model's validation not timed ({left:.0f} s left of the budget): priced at "
+                              f"the candidate's costs")
+            return None
+        with adapter_off(self.model):
+            return time_validation(self.model, rows, indices, self.config.validation, TimingAllowance(
+                seconds=left, forward_guess=candidate.forward_seconds_per_token))
 
     def _harness(self, speed: ValidationSpeed) -> float | None:
         """lm-eval's own seconds in one benchmark's scoring (`time_harness`), on the model as the base is scored."""

@@ -476,13 +476,16 @@ class _Planner:
         baseline."""
         return 1 + (self.method.kind == "full") + (self.config.validation.baseline == "promoted")
 
-    def _validation_work(self, base_cached: bool = False) -> EvaluationWork:
-        """The validate stage scores the trained model and a promoted baseline's, and the base unless `base_cached`
-        (its metrics and benchmark scores on this device are on disk)."""
+    def _scored_work(self) -> EvaluationWork:
+        """The validate stage scores the trained model and a promoted baseline's (the adapter's path as each is
+        scored), and the base unless its metrics and benchmark scores on this device are on disk (`_base_work`)."""
         settings = self.config.validation
         models = 1 + (settings.baseline == "promoted")
-        scored = validation_work(*self._validation_sample, settings, models) + self._benchmark_work * models
-        return scored if base_cached else scored + self._base_work()
+        return validation_work(*self._validation_sample, settings, models) + self._benchmark_work * models
+
+    def _base_seconds(self, speed: ValidationSpeed) -> float:
+        """The base model's share at the base's own costs (the adapter's path off), where calibration timed them."""
+        return self._base_work().seconds(speed.for_base())
 
     def _base_work(self) -> EvaluationWork:
         """The base model's share of the validate stage: the teacher-forced pass, generation (untuned: its answers
@@ -529,7 +532,7 @@ class _Planner:
         (phase1a.evaluate.metrics.validation_work)."""
         return (self._validation_loads() * throughput.startup_seconds
                 + self._validation_merges() * (speed.merge_seconds or 0.0)
-                + self._validation_work(self._base_cached).seconds(speed))
+                + self._scored_work().seconds(speed) + (0.0 if self._base_cached else self._base_seconds(speed)))
 
     def _eval_during_training_work(self) -> EvaluationWork:
         """One evaluation during training (phase1a/train/evaluation.py): the forward pass over its sample."""
@@ -587,7 +590,7 @@ class _Planner:
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
             checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
-            base_cached=self._base_cached, base_evaluation_seconds=self._base_work().seconds(speed),
+            base_cached=self._base_cached, base_evaluation_seconds=self._base_seconds(speed),
             evaluation_speed=speed,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,
             train_seconds=train_seconds, interruption_seconds=interrupted.extra_seconds,
@@ -694,14 +697,17 @@ class _Planner:
         # Evaluations during training run the model as it trains: what that costs over the validate stage's pass,
         # as that many more forward tokens.
         during = speed.during_training().forward_seconds_per_token / speed.forward_seconds_per_token
-        evaluation = self._validation_work() + self._eval_during_training_work() * (
+        scored, base = self._scored_work(), self._base_work()
+        evaluation = scored + base + self._eval_during_training_work() * (
             estimate.evaluations_during_training * during)
         other = OtherWork(
             host_seconds=startup + (estimate.warmup_seconds if own else 0.0) + estimate.checkpoint_seconds,
             forward_tokens=evaluation.forward_tokens + evaluation.prefill_tokens, decode_steps=evaluation.decode_steps,
             reference_forward_seconds_per_token=speed.forward_seconds_per_token,
-            # a step as these steps attend on average: the options price steps, not what each attends to
-            reference_decode_seconds_per_step=evaluation.decode_seconds(speed) / max(evaluation.decode_steps, 1))
+            # a step as these steps attend on average, the base's at its own cost: the options price steps, not
+            # what each attends to
+            reference_decode_seconds_per_step=(scored.decode_seconds(speed) + base.decode_seconds(speed.for_base()))
+            / max(evaluation.decode_steps, 1))
         configured = None if checkpoints.rule != "configured" else self._exposure(
             checkpoints, estimate.total_seconds, estimate.train_seconds, throughput.seconds_per_token,
             fit.max_seq_length).interval_seconds

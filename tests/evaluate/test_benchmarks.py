@@ -212,7 +212,8 @@ def test_the_plan_prices_the_benchmarks_for_each_model_scored(tiny_model_dir, sp
                                cache_dir=tmp_path / "cache", validation=ValidationConfig(
                                    max_examples=8, benchmarks=benchmarks, baseline=baseline),
                                promotion=PromotionConfig(to=str(tmp_path / "promoted")))
-        return _Planner(config, resolved(config), split)._validation_work()
+        planner = _Planner(config, resolved(config), split)
+        return planner._scored_work() + planner._base_work()
 
     one = sum((benchmark_work(load_benchmark(spec), make_tokenizer(), 16) for spec in specs(date_tasks)),
               EvaluationWork())

@@ -111,6 +111,20 @@ def test_compiled_layers_run_without_the_kernels_and_eager_ones_get_them_back(li
     assert torch.equal(_logits(model), reference)
 
 
+def test_a_block_runs_the_models_own_forwards_and_leaves_the_kernels_as_they_were(liger_0_8_5):
+    reference = _logits(_tiny_llama())
+    model = _tiny_llama()
+    liger.apply(model)
+    with_kernels = _logits(model)
+    with liger.kernels_off(model):  # as the validate stage's model, loaded without Liger, computes
+        assert not liger.applied(model) and torch.equal(_logits(model), reference)
+    assert liger.applied(model) and torch.equal(_logits(model), with_kernels)
+    liger.enable(model, False)  # a compiled candidate's eager layers: off before, off after
+    with liger.kernels_off(model):
+        assert not liger.applied(model)
+    assert not liger.applied(model)
+
+
 def test_a_family_without_kernels_is_told(monkeypatch):
     _install_entry(monkeypatch, lambda model, **kwargs: None)  # Liger logs "no kernels" and returns
     model = _tiny_llama()

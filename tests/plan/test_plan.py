@@ -155,8 +155,10 @@ def test_the_validate_estimate_leaves_out_a_base_model_an_earlier_run_scored(tin
 
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
                             TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
-    first = planned(config_tree, data).estimate
+    plan = planned(config_tree, data)
+    first = plan.estimate
     assert not first.base_cached and first.base_evaluation_seconds > 0
+    assert plan.calibration.validation.base is None  # float32: the candidate is scored merged, at the base's cost
 
     config = Phase1aConfig.model_validate(config_tree)
     scoring = Scoring.of(config, resolved(config), data.validation_path)
@@ -169,6 +171,34 @@ def test_the_validate_estimate_leaves_out_a_base_model_an_earlier_run_scored(tin
     assert seconds == pytest.approx(second.evaluation_seconds + second.base_evaluation_seconds)
     assert low < seconds < high
     assert second.evaluation_for(base_cached=True)[0] == second.evaluation_seconds
+
+
+def test_on_a_16_bit_base_the_base_models_share_is_timed_and_priced_with_the_adapters_path_off(
+        tiny_model_dir, tmp_path, config_tree, monkeypatch):
+    """A bf16 base keeps the adapter separate when the candidate is scored (not merged): the candidate's steps run
+    its path, the base's do not. On a GPU, where a greedy step is bound by kernel launches, the base's step took
+    22 ms against the candidate's 48 (benchmarks/decode_step.py): calibration times the base as it is scored and
+    the plan prices the base's share (its generation runs to max_new_tokens) at that."""
+    import torch
+
+    import phase1a.model.build as build
+    from phase1a.plan.planner import _Planner
+
+    monkeypatch.setattr(build, "training_dtype", lambda device: torch.bfloat16)  # the GPU's training dtype
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(60)), make_tokenizer(), 256,
+                            TokenizeOptions(validation_count=12), tmp_path / "cache" / "fp")
+    config_tree["plan"] = {"calibration_budget": "60s"}
+    plan = planned(config_tree, data)
+    speed = plan.calibration.validation
+    assert speed.base is not None and speed.base.passes >= 1 and speed.base.base is None
+    assert speed.base.decode_seconds_per_step > 0 and speed.base.forward_seconds_per_token > 0
+    assert speed.for_base() is speed.base
+    config = Phase1aConfig.model_validate(config_tree)
+    planner = _Planner(config, resolved(config), data)
+    assert plan.estimate.base_evaluation_seconds == pytest.approx(planner._base_work().seconds(speed.base))
+    candidate_only = planner._scored_work().seconds(speed)
+    assert plan.estimate.evaluation_seconds == pytest.approx(
+        candidate_only + plan.estimate.base_evaluation_seconds + 1 * plan.calibration.startup_seconds, rel=1e-6)
 
 
 def test_a_runs_evaluations_correct_the_next_plans_evaluation_speed(tmp_path, config_tree):
