@@ -99,6 +99,7 @@ def main() -> None:
     for model in (trained, scored, base):
         model.eval()
     seconds: dict[str, list[float]] = {name: [] for name in rows}
+    first: dict[str, list[float]] = {name: [] for name in rows}  # the two warm-up calls' whole seconds
     ops: dict[str, float] = {}
 
     def report() -> dict:
@@ -107,7 +108,10 @@ def main() -> None:
             "machine": platform.node(), "torch": torch.__version__, "command": " ".join(sys.argv),
             "model": args.model, "prompts": args.prompts, "liger_installed": liger.installed(),
             "rows": {name: {"what": what, "seconds_per_step": statistics.median(seconds[name]) if seconds[name]
-                            else None, "all": [round(s, 6) for s in seconds[name]], "ops_per_step": ops.get(name)}
+                            else None, "all": [round(s, 6) for s in seconds[name]], "ops_per_step": ops.get(name),
+                            # a process's first greedy call: on the H200 the validate stage's first generate took
+                            # 5.4 s where the same batch took 1.8 s in the next run
+                            "warmup_call_seconds": [round(s, 3) for s in first[name]]}
                      for name, (what, _, _) in rows.items()},
         }
         calibration = results["rows"]["calibration"]["seconds_per_step"]
@@ -119,10 +123,12 @@ def main() -> None:
         return results
 
     with torch.no_grad():
-        for _ in range(2):  # untimed: each row's first calls (kernels chosen, caches grown)
-            for _, held, loop in rows.values():
+        for _ in range(2):  # not in the median: each row's first calls (kernels chosen, caches grown)
+            for name, (_, held, loop) in rows.items():
                 with held() as model:
+                    began = time.perf_counter()
                     loop(model)
+                    first[name].append(time.perf_counter() - began)
         for _ in range(args.rounds):
             for name, (_, held, loop) in rows.items():
                 with held() as model:

@@ -227,6 +227,12 @@ def _plan(run: Run) -> list[str]:
                    "--work", str(run.work / "plan"), "--out", str(run.results / "plan-smollm2.json"))
 
 
+def _decode_step(run: Run) -> list[str]:
+    sizes = ["--model", "test"] if run.dry_run else ["--model", "smollm2", "--tokenizer", str(TOKENIZER)]
+    return _python("benchmarks/decode_step.py", *sizes, "--rounds", "2", "--work", str(run.work / "decode"),
+                   "--out", str(run.results / "decode-step.json"))
+
+
 def process_counts(cores: int) -> list[int]:
     """1, 2, 4, ... and the core count itself: 1 2 4 8 16 on a 16-core host, 1 2 4 8 16 20 on a 20-core one."""
     counts = [1 << power for power in range(cores.bit_length()) if 1 << power <= cores]
@@ -297,6 +303,8 @@ PARTS = [
     Part("tests", "CUDA-only tests and GPU smokes (pytest -m gpu)", 150, _tests, "tests.xml"),
     _train_part(Train("smollm2", "ours", ("ours",), ("demo",), "fast"), 180,
                 "the knobs our plan picks by calibration (60 s, not timed), the demo's batch"),
+    Part("decode-step", "a greedy step as calibration times it and as the validate stage runs it (Liger, the "
+         "adapter's path, calibration's loop or generate)", 120, _decode_step, "decode-step.json"),
     Part("plan-smollm2", "the plan against the clock, fresh runs while the time lasts: calibrate, estimate, "
          "train a 2.5-minute window, validate", 260, _plan,
          "plan-smollm2.json"),
@@ -1006,7 +1014,7 @@ def collect(results: Path) -> dict:
                "parts": {part.name: _status(results, part.name) for part in PARTS}}
     summary["tests"] = _junit(results / "tests.xml")
     summary["ranks"] = _junit(results / "ranks.xml")
-    for name in ("attention-op", "plan-smollm2", "tokenize-scaling", "serve-vllm"):
+    for name in ("attention-op", "decode-step", "plan-smollm2", "tokenize-scaling", "serve-vllm"):
         path = results / f"{name}.json"
         summary[name] = json.loads(path.read_text()) if path.is_file() else None
     for family in FAMILIES:
@@ -1157,6 +1165,7 @@ def render_summary(summary: dict) -> str:
     if summary["tests"]:
         lines += ["", "## Tests (`pytest -m gpu`)", "", "| test | outcome | seconds | detail |", "|---|---|---|---|"]
         lines += [f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {t['detail']} |" for t in summary["tests"]]
+    lines += _decode_section(summary.get("decode-step"))
     lines += _plan_section(summary["plan-smollm2"])
     lines += _tokenize_section(summary.get("tokenize-scaling"))
     lines += _serve_section(summary.get("serve-vllm"))
@@ -1247,6 +1256,19 @@ def _ratios(results: list[dict]) -> list[str]:
 
 def _percent(value) -> str:
     return "n/a" if value is None else f"{value:.3g}" if value < 0.001 else f"{value:.1%}"
+
+def _decode_section(decode: dict | None) -> list[str]:
+    if not decode:
+        return []
+    lines = ["", f"## A greedy step ({decode['model']}, {decode['prompts']} prompts)", "",
+             "| row | ms a step | vs calibration's | dispatcher ops a step | the two first calls, s |",
+             "|---|---|---|---|---|"]
+    for row in decode["rows"].values():
+        ops = "" if row["ops_per_step"] is None else f"{row['ops_per_step']:,.0f}"
+        lines.append(f"| {row['what']} | {1000 * row['seconds_per_step']:.1f} | {row['vs_calibration']} | {ops} | "
+                     f"{', '.join(map(str, row['warmup_call_seconds']))} |")
+    return lines
+
 
 def _plan_section(plan: dict | None) -> list[str]:
     if not plan or not plan.get("runs"):

@@ -106,6 +106,11 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     assert train["before-demo"]["derived"]["padding_share"] > 0.4 and train["old-demo"]["padded_tokens"] == timed
     assert (results / "train-smollm2" / train["new-demo"]["profile_table"]).is_file()
 
+    decode = summary["decode-step"]["rows"]  # each row timed, the adapter's path counted at the dispatcher
+    assert all(row["seconds_per_step"] > 0 and len(row["warmup_call_seconds"]) == 2 for row in decode.values())
+    assert decode["calibration-adapter-off"]["ops_per_step"] < decode["calibration"]["ops_per_step"]
+    assert decode["base-manual"]["ops_per_step"] < decode["candidate-manual"]["ops_per_step"]
+
     [plan] = summary["plan-smollm2"]["runs"]  # the dry run's one fresh run
     assert plan["calibrated"] and plan["window_seconds"] == 45
     assert plan["estimated"]["train_seconds"] > 0 and plan["actual"]["train_seconds"] > 0
@@ -126,7 +131,7 @@ def test_the_dry_run_runs_every_part_resumes_and_summarises(tmp_path):
     markdown = (results / "summary.md").read_text()
     for section in ("## Goals (issue 34)", "## Parts", "## Attention alone", "## Train step, the test model",
                     "## Tests (`pytest -m gpu`)", "## The plan against the clock", "## Tokenize at 1 to N processes",
-                    "## Serving the adapter with vLLM"):
+                    "## Serving the adapter with vLLM", "## A greedy step (test, 16 prompts)"):
         assert section in markdown
     assert "| train-llama3-8b-old | skipped |" in markdown and "-demo against old-demo" in markdown
     assert "| serve-vllm | skipped |" in markdown and "- vLLM multi-LoRA: compatible; max_lora_rank 8" in markdown
