@@ -554,8 +554,38 @@ class _RowCost:
             return cls(0.0, max(t.per_row_token for t in points), last.update)
         return cls(max(0.0, float(intercept)), float(slope), last.update)
 
+    @classmethod
+    def fitted(cls, points: list["_Timed"], update: float) -> "_RowCost | None":
+        """Fitted over steps of different shapes (the probes' one-example rows, the measured steps' full ones) to
+        price the run's steps: on an H200 the eager SmolLM2-135M step was bound by kernel launches, 0.23 s
+        whatever its 1,580-2,490 tokens (no correlation over 563 steps), so a trial's four steps priced per token
+        gave its speed at their own mix of tokens, 7-14 % above the run's (2026-11-30); on a CPU the part per
+        token is most of a step. Each point weighs by its own time (relative errors: a probe counts as much as a
+        step); a part the noise puts below zero is left out and the other fitted alone. None: the points cannot
+        tell the parts apart (their tokens a row differ by less than a quarter)."""
+        rows = np.array([t.micro_batches for t in points], dtype=float)
+        tokens = np.array([t.row_tokens for t in points], dtype=float)
+        seconds = np.array([t.forward_backward for t in points])
+        if len(points) < 3 or np.ptp(tokens / rows) < 0.25 * float(np.mean(tokens / rows)):
+            return None
+        design = np.column_stack([rows, tokens]) / seconds[:, None]  # each row over its time: relative errors
+        (fixed, per_token), *_ = np.linalg.lstsq(design, np.ones(len(points)), rcond=None)
+        if fixed < 0 or per_token < 0:
+            kept = 1 if fixed < 0 else 0
+            alone = design[:, kept]
+            value = float(alone.sum() / (alone**2).sum())  # the least squares of that part alone
+            fixed, per_token = (0.0, value) if kept else (value, 0.0)
+        return cls(float(fixed), float(per_token), update)
+
     def rows(self, sizes: np.ndarray) -> np.ndarray:
         return self.fixed + sizes * self.per_row_token
+
+    def seconds(self, rows: float, row_tokens: float) -> float:
+        """A step's forward and backward, predicted: each of its rows' fixed part and its tokens'."""
+        return rows * self.fixed + row_tokens * self.per_row_token
+
+    def step(self, timed: "_Timed") -> float:
+        return self.seconds(timed.micro_batches, timed.row_tokens)
 
 
 def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: _Steps) -> Trial:
@@ -649,13 +679,22 @@ def _measured(candidate: Candidate, timed: list[_Timed], steps: _Steps, seconds:
         basis = [t for t, times in zip(basis, over) if times < _BURST]
         notes.append(f"{len(bursts)} step{'s' if len(bursts) > 1 else ''} of {max(t.seconds for t in bursts):.1f} s "
                      f"left out, {max(over):.1f}x the others' time a token")
-    forward_backward = sum(t.forward_backward for t in basis) / sum(t.tokens for t in basis)
-    per_row_token = sum(t.forward_backward for t in basis) / sum(t.row_tokens for t in basis)
     update = float(np.mean([t.update for t in basis]))
-    per_token = forward_backward + update / steps.step_tokens
-    excess = sum(t.seconds - t.row_tokens * per_row_token - update for t in warmup)
-    rates = [t.per_token for t in basis]
     run, whole = float(np.mean([t.micro_batches for t in basis])), float(np.mean([t.whole for t in basis]))
+    cost = _RowCost.fitted([t for t in timed[1:] if t.probe] + basis, update) if measured else None
+    if cost is None:  # the steps' cost per token, as a ratio of sums
+        forward_backward = sum(t.forward_backward for t in basis) / sum(t.tokens for t in basis)
+        cost = _RowCost(0.0, sum(t.forward_backward for t in basis) / sum(t.row_tokens for t in basis), update)
+        rates = [t.per_token for t in basis]
+    else:  # the measured steps' mean time, moved by the fit from their mean shape to a whole step of the run's
+        # mean tokens (padded as the measured steps were): the probes only tell how the time follows the shape
+        padding = sum(t.row_tokens for t in basis) / sum(t.tokens for t in basis)
+        sample = cost.seconds(run, float(np.mean([t.row_tokens for t in basis])))
+        forward_backward = (float(np.mean([t.forward_backward for t in basis])) / sample
+                            * cost.seconds(whole, padding * steps.step_tokens) / steps.step_tokens)
+        rates = [t.forward_backward / cost.step(t) for t in basis]  # what the fit leaves unexplained
+    per_token = forward_backward + update / steps.step_tokens
+    excess = sum(t.seconds - cost.step(t) - update for t in warmup)
     if run < whole:
         notes.append(f"steps cut to {run:.3g} of their {whole:.3g} micro-batches on average")
     return Trial(candidate=candidate, status="measured", tokens_per_second=1.0 / per_token, note="; ".join(notes),

@@ -241,6 +241,34 @@ def test_a_full_row_is_predicted_from_the_probes_fixed_and_per_token_costs():
     assert _RowCost.of([first_call, one, two, real]) == _RowCost(0.0, 4.0 / 1170, 0.1)
 
 
+def test_a_launch_bound_step_is_priced_per_step_at_the_runs_mean_tokens_not_the_trials_mix():
+    """On an H200 the eager step took 0.23 s whatever its tokens: four measured steps priced per token gave the
+    speed at their own mix (above the run's mean: 7-14 % fast). With the probes' one-example rows beside them the
+    fixed part of a row and the part per token are told apart, and the run's step is priced at its mean tokens."""
+    from phase1a.plan.calibration import _measured, _RowCost, _Steps, _Timed
+
+    def step(seconds: float, tokens: int, role: str = "measured") -> _Timed:
+        return _Timed(forward_backward=seconds, update=0.0, tokens=tokens, row_tokens=tokens, micro_batches=1,
+                      whole=1, role=role)
+
+    candidate = Candidate(micro_batch_size=16, gradient_checkpointing=False)
+    probes = [step(2.0, 150, "probe"), step(0.2, 150, "probe"), step(0.2, 300, "probe")]  # a first call, then two
+    launch_bound = [*probes, step(0.5, 2300, "warmup"), *(step(0.2, n) for n in (2400, 2300, 2200, 2500))]
+    trial = _measured(candidate, launch_bound, _Steps(measured=4, deadline=0.0, step_tokens=2000), seconds=4.0)
+    assert trial.tokens_per_second == pytest.approx(2000 / 0.2)  # the run's 2,000-token steps at 0.2 s, not 11,750
+    assert trial.spread == pytest.approx(0.0, abs=1e-9)  # the tokens explain the per-token rates' spread
+    assert trial.warmup_excess_seconds == pytest.approx(1.8 + 0.3)  # the first call's and the first step's
+
+    per_token = [*probes[:1], step(0.015, 150, "probe"), step(0.03, 300, "probe"), step(0.5, 2300, "warmup"),
+                 *(step(n / 10_000, n) for n in (2400, 2300, 2200, 2500))]  # a CPU: the time follows the tokens
+    cpu = _measured(candidate, per_token, _Steps(measured=4, deadline=0.0, step_tokens=2000), seconds=4.0)
+    assert cpu.tokens_per_second == pytest.approx(10_000)
+    fitted = _RowCost.fitted(per_token[1:3] + per_token[4:], update=0.0)
+    assert fitted.fixed == pytest.approx(0.0, abs=1e-12) and fitted.per_row_token == pytest.approx(1e-4)
+    # Steps of one shape cannot tell the parts apart: their speed is the ratio of sums, as without probes.
+    assert _RowCost.fitted(launch_bound[4:], update=0.0) is None
+
+
 def test_static_probes_build_every_row_length_even_when_the_first_example_is_longer_than_some(tmp_path):
     """Static rows (a GPU, a compiled model): the probes build every row length before a step is timed. The probes'
     example is the run's, and where it is longer than a length the run's shortest example takes its place: the
