@@ -559,10 +559,11 @@ class _RowCost:
         """Fitted over steps of different shapes (the probes' one-example rows, the measured steps' full ones) to
         price the run's steps: on an H200 the eager SmolLM2-135M step was bound by kernel launches, 0.23 s
         whatever its 1,580-2,490 tokens (no correlation over 563 steps), so a trial's four steps priced per token
-        gave its speed at their own mix of tokens, 7-14 % above the run's (2026-11-30); on a CPU the part per
-        token is most of a step. Each point weighs by its own time (relative errors: a probe counts as much as a
-        step); a part the noise puts below zero is left out and the other fitted alone. None: the points cannot
-        tell the parts apart (their tokens a row differ by less than a quarter)."""
+        give the speed of their own mix of tokens (the plan's came out 7-14 % above the run's, 2026-11-30: the
+        likely cause); on a CPU the part per token is most of a step. Each point weighs by its own time (relative
+        errors: a probe counts as much as a step); a part the noise puts below zero is left out and the other
+        fitted alone. None: the points cannot tell the parts apart (their tokens a row differ by less than a
+        quarter)."""
         rows = np.array([t.micro_batches for t in points], dtype=float)
         tokens = np.array([t.row_tokens for t in points], dtype=float)
         seconds = np.array([t.forward_backward for t in points])
