@@ -477,8 +477,9 @@ class _Planner:
         return 1 + (self.method.kind == "full") + (self.config.validation.baseline == "promoted")
 
     def _scored_work(self) -> EvaluationWork:
-        """The validate stage scores the trained model and a promoted baseline's (the adapter's path as each is
-        scored), and the base unless its metrics and benchmark scores on this device are on disk (`_base_work`)."""
+        """The validate stage's work on the trained model and a promoted baseline's (the adapter's path as each is
+        scored); the base model's share is `_base_work`, left out where its metrics and benchmark scores on this
+        device are on disk."""
         settings = self.config.validation
         models = 1 + (settings.baseline == "promoted")
         return validation_work(*self._validation_sample, settings, models) + self._benchmark_work * models
