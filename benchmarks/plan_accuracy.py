@@ -45,6 +45,7 @@ def main() -> None:
                         help="seconds: no repeat starts unless the last run's length is left")
     parser.add_argument("--out", type=Path, help="{'runs': [...]}, written after every run")
     args = parser.parse_args()
+    began = time.monotonic()  # the budget counts the data's generation and tokenizing too
 
     from phase1a.config.schema import ModelConfig
     from phase1a.data.tokenizing import TokenizeOptions, tokenize_dataset
@@ -62,7 +63,6 @@ def main() -> None:
                             args.work / "cache" / f"plan-{args.model}-{data_path.stem}")
 
     runs: list[dict] = []
-    began = time.monotonic()
     for repeat in range(args.repeats):
         left = args.budget - (time.monotonic() - began)
         if runs and left < 1.1 * runs[-1]["run_seconds"]:  # the last run's length, not a guess
