@@ -133,6 +133,16 @@ def reread(work: Path) -> dict:
     return {"job": work.name.rsplit("-", 1)[0], "work": str(work), **summary(json.loads(reports[-1].read_text()))}
 
 
+def compared(estimated: float, actual: float, stated: tuple[float, float] | None) -> dict:
+    """A stage's estimate against its measured seconds: the ratio, within ±10 % or not, and whether the stated
+    range holds the actual (benchmarks/plan_accuracy.py compares its stages the same way)."""
+    low, high = stated if stated else (None, None)
+    return {"estimated": round(estimated, 1), "actual": round(actual, 1), "low": low and round(low, 1),
+            "high": high and round(high, 1), "ratio": round(estimated / actual, 3),
+            "within_10_percent": abs(estimated / actual - 1) <= 0.10,
+            "inside": bool(stated) and low <= actual <= high}
+
+
 def summary(report: dict) -> dict:
     """What the run's report says of the plan against the run."""
     from phase1a.plan.result import Plan
@@ -141,13 +151,6 @@ def summary(report: dict) -> dict:
     train = report["stages"]["train"]["result"] or {}
     estimate, trained, validated = plan.estimate, report.get("estimate_vs_actual"), report.get(
         "validation_estimate_vs_actual")
-
-    def compared(estimated, actual, stated) -> dict:
-        low, high = stated if stated else (None, None)
-        return {"estimated": round(estimated, 1), "actual": round(actual, 1), "low": low and round(low, 1),
-                "high": high and round(high, 1), "ratio": round(estimated / actual, 3),
-                "within_10_percent": abs(estimated / actual - 1) <= 0.10,
-                "inside": bool(stated) and low <= actual <= high}
 
     calibration = plan.calibration
     skipped = [t.note for t in (calibration.trials if calibration else []) if t.status == "skipped"]

@@ -1094,8 +1094,8 @@ def goals(summary: dict) -> list[dict]:
     runs = (summary.get("plan-smollm2") or {}).get("runs", [])
     for label, measured in (("Calibrated speed", lambda r: r["estimated"]["tokens_per_second"]
                              / r["actual"]["tokens_per_second"] if r["actual"]["tokens_per_second"] else None),
-                            ("Train time", lambda r: r["train"]["estimated_over_actual"]),
-                            ("Validate time", lambda r: r["validate"]["estimated_over_actual"])):
+                            ("Train time", lambda r: r["train"]["ratio"]),
+                            ("Validate time", lambda r: r["validate"]["ratio"])):
         ratios = [ratio for ratio in map(measured, runs) if ratio is not None]
         worst = max(ratios, key=lambda ratio: abs(ratio - 1), default=None)  # every run must meet it
         row(f"{label} estimated within 10 % (plan-smollm2, issue 38)", "0.9 to 1.1", worst,
@@ -1279,10 +1279,11 @@ def _plan_section(plan: dict | None) -> list[str]:
              "| run | knobs | tokens/s est / actual | startup s est / actual | train s est (range) / actual | "
              "validate s est (range) / actual | planning s |", "|---|---|---|---|---|---|---|"]
 
-    def stage(r: dict) -> str:
-        stated = f" ({r['low_seconds']}-{r['high_seconds']})" if r["low_seconds"] is not None else ""
-        inside = {True: "inside", False: "**outside**", None: "no range"}[r["inside"]]
-        return f"{r['estimated_seconds']}{stated} / {r['actual_seconds']}: {r['estimated_over_actual']}x, {inside}"
+    def stage(r: dict) -> str:  # estimate_accuracy.compared's fields
+        if r["low"] is None:
+            return f"{r['estimated']} / {r['actual']}: {r['ratio']}x, no range"
+        return (f"{r['estimated']} ({r['low']}-{r['high']}) / {r['actual']}: {r['ratio']}x, "
+                + ("inside" if r["inside"] else "**outside**"))
 
     for number, run in enumerate(plan["runs"], 1):
         est, act, knobs = run["estimated"], run["actual"], run["knobs"]

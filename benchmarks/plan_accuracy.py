@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from estimate_accuracy import compared
 from tokenize_throughput import generate
 from train_throughput import SHAPES, SMALL_VOCABULARY, config_target, make_model_dir, write_json
 
@@ -140,22 +141,13 @@ def one_run(args: argparse.Namespace, model_dir: Path, data_path: Path, data) ->
         "startup_accuracy": round(estimate.startup_seconds / result.startup_seconds, 3)
         if result.startup_seconds else None,
         # Each stage as the run report states it: estimated, its range, actual (flows/phase1a.py, flows/report.py).
-        "train": stage_against(estimate.train_seconds, estimate.train_range(), result.wall_seconds),
-        "validate": {**stage_against(evaluation, evaluation_range, validate_seconds),
+        "train": compared(estimate.train_seconds, result.wall_seconds, estimate.train_range()),
+        "validate": {**compared(evaluation, validate_seconds, evaluation_range),
                      "base_cached": verdict.base_cached},
         "training_footing": estimate.footing and estimate.footing.words,
         "evaluation_footing": estimate.evaluation_footing and estimate.evaluation_footing.words,
         "calibration": plan.calibration.model_dump(mode="json") if plan.calibration else None,
     }
-
-
-def stage_against(estimated: float, stated: tuple[float, float] | None, actual: float) -> dict:
-    """A stage's estimate against its measured seconds: the ratio and whether the stated range holds it."""
-    low, high = stated if stated else (None, None)
-    return {"estimated_seconds": round(estimated, 1), "low_seconds": low and round(low, 1),
-            "high_seconds": high and round(high, 1), "actual_seconds": round(actual, 1),
-            "estimated_over_actual": round(estimated / actual, 3) if actual else None,
-            "inside": None if low is None else low <= actual <= high}
 
 
 if __name__ == "__main__":
