@@ -78,10 +78,10 @@ def main() -> None:
 
     @contextmanager
     def training(kernels: bool = True, adapter: bool = True):
-        liger.enable(trained, kernels)
-        with adapter_off(trained) if not adapter else nullcontext():
+        """Training's model as calibration holds it, or with Liger's kernels or the adapter's path off."""
+        with (nullcontext() if kernels else liger.kernels_off(trained),
+              nullcontext() if adapter else adapter_off(trained)):
             yield trained
-        liger.enable(trained, True)
 
     rows = {  # name: (what, the model as a context, calibration's loop or generate)
         "calibration": ("training's model, Liger as trained, adapter on, calibration's loop", training, manual),
