@@ -66,7 +66,7 @@ def main() -> None:
     runs: list[dict] = []
     for repeat in range(args.repeats):
         left = args.budget - (time.monotonic() - began)
-        if runs and left < 1.1 * runs[-1]["run_seconds"]:  # the last run's length, not a guess
+        if not another_fits(runs, left):
             print(f"repeat {repeat + 1} of {args.repeats} not started: {left:.0f} s of --budget left, the last run "
                   f"took {runs[-1]['run_seconds']:.0f} s", flush=True)
             break
@@ -74,6 +74,12 @@ def main() -> None:
         if args.out:  # after every run: a run cut by the caller's timeout keeps the ones before it
             write_json(args.out, {"runs": runs})
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "calibration"}, indent=2), flush=True)
+
+
+def another_fits(runs: list[dict], left: float) -> bool:
+    """Whether a fresh run may start with `left` seconds of the budget: the last run's length and a tenth, not a
+    guess (the first always starts)."""
+    return not runs or left >= 1.1 * runs[-1]["run_seconds"]
 
 
 def one_run(args: argparse.Namespace, model_dir: Path, data_path: Path, data) -> dict:

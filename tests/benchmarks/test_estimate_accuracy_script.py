@@ -1,5 +1,6 @@
 """benchmarks/estimate_accuracy.py's reading of a run: the host's speed over the run's own steps, beside
-calibration's, and the summary of an earlier run's work directory read again."""
+calibration's, and the summary of an earlier run's work directory read again; benchmarks/plan_accuracy.py's fresh
+runs within a budget and its stages compared as estimate_accuracy compares them."""
 import json
 import sys
 from pathlib import Path
@@ -56,3 +57,14 @@ def test_a_finished_runs_directory_keeps_what_reread_reads_and_loses_its_weights
         "cache/small.json", "run.log", "runs/demo/20261129T192031/metrics.jsonl",
         "runs/demo/20261129T192031/report.json"]
     assert not (run / "checkpoints").exists() and not (work / "cache" / "tokenized").exists()
+
+
+def test_a_fresh_plan_run_starts_only_where_the_last_ones_length_is_left_and_stages_compare_with_their_range():
+    import plan_accuracy
+
+    assert plan_accuracy.another_fits([], left=1.0)  # the first run always starts
+    assert plan_accuracy.another_fits([{"run_seconds": 176.0}], left=194.0)
+    assert not plan_accuracy.another_fits([{"run_seconds": 176.0}], left=130.0)  # the H200's third run, not started
+    stage = estimate_accuracy.compared(28.1, 10.6, (23.2, 33.0))  # run 1's validate stage on the H200
+    assert stage["ratio"] == 2.651 and not stage["within_10_percent"] and not stage["inside"]
+    assert estimate_accuracy.compared(127.0, 127.2, None)["inside"] is False  # no range: nothing holds
