@@ -46,7 +46,7 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
     result = calibrate(settings, tiny_model_dir, job)
     *sweep, confirmation = result.trials
     measured = [t for t in sweep if t.status == "measured"]
-    assert sweep[0].candidate == start and len(measured) >= 2
+    assert sweep[0].candidate == start and len(measured) >= 2, [(t.status, t.note) for t in result.trials]
     assert all(8 % t.candidate.micro_batch_size == 0 for t in result.trials)  # the global batch never changes
     chosen = next(t for t in measured if t.candidate == result.chosen)
     assert chosen.tokens_per_second * (1 + _MIN_GAIN) ** len(measured) >= max(t.tokens_per_second for t in measured)

@@ -23,7 +23,16 @@ def test_fits_after_cutting_epochs_to_what_the_window_allows():
     epochs, length, profile, adjustments = fit_window(work(), budget=0.5 * HOUR, profile="balanced", min_epochs=1.0)
     assert [a.step for a in adjustments] == ["profile", "epochs"] and profile == "fast"
     assert 1.0 <= epochs < 3.0 and work().seconds(epochs, length) <= 0.5 * HOUR
-    assert work().seconds(epochs + 0.01, length) > 0.5 * HOUR  # the most epochs that fit, to 0.01
+    assert work().seconds(epochs + 0.01, length) > 0.5 * HOUR  # the most epochs that fit, to 3 figures
+
+
+def test_a_window_that_holds_a_small_share_of_a_large_set_trains_that_share_not_one_step():
+    many = Workload(lengths=np.full(500_000, 400), epochs=1.0, max_seq_length=512, model_max_length=8192,
+                    seconds_per_token=1 / 3000, fixed_seconds=20.0)  # an epoch: 66,667 s
+    epochs, length, _, adjustments = fit_window(many, budget=400.0, profile="custom", min_epochs=1e-6)
+    assert [a.step for a in adjustments] == ["epochs"] and length == 512
+    assert epochs == pytest.approx(0.0057)  # (400 - 20) / 66,667 s: 0.0057, where 0.01 steps made it 0
+    assert many.seconds(epochs, length) <= 400.0 < many.seconds(epochs + 1e-5, length)
 
 
 def test_fits_after_truncation_at_the_epoch_floor():
