@@ -126,6 +126,9 @@ class _Throughput(BaseModel):
     seconds_per_token: float
     warmup_seconds: float
     startup_seconds: float
+    # What the train stage pays beyond warmup_seconds in a process that did not calibrate (a plan from the cache):
+    # the first calls calibration paid in this one.
+    fresh_process_seconds: float = 0.0
     checkpoint: CheckpointCost  # one checkpoint's write, and its upload as it would be with a store
     source: str
     footing: Footing  # what the speed rests on: the estimate's range
@@ -327,9 +330,15 @@ class _Planner:
             checkpoint = _with_upload(CheckpointCost(write_seconds=calibration.checkpoint_seconds,
                                                      write_source="measured", bytes=calibration.checkpoint_bytes),
                                       calibration.checkpoint_upload_seconds, "measured")
+        # One rank trains in this process, after calibration paid the process's first calls: it pays neither
+        # them nor the device's set-up again (ranks under torchrun are fresh processes and pay both).
+        warm = self.config.hardware.world_size == 1
+        first_calls = calibration.first_calls_seconds if warm else 0.0
         return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
-                           warmup_seconds=calibration.warmup_excess_seconds,
-                           startup_seconds=calibration.startup_seconds, checkpoint=checkpoint,
+                           warmup_seconds=calibration.warmup_excess_seconds - first_calls,
+                           startup_seconds=calibration.startup_seconds - (
+                               calibration.device_setup_seconds if warm else 0.0),
+                           fresh_process_seconds=first_calls, checkpoint=checkpoint,
                            source="measured", footing=calibration.footing, calibration=calibration)
 
     def _start_candidate(self, max_seq_length: int) -> Candidate:
@@ -590,7 +599,8 @@ class _Planner:
         speed = self._validation_speed(throughput, fit.max_seq_length)
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
-            checkpoints=count, checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
+            fresh_process_seconds=throughput.fresh_process_seconds, checkpoints=count,
+            checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             base_cached=self._base_cached, base_evaluation_seconds=self._base_seconds(speed),
             evaluation_speed=speed,
             evaluations_during_training=evaluations, eval_during_training_seconds=eval_seconds,

@@ -53,8 +53,12 @@ class Trial(BaseModel):
 class Calibration(BaseModel):
     chosen: Candidate
     seconds_per_token: float
-    warmup_excess_seconds: float
+    warmup_excess_seconds: float  # the first steps' costs beyond steady state, in a fresh process
+    # Of them, the process's first calls (kernels loaded, handles made): a run in the process that calibrated
+    # (the flow's train stage on one device) does not pay them again. 0: not told apart (one trial, or compiled).
+    first_calls_seconds: float = 0.0
     startup_seconds: float  # load the model, wrap it, build the optimizer
+    device_setup_seconds: float = 0.0  # of it, the device's context and handles: a process's first use only
     # When the first step began. One step runs whatever is left, the least that measures a speed, so the budget
     # holds to one step past the later of itself and this (loading the model can spend a small budget).
     first_step_at_seconds: float = 0.0
@@ -75,6 +79,9 @@ class Estimate(BaseModel):
     startup_seconds: float
     steady_seconds: float  # train tokens at the measured steady-state speed
     warmup_seconds: float
+    # What a train stage in a process that did not calibrate (a plan from the cache) pays beyond warmup_seconds:
+    # the process's first calls. Within the range's high end, not the estimate.
+    fresh_process_seconds: float = 0.0
     checkpoints: int
     checkpoint_seconds: float  # all checkpoints together
     evaluation_seconds: float  # the validate stage
@@ -100,7 +107,8 @@ class Estimate(BaseModel):
     def train_range(self) -> tuple[float, float] | None:
         """The train stage's loop: the steady steps at the training speed's footing, the evaluations during
         training at evaluation's (None: no footing)."""
-        return self._ranged(self.train_seconds, self.steady_seconds, self.eval_during_training_seconds)
+        return self._ranged(self.train_seconds, self.steady_seconds, self.eval_during_training_seconds,
+                            self.fresh_process_seconds)
 
     def evaluation_range(self) -> tuple[float, float] | None:
         """The validate stage at evaluation's footing (None: no footing)."""
@@ -117,17 +125,19 @@ class Estimate(BaseModel):
     def with_range(self, footing: Footing, evaluation: Footing | None = None) -> "Estimate":
         ranged = self.model_copy(update={"footing": footing, "evaluation_footing": evaluation})
         low, high = ranged._ranged(self.total_seconds, self.steady_seconds,
-                                   self.eval_during_training_seconds + self.evaluation_seconds)
+                                   self.eval_during_training_seconds + self.evaluation_seconds,
+                                   self.fresh_process_seconds)
         return ranged.model_copy(update={"low_total_seconds": low, "high_total_seconds": high})
 
-    def _ranged(self, seconds: float, training: float, evaluation: float) -> tuple[float, float] | None:
+    def _ranged(self, seconds: float, training: float, evaluation: float,
+                more: float = 0.0) -> tuple[float, float] | None:
         """`seconds`, of which `training` moves with the training speed and `evaluation` with evaluation's, each
-        at its footing's low and high multiples."""
+        at its footing's low and high multiples; `more` seconds that may be paid on top (the high end only)."""
         if self.footing is None:
             return None
         parts = ((training, self.footing), (evaluation, self.evaluation_footing or self.footing))
         return (seconds - sum(bound * (1 - f.low) for bound, f in parts),
-                seconds + sum(bound * (f.high - 1) for bound, f in parts))
+                seconds + sum(bound * (f.high - 1) for bound, f in parts) + more)
 
 
 class Plan(BaseModel):

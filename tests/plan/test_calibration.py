@@ -58,6 +58,12 @@ def test_the_sweep_measures_each_knob_and_keeps_the_fastest(tmp_path, tiny_model
     assert result.footing.words.startswith(f"{both.measured_steps} measured steps")
     assert result.startup_seconds > 0 and result.checkpoint_seconds > 0 and result.warmup_excess_seconds >= 0
     assert not list((tmp_path / "run").iterdir())  # the timed checkpoint is cleaned up
+    # The process's first calls: the first trial's first-step costs beyond the winner's in a later trial of this
+    # process (its own, or its measurement again): what a run in this process does not pay. A CPU sets up nothing.
+    later = next(t for t in result.trials[1:] if t.status == "measured" and t.candidate == result.chosen)
+    assert result.first_calls_seconds == pytest.approx(
+        max(0.0, result.warmup_excess_seconds - later.warmup_excess_seconds))
+    assert result.device_setup_seconds == 0.0
 
 
 def test_a_spent_share_skips_the_remaining_candidates(tmp_path, tiny_model_dir, train_path):

@@ -310,3 +310,38 @@ def test_evaluations_during_training_are_priced_at_their_own_speed_the_validate_
     assert estimates[0].evaluations_during_training == estimates[1].evaluations_during_training > 0
     assert estimates[1].eval_during_training_seconds == pytest.approx(2 * estimates[0].eval_during_training_seconds)
     assert estimates[1].evaluation_seconds == pytest.approx(estimates[0].evaluation_seconds)
+
+
+def test_a_run_in_the_process_that_calibrated_is_priced_without_the_first_calls_a_fresh_process_pays(
+        tmp_path, config_tree, monkeypatch):
+    """On an H200 the first plan of a process measured 3.0 s to load the model and 3.7 s of first-step costs beyond
+    steady steps; a second plan in the same process 0.6 s and 0.17 s, and the train stage after the first plan 0.8 s
+    and ~0.25 s (benchmarks/results/gpu-check-h200-2026-11-30). A one-device run trains in the process that
+    calibrated, so its estimate leaves out the first calls and the device's set-up; the train range's high end keeps
+    the first calls for a fresh process (a plan from the cache). torchrun's ranks are fresh processes: theirs pays
+    them."""
+    import phase1a.plan.planner as planner_module
+    from phase1a.plan import footing
+    from phase1a.plan.result import Calibration
+
+    def calibrate(config, model_dir, job):
+        return Calibration(chosen=job.start, seconds_per_token=1e-3, warmup_excess_seconds=3.7,
+                           first_calls_seconds=3.5, startup_seconds=3.0, device_setup_seconds=2.0,
+                           checkpoint_seconds=0.1, peak_memory_gib=None, trials=[], budget_seconds=60.0, seconds=20.0,
+                           footing=footing.measured(8, 1.0, 1.0, 0.05, 0.05))
+
+    monkeypatch.setattr(planner_module, "calibrate", calibrate)
+    data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
+                            TokenizeOptions(), tmp_path / "cache" / "fp")
+    one = planned(config_tree, data).estimate
+    assert (one.warmup_seconds, one.startup_seconds, one.fresh_process_seconds) == pytest.approx((0.2, 1.0, 3.5))
+    config_tree["hardware"] = {"target": "cpu", "num_gpus": 2}  # two ranks under torchrun
+    ranks = planned(config_tree, data).estimate
+    assert (ranks.warmup_seconds, ranks.startup_seconds, ranks.fresh_process_seconds) == pytest.approx((3.7, 3.0, 0.0))
+    assert ranks.steady_seconds == pytest.approx(one.steady_seconds)  # a CPU's processes keep one's speed
+    assert ranks.train_seconds - one.train_seconds == pytest.approx(3.5)
+    assert one.train_range()[1] == pytest.approx(ranks.train_range()[1])  # a fresh process still inside
+    assert one.train_range()[0] == pytest.approx(ranks.train_range()[0] - 3.5)
+    # The device's set-up: in the train stage's start-up and in the validate stage's load of the trained model.
+    assert ranks.evaluation_seconds - one.evaluation_seconds == pytest.approx(2.0)
+    assert ranks.total_seconds - one.total_seconds == pytest.approx(2.0 + 3.5 + 2.0)
