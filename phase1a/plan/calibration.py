@@ -73,6 +73,10 @@ from phase1a.train.steps import apply_update, train_step
 
 _MIN_GAIN = 0.03  # a candidate must be this much faster to replace the current best
 _FIRST_TRIAL_SHARE = 0.6  # of the budget left once the model is loaded; the rest times a checkpoint and validation
+# The first trial's warm-up step and first measured step may end within this larger share, so that it measures one
+# step at least: a speed from warm-up steps is an upper bound (on the tiny shape with a 30 s budget, a warm-up step
+# three steady steps long left no room for a measured one by the deadline: 882 tokens/s where the run made 2,562).
+_FIRST_MEASURED_SHARE = 0.8
 _COMPILE_SECONDS = 60.0  # a compiled candidate's trial takes about this much longer
 # A measured step this many times the other steps' median seconds per token is a burst, not the run's speed: the
 # steps of a calibrated CPU run varied by about ±10 % (the demo's, 2026-11-29), a busy moment of the host made one
@@ -136,7 +140,7 @@ def calibrate(config: Phase1aConfig, model_dir: Path, job: CalibrationJob) -> Ca
         if job.start.dataloader_workers or job.alternatives(job.start, "dataloader_workers"):
             start_fork_server()  # while the model loads: a trial with workers then times steps, not imports
         session = _Session(config, model_dir, job, meter)  # 1. the model and optimizer as training builds them
-        first = session.run(job.start, session.first_deadline())  # 2. the memory model's pick
+        first = session.run(job.start, *session.first_deadlines())  # 2. the memory model's pick
         if first.status != "measured":
             raise MemoryError(f"calibration: the memory model's pick ({job.start.label()}) could not run: "
                               f"{first.note}")
@@ -183,11 +187,12 @@ class _Session:
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
 
-    def first_deadline(self) -> float:
+    def first_deadlines(self) -> tuple[float, float]:
         """The first trial may take a share of what the model's loading left; the rest is for the others and the
-        checkpoint and validation timing."""
+        checkpoint and validation timing. Its first measured step, where none has run by then, a larger share."""
         now = time.perf_counter()
-        return now + _FIRST_TRIAL_SHARE * max(0.0, self.end - now)
+        left = max(0.0, self.end - now)
+        return now + _FIRST_TRIAL_SHARE * left, now + _FIRST_MEASURED_SHARE * left
 
     def sweep_deadline(self, first: Trial) -> float:
         """The other trials end in time for a checkpoint and validation to be timed unhurried, and within
@@ -205,7 +210,7 @@ class _Session:
                             "timings; a larger plan.calibration_budget lets it run")
         return min(by_budget, by_share)
 
-    def run(self, candidate: Candidate, deadline: float) -> Trial:
+    def run(self, candidate: Candidate, deadline: float, first_measured_deadline: float | None = None) -> Trial:
         from phase1a.model.build import Compilation, set_compiled, set_gradient_checkpointing
 
         set_gradient_checkpointing(self.model, candidate.gradient_checkpointing)
@@ -223,7 +228,8 @@ class _Session:
                 self.notes.append(f"the budget was spent before the first step ({self.startup:.0f} s loading the "
                                   f"model); one step ran past it, the least that measures a speed")
         trial = _trial(self.model, self.optimizer, batches, candidate,
-                       _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap))
+                       _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap,
+                              first_measured_deadline or deadline))
         if first:
             self.step_cap = trial.step_cap
         self.trials.append(trial)
@@ -489,6 +495,7 @@ class _Steps:
     deadline: float  # perf_counter time: no step starts that is predicted to end past it
     step_tokens: float  # a whole step's tokens in the run: the update is priced once per this many
     cap: int | None = None  # micro-batches a measured step runs at most; None: the most the deadline holds
+    first_measured_deadline: float | None = None  # the warm-up's and first measured step's, if later than `deadline`
 
 
 @dataclass(frozen=True)
@@ -629,7 +636,9 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
                 step_batch, cost, (steps.deadline - time.perf_counter()) / left)
             if index > 0 and not chosen:
                 cap, chosen = run, True
-            if time.perf_counter() + _predicted(step_batch, run, cost) > steps.deadline:
+            # The warm-up step and the first measured one may run to the later deadline: one measured step at least.
+            limit = steps.deadline if index > 1 else max(steps.deadline, steps.first_measured_deadline or 0.0)
+            if time.perf_counter() + _predicted(step_batch, run, cost) > limit:
                 break
             timed.append(_timed_step(model, optimizer, step_batch, run, last, "warmup" if index == 0 else "measured"))
             last = time.perf_counter()

@@ -115,7 +115,7 @@ def test_the_confirmation_starts_within_the_share_and_ends_within_the_budget(tmp
                          if knob == "micro_batch" else [])
     with stage_meter("calibration", 3, "trials") as meter:
         session = _Session(settings, tiny_model_dir, job, meter)
-        first = session.run(start, session.first_deadline())
+        first = session.run(start, *session.first_deadlines())
         deadline = session.sweep_deadline(first)
         other = session.run(start.model_copy(update={"micro_batch_size": 4}), session.budget_deadline)
         assert other.status == "measured" and time.perf_counter() >= deadline  # the share is spent
@@ -170,6 +170,30 @@ def test_a_trial_stops_at_the_budget_and_measures_what_it_ran(tmp_path, tiny_mod
     assert trial.note == "cut at the budget after 0 of 3 measured steps; speed from warm-up steps"
     assert trial.warmup_excess_seconds == pytest.approx(0.0, abs=1e-9)
     assert trial.measured_steps == 0 and not trial.footing().firm and trial.footing().high == 1.0
+
+
+def test_the_first_trial_measures_one_step_by_its_later_deadline_where_its_own_left_none(tmp_path, tiny_model_dir,
+                                                                                         train_path):
+    """The first trial's deadline already behind it, its first measured step's still ahead: the warm-up step and
+    one measured step run (a speed from warm-up steps alone is an upper bound), and no more."""
+    import time
+
+    from phase1a.config.schema import MethodConfig
+    from phase1a.model.build import build_model, make_optimizer
+    from phase1a.plan.calibration import _Steps, _trial
+    from phase1a.train.packing import RowBudget, StepBatches, TokenRows, example_stream, token_budget
+
+    method = MethodConfig(batch_size=8, lora={"r": 4, "alpha": 8})
+    model = build_model(tiny_model_dir, method, gradient_checkpointing=False)
+    order, _ = example_stream(len(TokenRows.load(train_path)), 1.0, seed=0)
+    batches = StepBatches(train_path, 256, order, 8, RowBudget(token_budget(4, 256)))
+    candidate = Candidate(micro_batch_size=4, gradient_checkpointing=False)
+    now = time.perf_counter()
+    steps = _Steps(3, deadline=now, step_tokens=8 * 60, first_measured_deadline=now + 600)
+    trial = _trial(model, make_optimizer(model, method), batches, candidate, steps)
+    assert trial.status == "measured" and trial.measured_steps == 1, trial.note
+    assert trial.note.startswith("cut at the budget after 1 of 3 measured steps")
+    assert "warm-up" not in trial.note
 
 
 def test_no_trial_starts_or_runs_past_the_budget(tmp_path, tiny_model_dir, train_path, capsys, caplog):
