@@ -126,9 +126,10 @@ class _Throughput(BaseModel):
     seconds_per_token: float
     warmup_seconds: float
     startup_seconds: float
-    # What the train stage pays beyond warmup_seconds in a process that did not calibrate (a plan from the cache):
-    # the first calls calibration paid in this one.
-    fresh_process_seconds: float = 0.0
+    # What a process that did not calibrate (a plan from the cache, a restart on a fresh host) pays beyond
+    # warmup_seconds and startup_seconds: the first calls and the device's set-up calibration paid in this one.
+    first_calls_seconds: float = 0.0
+    device_setup_seconds: float = 0.0
     checkpoint: CheckpointCost  # one checkpoint's write, and its upload as it would be with a store
     source: str
     footing: Footing  # what the speed rests on: the estimate's range
@@ -334,11 +335,11 @@ class _Planner:
         # them nor the device's set-up again (ranks under torchrun are fresh processes and pay both).
         warm = self.config.hardware.world_size == 1
         first_calls = calibration.first_calls_seconds if warm else 0.0
+        setup = calibration.device_setup_seconds if warm else 0.0
         return _Throughput(chosen=calibration.chosen, seconds_per_token=calibration.seconds_per_token,
                            warmup_seconds=calibration.warmup_excess_seconds - first_calls,
-                           startup_seconds=calibration.startup_seconds - (
-                               calibration.device_setup_seconds if warm else 0.0),
-                           fresh_process_seconds=first_calls, checkpoint=checkpoint,
+                           startup_seconds=calibration.startup_seconds - setup, first_calls_seconds=first_calls,
+                           device_setup_seconds=setup, checkpoint=checkpoint,
                            source="measured", footing=calibration.footing, calibration=calibration)
 
     def _start_candidate(self, max_seq_length: int) -> Candidate:
@@ -400,8 +401,9 @@ class _Planner:
         store = config.store.url is not None
         cost = throughput.checkpoint if store else throughput.checkpoint.model_copy(
             update={"upload_seconds": 0.0, "upload_source": "no store"})
-        restart = throughput.startup_seconds + throughput.warmup_seconds + (
-            parse_duration_seconds(config.store.lease_ttl) + cost.upload_seconds if store else 0.0)
+        restart = (throughput.startup_seconds + throughput.device_setup_seconds + throughput.warmup_seconds
+                   + throughput.first_calls_seconds  # a fresh host's process pays its first calls
+                   + (parse_duration_seconds(config.store.lease_ttl) + cost.upload_seconds if store else 0.0))
         interval, rule = config.checkpoint.interval, "configured"
         if interval == AUTO:
             train = self._train_tokens(self.method.epochs, max_seq_length) * throughput.seconds_per_token
@@ -599,7 +601,7 @@ class _Planner:
         speed = self._validation_speed(throughput, fit.max_seq_length)
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
-            fresh_process_seconds=throughput.fresh_process_seconds, checkpoints=count,
+            fresh_process_seconds=throughput.first_calls_seconds, checkpoints=count,
             checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             base_cached=self._base_cached, base_evaluation_seconds=self._base_seconds(speed),
             evaluation_speed=speed,

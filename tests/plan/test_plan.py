@@ -318,11 +318,12 @@ def test_a_run_in_the_process_that_calibrated_is_priced_without_the_first_calls_
     steady steps; a second plan in the same process 0.6 s and 0.17 s, and the train stage after the first plan 0.8 s
     and ~0.25 s (benchmarks/results/gpu-check-h200-2026-11-30). A one-device run trains in the process that
     calibrated, so its estimate leaves out the first calls and the device's set-up; the train range's high end keeps
-    the first calls for a fresh process (a plan from the cache). torchrun's ranks are fresh processes: theirs pays
-    them."""
+    the first calls for a fresh process (a plan from the cache), and a restart on a fresh host pays them all.
+    torchrun's ranks are fresh processes: their estimate counts them."""
     import phase1a.plan.planner as planner_module
     from phase1a.plan import footing
-    from phase1a.plan.result import Calibration
+    from phase1a.plan.planner import _Planner
+    from phase1a.plan.result import Calibration, Candidate
 
     def calibrate(config, model_dir, job):
         return Calibration(chosen=job.start, seconds_per_token=1e-3, warmup_excess_seconds=3.7,
@@ -335,6 +336,10 @@ def test_a_run_in_the_process_that_calibrated_is_priced_without_the_first_calls_
                             TokenizeOptions(), tmp_path / "cache" / "fp")
     one = planned(config_tree, data).estimate
     assert (one.warmup_seconds, one.startup_seconds, one.fresh_process_seconds) == pytest.approx((0.2, 1.0, 3.5))
+    config = Phase1aConfig.model_validate(config_tree)
+    planner = _Planner(config, resolved(config), data)
+    throughput = planner._calibrated(Candidate(micro_batch_size=8, gradient_checkpointing=False), 256, False)
+    assert planner.checkpoints(throughput, 256).restart_seconds == pytest.approx(3.0 + 3.7)  # a fresh host's
     config_tree["hardware"] = {"target": "cpu", "num_gpus": 2}  # two ranks under torchrun
     ranks = planned(config_tree, data).estimate
     assert (ranks.warmup_seconds, ranks.startup_seconds, ranks.fresh_process_seconds) == pytest.approx((3.7, 3.0, 0.0))
