@@ -55,7 +55,7 @@ class Calibration(BaseModel):
     seconds_per_token: float
     warmup_excess_seconds: float  # the first steps' costs beyond steady state, in a fresh process
     # Of them, the process's first calls (kernels loaded, handles made): a run in the process that calibrated
-    # (the flow's train stage on one device) does not pay them again. 0: not told apart (one trial, or compiled).
+    # (the flow's train stage on one device) does not pay them again. 0 for a compiled candidate measured first.
     first_calls_seconds: float = 0.0
     startup_seconds: float  # load the model, wrap it, build the optimizer
     device_setup_seconds: float = 0.0  # of it, the device's context and handles: a process's first use only

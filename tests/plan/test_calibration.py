@@ -76,6 +76,7 @@ def test_a_spent_share_skips_the_remaining_candidates(tmp_path, tiny_model_dir, 
     result = calibrate(settings, tiny_model_dir, job)
     assert result.chosen == start and result.budget_seconds == 600
     assert [(t.candidate.compile, t.status) for t in result.trials] == [(False, "measured"), (True, "skipped")]
+    assert result.first_calls_seconds == result.warmup_excess_seconds  # measured once: a warm run pays none of it
     assert "plan.calibration_share 0 of the estimated" in result.trials[1].note  # the limit that ended the sweep
 
 
