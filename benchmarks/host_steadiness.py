@@ -24,6 +24,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_throughput import write_json  # noqa: E402 - after the folders are on the path
+
 
 def steal_jiffies() -> tuple[int, int] | None:
     """(steal, all) jiffies over every CPU since boot; None where /proc/stat is missing."""
@@ -80,8 +85,7 @@ def main() -> None:
         result[f"threads_{threads}"] = {**summary(rates), "steal_share": steal}
         print(json.dumps({"threads": threads, **result[f"threads_{threads}"]}), flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

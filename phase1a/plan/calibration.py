@@ -229,7 +229,7 @@ class _Session:
                                   f"model); one step ran past it, the least that measures a speed")
         trial = _trial(self.model, self.optimizer, batches, candidate,
                        _Steps(self.config.plan.calibration_steps, deadline, self.step_tokens, self.step_cap,
-                              first_measured_deadline or deadline))
+                              first_measured_deadline))
         if first:
             self.step_cap = trial.step_cap
         self.trials.append(trial)
@@ -309,13 +309,12 @@ class _Session:
 
     def _warm_excess(self, best: Trial) -> float | None:
         """The chosen candidate's first-step costs in this process after its first trial: its own trial's where
-        another ran first, else its measurement again's. Measured in the first trial only, none: a run in this
-        process paid 0.25 s of a first trial's 3.7 s on an H200, and none of 5.9 s on this project's CPU host (the
-        tiny shape). None for a compiled candidate measured first: a run's new model compiles again."""
-        compiled_first = best.candidate.compile and self.trials[0].candidate == best.candidate
-        later = [t for t in self.trials[1:] if t.status == "measured" and t.candidate == best.candidate]
-        if compiled_first:
+        another ran first, else its measurement again's, else none (a run in this process paid 0.25 s of a first
+        trial's 3.7 s on an H200, and none of 5.9 s on this project's CPU host, the tiny shape). None for a
+        compiled candidate measured first: a run's new model compiles again."""
+        if best.candidate.compile and self.trials[0].candidate == best.candidate:
             return None
+        later = [t for t in self.trials[1:] if t.status == "measured" and t.candidate == best.candidate]
         return (later[0].warmup_excess_seconds or 0.0) if later else 0.0
 
     def _checkpoint_guess(self) -> tuple[int, float]:
@@ -499,6 +498,11 @@ class _Steps:
     cap: int | None = None  # micro-batches a measured step runs at most; None: the most the deadline holds
     first_measured_deadline: float | None = None  # the warm-up's and first measured step's, if later than `deadline`
 
+    def ends_by(self, index: int) -> float:
+        """The deadline of the trial's `index`th step (0: the warm-up step): the warm-up and the first measured
+        step may run to the later one, so that a trial measures one step at least."""
+        return max(self.deadline, self.first_measured_deadline or self.deadline) if index <= 1 else self.deadline
+
 
 @dataclass(frozen=True)
 class _Timed:
@@ -638,9 +642,7 @@ def _trial(model, optimizer, batches: StepBatches, candidate: Candidate, steps: 
                 step_batch, cost, (steps.deadline - time.perf_counter()) / left)
             if index > 0 and not chosen:
                 cap, chosen = run, True
-            # The warm-up step and the first measured one may run to the later deadline: one measured step at least.
-            limit = steps.deadline if index > 1 else max(steps.deadline, steps.first_measured_deadline or 0.0)
-            if time.perf_counter() + _predicted(step_batch, run, cost) > limit:
+            if time.perf_counter() + _predicted(step_batch, run, cost) > steps.ends_by(index):
                 break
             timed.append(_timed_step(model, optimizer, step_batch, run, last, "warmup" if index == 0 else "measured"))
             last = time.perf_counter()

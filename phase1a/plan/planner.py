@@ -601,7 +601,7 @@ class _Planner:
         speed = self._validation_speed(throughput, fit.max_seq_length)
         return Estimate(
             startup_seconds=throughput.startup_seconds, steady_seconds=steady, warmup_seconds=throughput.warmup_seconds,
-            fresh_process_seconds=throughput.first_calls_seconds, checkpoints=count,
+            first_calls_seconds=throughput.first_calls_seconds, checkpoints=count,
             checkpoint_seconds=checkpoint_seconds, evaluation_seconds=fit.evaluation_seconds,
             base_cached=self._base_cached, base_evaluation_seconds=self._base_seconds(speed),
             evaluation_speed=speed,

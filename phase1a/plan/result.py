@@ -81,7 +81,7 @@ class Estimate(BaseModel):
     warmup_seconds: float
     # What a train stage in a process that did not calibrate (a plan from the cache) pays beyond warmup_seconds:
     # the process's first calls. Within the range's high end, not the estimate.
-    fresh_process_seconds: float = 0.0
+    first_calls_seconds: float = 0.0
     checkpoints: int
     checkpoint_seconds: float  # all checkpoints together
     evaluation_seconds: float  # the validate stage
@@ -108,7 +108,7 @@ class Estimate(BaseModel):
         """The train stage's loop: the steady steps at the training speed's footing, the evaluations during
         training at evaluation's (None: no footing)."""
         return self._ranged(self.train_seconds, self.steady_seconds, self.eval_during_training_seconds,
-                            self.fresh_process_seconds)
+                            self.first_calls_seconds)
 
     def evaluation_range(self) -> tuple[float, float] | None:
         """The validate stage at evaluation's footing (None: no footing)."""
@@ -126,7 +126,7 @@ class Estimate(BaseModel):
         ranged = self.model_copy(update={"footing": footing, "evaluation_footing": evaluation})
         low, high = ranged._ranged(self.total_seconds, self.steady_seconds,
                                    self.eval_during_training_seconds + self.evaluation_seconds,
-                                   self.fresh_process_seconds)
+                                   self.first_calls_seconds)
         return ranged.model_copy(update={"low_total_seconds": low, "high_total_seconds": high})
 
     def _ranged(self, seconds: float, training: float, evaluation: float,

@@ -335,14 +335,14 @@ def test_a_run_in_the_process_that_calibrated_is_priced_without_the_first_calls_
     data = tokenize_dataset(write_jsonl(tmp_path / "d.jsonl", date_records(40)), make_tokenizer(), 256,
                             TokenizeOptions(), tmp_path / "cache" / "fp")
     one = planned(config_tree, data).estimate
-    assert (one.warmup_seconds, one.startup_seconds, one.fresh_process_seconds) == pytest.approx((0.2, 1.0, 3.5))
+    assert (one.warmup_seconds, one.startup_seconds, one.first_calls_seconds) == pytest.approx((0.2, 1.0, 3.5))
     config = Phase1aConfig.model_validate(config_tree)
     planner = _Planner(config, resolved(config), data)
     throughput = planner._calibrated(Candidate(micro_batch_size=8, gradient_checkpointing=False), 256, False)
     assert planner.checkpoints(throughput, 256).restart_seconds == pytest.approx(3.0 + 3.7)  # a fresh host's
     config_tree["hardware"] = {"target": "cpu", "num_gpus": 2}  # two ranks under torchrun
     ranks = planned(config_tree, data).estimate
-    assert (ranks.warmup_seconds, ranks.startup_seconds, ranks.fresh_process_seconds) == pytest.approx((3.7, 3.0, 0.0))
+    assert (ranks.warmup_seconds, ranks.startup_seconds, ranks.first_calls_seconds) == pytest.approx((3.7, 3.0, 0.0))
     assert ranks.steady_seconds == pytest.approx(one.steady_seconds)  # a CPU's processes keep one's speed
     assert ranks.train_seconds - one.train_seconds == pytest.approx(3.5)
     assert one.train_range()[1] == pytest.approx(ranks.train_range()[1])  # a fresh process still inside
