@@ -21,14 +21,24 @@ UV_FLAGS := --frozen --extra $(TORCH)
 # --compile-bytecode: the venv's modules compiled once, here (72 s on two cores). Where PYTHONDONTWRITEBYTECODE is set
 # (CI, sandboxes) Python never writes them, and every process (each CLI run, flow run, rank) compiled torch,
 # transformers and prefect again on import: 32 s against 14 s measured.
-setup: $(UV)
+#
+# setup syncs only when the lock, the project or torch's build changed since the venv's last sync (a stamp in the venv
+# names the build), and the targets' `uv run` does not sync again: with compile-bytecode on (pyproject.toml), every
+# sync byte-compiles the whole venv once more, 2.5 s and 4.5 CPU-seconds (29,299 files) where nothing changed, which
+# every `make` a user or a test runs paid once or three times.
+SYNCED := $(UV_PROJECT_ENVIRONMENT)/.synced-$(TORCH)
+UV_RUN := $(UV) run $(UV_FLAGS) --no-sync
+setup: $(SYNCED)
+
+$(SYNCED): pyproject.toml uv.lock | $(UV)
 	$(UV) sync $(UV_FLAGS) --compile-bytecode
+	@rm -f $(UV_PROJECT_ENVIRONMENT)/.synced-* && touch $@
 
 demo-data: setup
-	$(UV) run $(UV_FLAGS) python data/make_demo_dataset.py
+	$(UV_RUN) python data/make_demo_dataset.py
 
 demo: demo-data
-	$(UV) run $(UV_FLAGS) phase1a run --config configs/demo.yaml
+	$(UV_RUN) phase1a run --config configs/demo.yaml
 
 # The suite's files spread over the cores (pytest-xdist), a file to one worker: a file's tests share its fixtures
 # (servers, reference runs), which a finer split would start once per worker; the slowest files first (tests/conftest.py).
@@ -38,34 +48,34 @@ demo: demo-data
 # took 172 s, its processes 138 CPU-seconds of them; beside the others it shares the cores, after them it added all.
 TEST_WORKERS ?= auto
 test: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
+	$(UV_RUN) pytest -q -m "not image and not alone" -n $(TEST_WORKERS) --dist loadfile \
 	  --no-loadscope-reorder
-	$(UV) run $(UV_FLAGS) pytest -q -m "alone and not image"
+	$(UV_RUN) pytest -q -m "alone and not image"
 
 # Prefect on a throwaway PostgreSQL server (tests/operations/test_operations_postgres.py): two hosts, a lost host, a
 # resume. `make test` runs it too; this runs it alone.
 test-postgres: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m postgres
+	$(UV_RUN) pytest -q -m postgres
 
 # The inner loop: every test not marked slow, prefect_server, s3, gpu or image (pyproject.toml), in under two minutes.
 test-fast: setup
-	$(UV) run $(UV_FLAGS) pytest -q -m "not slow and not prefect_server and not s3 and not gpu and not image"
+	$(UV_RUN) pytest -q -m "not slow and not prefect_server and not s3 and not gpu and not image"
 
 lint: setup
-	$(UV) run $(UV_FLAGS) ruff check .
+	$(UV_RUN) ruff check .
 
 # docs/configuration.md, generated from the config schema (phase1a/config/reference.py); tests/project/test_docs.py checks it.
 docs: setup
-	$(UV) run $(UV_FLAGS) python -m phase1a.config.reference --write
+	$(UV_RUN) python -m phase1a.config.reference --write
 
 # GPU proof (docs/gpu.md). Here, with git and network: what a bare GPU host lacks (wheels, tokenizer, old tree) into .gpu/.
 # There: `make gpu-check` with the host's own python3 (CUDA torch); DRY_RUN=1 runs every part on a CPU, in the venv.
 GPU_PYTHON ?= python3
 gpu-wheels: setup
-	$(UV) run $(UV_FLAGS) --with pip python benchmarks/gpu_check.py --prepare $(GPU_WHEELS_ARGS)
+	$(UV_RUN) --with pip python benchmarks/gpu_check.py --prepare $(GPU_WHEELS_ARGS)
 
 gpu-check: $(if $(DRY_RUN),setup)
-	$(if $(DRY_RUN),$(UV) run $(UV_FLAGS) python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+	$(if $(DRY_RUN),$(UV_RUN) python,$(GPU_PYTHON)) benchmarks/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 # The image (Containerfile; docs/operations.md#the-image): docker where its daemon answers, else buildah. It is named
 # PHASE1A_IMAGE, the image `make deploy` gives the image deployments (phase1a:latest by default, set below).
@@ -121,7 +131,7 @@ test-image: setup image-tools
 	  IMAGE_BASE=$(IMAGE_TEST_BASE) IMAGE_UV=$(IMAGE_TEST_UV)
 	@# The test image a rebuild replaced, untagged (2 GB each): removed, with the layers only it used.
 	$(BUILDAH) rmi --prune > /dev/null
-	PHASE1A_TEST_IMAGE=$(IMAGE_TEST) BUILDAH="$(BUILDAH)" $(UV) run $(UV_FLAGS) pytest -q -m image tests/operations/test_image.py
+	PHASE1A_TEST_IMAGE=$(IMAGE_TEST) BUILDAH="$(BUILDAH)" $(UV_RUN) pytest -q -m image tests/operations/test_image.py
 
 # Operations (docs/operations.md): a local Prefect server, its work pools, the deployments, a worker.
 # Each target is idempotent. They talk to PREFECT_API_URL when it is set (a shared server), else to the

@@ -80,19 +80,26 @@ def test_without_the_dev_group_lm_eval_the_demo_model_and_tracking_are_left_out(
 
 
 def make_setup(*args: str) -> subprocess.CompletedProcess:
-    # -n: print what setup runs, run nothing. UV: any file that exists (the target's prerequisite), so that a missing
-    # .tools/bin/uv adds no install lines.
+    # -n: print what setup runs, run nothing; -B: as if the venv's stamp were stale (a synced venv syncs nothing).
+    # UV: any file that exists (the target's prerequisite), so that a missing .tools/bin/uv adds no install lines.
     # --no-print-directory: under `make test` this make is a sub-make, which would print its directory.
-    return subprocess.run(["make", "--no-print-directory", "-n", "setup", "UV=/bin/true", *args], cwd=ROOT,
+    return subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup", "UV=/bin/true", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
+
+
+def sync_command(done: subprocess.CompletedProcess) -> str:
+    """The sync setup runs, then the stamp it leaves in the venv, named by torch's build."""
+    sync, stamp = done.stdout.strip().splitlines()
+    assert stamp.startswith("rm -f ") and stamp.endswith(f"/.synced-{sync.split('--extra ')[1].split()[0]}"), stamp
+    return sync
 
 
 def test_makefile_picks_torch_and_takes_a_choice():
     has_gpu = subprocess.run("nvidia-smi -L 2>/dev/null | grep -q GPU", shell=True).returncode == 0
     default = "cpu" if Path(CPU_WHEEL).is_file() and not has_gpu else "cuda"
-    assert make_setup().stdout.strip() == f"/bin/true sync --frozen --extra {default} --compile-bytecode"
+    assert sync_command(make_setup()) == f"/bin/true sync --frozen --extra {default} --compile-bytecode"
     for torch in ("cpu", "cuda"):
-        command = make_setup(f"TORCH={torch}").stdout.strip()
+        command = sync_command(make_setup(f"TORCH={torch}"))
         assert command == f"/bin/true sync --frozen --extra {torch} --compile-bytecode"
     wrong = make_setup("TORCH=rocm")
     assert wrong.returncode != 0 and "TORCH=rocm" in wrong.stderr and "cpu or cuda" in wrong.stderr
