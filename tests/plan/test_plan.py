@@ -347,6 +347,7 @@ def test_a_run_in_the_process_that_calibrated_is_priced_without_the_first_calls_
     assert ranks.train_seconds - one.train_seconds == pytest.approx(3.5)
     assert one.train_range()[1] == pytest.approx(ranks.train_range()[1])  # a fresh process still inside
     assert one.train_range()[0] == pytest.approx(ranks.train_range()[0] - 3.5)
-    # The device's set-up: in the train stage's start-up and in the validate stage's load of the trained model.
-    assert ranks.evaluation_seconds - one.evaluation_seconds == pytest.approx(2.0)
-    assert ranks.total_seconds - one.total_seconds == pytest.approx(2.0 + 3.5 + 2.0)
+    # The device's set-up: in the ranks' start-up only. The validate stage loads the trained model in the process
+    # that calibrated, after the ranks exit: warm whatever the world size.
+    assert ranks.evaluation_seconds == pytest.approx(one.evaluation_seconds)
+    assert ranks.total_seconds - one.total_seconds == pytest.approx(2.0 + 3.5)
