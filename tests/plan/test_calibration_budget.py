@@ -66,7 +66,7 @@ def jobs(tmp_path_factory):
     return model, data
 
 
-@pytest.mark.parametrize("budget", [5, 10, 60])
+@pytest.mark.parametrize("budget", [5, 10, 30])  # 300 s, with room for everything: the alone test below
 @pytest.mark.parametrize("name", list(JOBS))
 def test_calibration_ends_within_its_budget_and_one_step(tmp_path, jobs, name, budget):
     model, data = jobs
