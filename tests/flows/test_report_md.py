@@ -84,7 +84,8 @@ def _plan(plan: Plan) -> Plan:
         adjustments=[], notes=[], interruptions=None,
         estimate=plan.estimate.model_copy(update=dict(
             low_total_seconds=40.0, high_total_seconds=52.0, steady_seconds=30.0, eval_during_training_seconds=2.0,
-            train_seconds=36.0, evaluation_seconds=6.3, first_calls_seconds=0.0, footing=footing.model_copy(update=dict(low=0.85, high=1.15)),
+            train_seconds=36.0, evaluation_seconds=6.3, first_calls_seconds=0.0,
+            footing=footing.model_copy(update=dict(low=0.85, high=1.15)),
             evaluation_footing=footing.model_copy(update=dict(words="1 timed pass, ±20%", low=0.8, high=1.2)))),
         calibration=plan.calibration.model_copy(update=dict(seconds=12.4, budget_seconds=10.0,
                                                             needed_seconds=55.0, footing=footing))))
