@@ -23,14 +23,15 @@ UV_FLAGS := --frozen --extra $(TORCH)
 # transformers and prefect again on import: 32 s against 14 s measured.
 #
 # setup syncs only when the lock, the project or torch's build changed since the venv's last sync (a stamp in the venv
-# names the build), and the targets' `uv run` does not sync again: with compile-bytecode on (pyproject.toml), every
-# sync byte-compiles the whole venv once more, 2.5 s and 4.5 CPU-seconds (29,299 files) where nothing changed, which
-# every `make` a user or a test runs paid once or three times.
-SYNCED := $(UV_PROJECT_ENVIRONMENT)/.synced-$(TORCH)
+# names the build and the two files' content: `make image` sets their times back to their commit's), and the targets'
+# `uv run` does not sync again: with compile-bytecode on (pyproject.toml), every sync byte-compiles the whole venv once
+# more, 2.5 s and 4.5 CPU-seconds (29,299 files) where nothing changed, which every `make` a user or a test runs paid
+# once or three times.
+SYNCED := $(UV_PROJECT_ENVIRONMENT)/.synced-$(TORCH)-$(shell cat pyproject.toml uv.lock | sha256sum | cut -c1-12)
 UV_RUN := $(UV) run $(UV_FLAGS) --no-sync
 setup: $(SYNCED)
 
-$(SYNCED): pyproject.toml uv.lock | $(UV)
+$(SYNCED): | $(UV)
 	$(UV) sync $(UV_FLAGS) --compile-bytecode
 	@rm -f $(UV_PROJECT_ENVIRONMENT)/.synced-* && touch $@
 

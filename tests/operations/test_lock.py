@@ -3,6 +3,7 @@ hands a GPU host the local CPU wheel, or this machine CUDA torch, fails here. Wh
 leaves out. And the Makefile's choice of torch's build (TORCH)."""
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import tomllib
 from pathlib import Path
@@ -88,9 +89,12 @@ def make_setup(*args: str) -> subprocess.CompletedProcess:
 
 
 def sync_command(done: subprocess.CompletedProcess) -> str:
-    """The sync setup runs, then the stamp it leaves in the venv, named by torch's build."""
+    """The sync setup runs, then the stamp it leaves in the venv, named by torch's build and the project's and the
+    lock's content."""
     sync, stamp = done.stdout.strip().splitlines()
-    assert stamp.startswith("rm -f ") and stamp.endswith(f"/.synced-{sync.split('--extra ')[1].split()[0]}"), stamp
+    content = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "uv.lock").read_bytes()).hexdigest()
+    torch = sync.split("--extra ")[1].split()[0]
+    assert stamp.startswith("rm -f ") and stamp.endswith(f"/.synced-{torch}-{content[:12]}"), stamp
     return sync
 
 
