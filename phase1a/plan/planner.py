@@ -130,14 +130,18 @@ class _Throughput(BaseModel):
     # warmup_seconds and startup_seconds: the first calls and the device's set-up calibration paid in this one.
     first_calls_seconds: float = 0.0
     device_setup_seconds: float = 0.0
-    # A load in the process that calibrated, where the validate stage loads the trained model whatever the world
-    # size (torchrun's ranks exit first): start-up without the device's set-up. None: startup_seconds.
-    warm_load_seconds: float | None = None
     checkpoint: CheckpointCost  # one checkpoint's write, and its upload as it would be with a store
     source: str
     footing: Footing  # what the speed rests on: the estimate's range
     calibration: Calibration | None = None
     remembered_evaluation: ValidationSpeed | None = None  # the last run's evaluation speeds (the history)
+
+    def warm_load_seconds(self) -> float:
+        """A load in the process that calibrated, as the validate stage's whatever the world size (torchrun's ranks
+        exit first): calibration's start-up without the device's set-up; without a calibration, the start-up."""
+        if self.calibration is None:
+            return self.startup_seconds
+        return self.calibration.startup_seconds - self.calibration.device_setup_seconds
 
 
 def _evaluation_of(record: RunRecord) -> ValidationSpeed | None:
@@ -343,7 +347,6 @@ class _Planner:
                            warmup_seconds=calibration.warmup_excess_seconds - first_calls,
                            startup_seconds=calibration.startup_seconds - setup, first_calls_seconds=first_calls,
                            device_setup_seconds=setup, checkpoint=checkpoint,
-                           warm_load_seconds=calibration.startup_seconds - calibration.device_setup_seconds,
                            source="measured", footing=calibration.footing, calibration=calibration)
 
     def _start_candidate(self, max_seq_length: int) -> Candidate:
@@ -546,8 +549,7 @@ class _Planner:
     def _validation_estimate(self, throughput: _Throughput, speed: ValidationSpeed) -> float:
         """The validate stage as it will run: its loads and merges, and its work
         (phase1a.evaluate.metrics.validation_work)."""
-        load = throughput.startup_seconds if throughput.warm_load_seconds is None else throughput.warm_load_seconds
-        return (self._validation_loads() * load
+        return (self._validation_loads() * throughput.warm_load_seconds()
                 + self._validation_merges() * (speed.merge_seconds or 0.0)
                 + self._scored_work().seconds(speed) + (0.0 if self._base_cached else self._base_seconds(speed)))
 
